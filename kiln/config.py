@@ -1,0 +1,40 @@
+"""Kiln's configuration: the one module that reads environment variables.
+
+``KILN_LOG``   comma-separated logging topics (graph, graph_breaks, recompiles, guards, kernels).
+``KILN_DEBUG_DIR``  where graphs and kernels are dumped (default: none).
+``KILN_STRICT``  "1" makes backend failures raise instead of falling back to eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+
+def _topics(raw: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+@dataclass
+class Config:
+    log_topics: frozenset[str] = field(
+        default_factory=lambda: _topics(os.environ.get("KILN_LOG", ""))
+    )
+    debug_dir: str | None = field(default_factory=lambda: os.environ.get("KILN_DEBUG_DIR") or None)
+    strict: bool = field(default_factory=lambda: os.environ.get("KILN_STRICT", "") == "1")
+
+
+config = Config()
+
+
+def logger(topic: str) -> logging.Logger:
+    """The logger of one topic; it logs at INFO when the topic is named in ``KILN_LOG``."""
+    log = logging.getLogger(f"kiln.{topic}")
+    if topic in config.log_topics or "all" in config.log_topics:
+        log.setLevel(logging.INFO)
+        if not logging.getLogger().handlers and not log.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[kiln.%(name)s] %(message)s"))
+            log.addHandler(handler)
+    return log

@@ -1,0 +1,57 @@
+"""Kiln's exceptions.
+
+Every error Kiln raises about a user's program names the op and the user's source line. Where
+eager PyTorch raises a particular exception type for the same mistake (``RuntimeError`` for a
+shape mismatch, ``TypeError`` for a bad argument type), Kiln's exception derives from that type
+too, so ``except RuntimeError`` code keeps working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    """A line of user code: ``model.py:12`` plus the line's text when it can be read."""
+
+    file: str
+    line: int
+    text: str = ""
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}"
+        return f"{where}: {self.text.strip()}" if self.text else where
+
+
+class KilnError(Exception):
+    """Base class of every Kiln error."""
+
+    def __init__(self, message: str, location: SourceLocation | None = None) -> None:
+        self.message = message
+        self.location = location
+        super().__init__(f"{message}\n  at {location}" if location else message)
+
+
+class TraceError(KilnError):
+    """Tracing could not follow the program (data-dependent control flow, an unsupported call)."""
+
+
+class OpError(KilnError, RuntimeError):
+    """An op was given inputs eager PyTorch rejects at run time (shape mismatch, bad index)."""
+
+
+class OpTypeError(KilnError, TypeError):
+    """An op was given an argument of a type or dtype it does not accept."""
+
+
+class OpValueError(KilnError, ValueError):
+    """An op was given an argument value it does not accept."""
+
+
+class VerificationError(KilnError):
+    """A graph broke an IR invariant: a pass or frontend produced an invalid graph."""
+
+
+class BackendError(KilnError):
+    """A backend failed to compile or run a graph."""

@@ -1,0 +1,43 @@
+"""The reference interpreter: run a graph with each op's reference implementation.
+
+It is the oracle every backend is checked against, and the ``eager`` backend. It returns the
+graph's outputs followed by the new values of mutated inputs, like the printed graph does;
+:func:`run` also writes those mutations back into the input tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kiln.errors import BackendError
+from kiln.ir.graph import Graph, Value
+from kiln.ir.op import op_def
+
+
+def interpret(graph: Graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Outputs, then mutated-input values, of ``graph`` on ``inputs`` (in ``graph.inputs`` order)."""
+    if len(inputs) != len(graph.inputs):
+        raise BackendError(
+            f"graph {graph.name} takes {len(graph.inputs)} inputs, got {len(inputs)}"
+        )
+    env: dict[Value, Any] = dict(zip(graph.inputs, inputs, strict=True))
+    for node in graph.nodes:
+        operands = [env[i] if isinstance(i, Value) else i for i in node.inputs]
+        result = op_def(node.op).impl(node.attrs, *operands)
+        results = result if isinstance(result, tuple) else (result,)
+        env.update(zip(node.outputs, results, strict=True))
+    return [env[v] for v in graph.outputs] + [env[new] for _, new in graph.mutations]
+
+
+def run(graph: Graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Interpret ``graph``, write mutated inputs back in place, and return the outputs."""
+    results = interpret(graph, inputs)
+    outputs = results[: len(graph.outputs)]
+    index = {value: i for i, value in enumerate(graph.inputs)}
+    with torch.no_grad():
+        for (target, _), new in zip(graph.mutations, results[len(graph.outputs) :], strict=True):
+            inputs[index[target]].copy_(new)
+    return outputs

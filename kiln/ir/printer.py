@@ -1,0 +1,116 @@
+"""Print a graph as runnable Python.
+
+``format_graph`` gives a module that imports the prims and defines one function; calling it
+with tensors runs each prim's reference implementation, so a printed graph is its own
+executable spec::
+
+    import torch
+    from kiln.ops.prims import *
+
+    def forward(x: "f32[2, 3]", y: "f32[2, 3]"):
+        t0 = add(x, y)  # torch.add  model.py:12
+        t1 = sum(t0, dims=(1,))  # torch.Tensor.sum  model.py:13
+        return (t1,)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+from typing import Any
+
+import torch
+
+from kiln.ir.graph import Graph, Node, Value
+
+HEADER = "import torch\nfrom kiln.ops.prims import *\n"
+
+_NAMESPACES: tuple[tuple[str, Any], ...] = (
+    ("torch", torch),
+    ("torch.nn.functional", torch.nn.functional),
+    ("torch.Tensor", torch.Tensor),
+    ("torch.special", torch.special),
+    ("torch.linalg", torch.linalg),
+    ("torch.fft", torch.fft),
+)
+
+
+def callable_name(fn: Any) -> str:
+    """An importable dotted name for ``fn`` (``torch.nn.functional.gelu``)."""
+    for prefix, namespace in _NAMESPACES:
+        name = getattr(fn, "__name__", None)
+        if name and getattr(namespace, name, None) is fn:
+            return f"{prefix}.{name}"
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def format_value(value: Any) -> str:
+    """Python source for an attribute value or scalar operand."""
+    if isinstance(value, Value):
+        return value.name
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "float('nan')"
+        if math.isinf(value):
+            return "float('inf')" if value > 0 else "float('-inf')"
+        return repr(value)
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, torch.device):
+        return f"torch.device({str(value)!r})"
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, tuple):
+        inner = ", ".join(format_value(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, list):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {format_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, types.BuiltinFunctionType | types.FunctionType | types.MethodDescriptorType):
+        return callable_name(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(
+            f"{f.name}={format_value(getattr(value, f.name))}" for f in dataclasses.fields(value)
+        )
+        return f"{type(value).__name__}({fields})"
+    return repr(value)
+
+
+def format_node(node: Node, *, origins: bool = True) -> str:
+    args = [format_value(operand) for operand in node.inputs]
+    if node.attrs is not None:
+        args += [
+            f"{f.name}={format_value(getattr(node.attrs, f.name))}"
+            for f in dataclasses.fields(node.attrs)
+        ]
+    targets = ", ".join(out.name for out in node.outputs)
+    if len(node.outputs) > 1:
+        targets = f"{targets}"
+    line = f"{targets} = {node.op.printed_name}({', '.join(args)})"
+    if origins and node.origin.api:
+        line += f"  # {node.origin}"
+    return line
+
+
+def format_graph(graph: Graph, *, origins: bool = True, header: bool = True) -> str:
+    params = ", ".join(f'{value.name}: "{value.type}"' for value in graph.inputs)
+    lines = [HEADER, ""] if header else []
+    lines.append(f"def {graph.name}({params}):")
+    lines += ["    " + format_node(node, origins=origins) for node in graph.nodes]
+    for target, new in graph.mutations:
+        lines.append(f"    # mutation: {target.name} ({target.source}) <- {new.name}")
+    results = [v.name for v in graph.outputs] + [new.name for _, new in graph.mutations]
+    returned = ", ".join(results) + ("," if len(results) == 1 else "")
+    lines.append(f"    return ({returned})")
+    return "\n".join(lines) + "\n"
+
+
+def load_printed(graph: Graph) -> Any:
+    """Execute the printed graph and return its function (a test of the printer's promise)."""
+    namespace: dict[str, Any] = {}
+    exec(compile(format_graph(graph), f"<kiln graph {graph.name}>", "exec"), namespace)
+    return namespace[graph.name]

@@ -1,0 +1,234 @@
+"""Attribute dataclasses of the prims, one per op kind.
+
+Attributes are the static (non-tensor) arguments of an op. They are typed fields, never
+positional tuples, and print as keywords: ``sum(t0, dims=(1,))``. Dims are non-negative
+(translations normalize negative dims); shapes are tuples of ints or symbolic dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.ir.types import Scalar, Shape
+
+
+@dataclass(frozen=True)
+class ConvertAttrs:
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ReduceAttrs:
+    """SUM, PROD, AMAX, AMIN: reduce over ``dims`` (removed from the shape; no keepdim)."""
+
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ArgReduceAttrs:
+    """ARGMAX, ARGMIN: int64 index of the extreme along ``dim`` (removed from the shape)."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
+class ReshapeAttrs:
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class PermuteAttrs:
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BroadcastAttrs:
+    """BROADCAST (broadcast_in_dim): input dim i becomes output dim ``dims[i]`` of ``shape``;
+    its size must equal that output size or be 1. Other output dims are new."""
+
+    shape: Shape
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExpandAttrs:
+    """EXPAND: same rank; size-1 dims grow to ``shape``."""
+
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class SliceAttrs:
+    """SLICE: ``x[..., start:stop:step, ...]`` along ``dim``; 0 <= start <= stop <= size, step >= 1."""
+
+    dim: int
+    start: int
+    stop: int
+    step: int = 1
+
+
+@dataclass(frozen=True)
+class SqueezeAttrs:
+    """SQUEEZE removes ``dims`` (each of size 1)."""
+
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UnsqueezeAttrs:
+    """UNSQUEEZE inserts size-1 dims at ``dims`` (positions in the output)."""
+
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CatAttrs:
+    dim: int
+
+
+@dataclass(frozen=True)
+class PadAttrs:
+    """PAD with a constant: ``low[i]``/``high[i]`` elements before/after dim i (negative crops)."""
+
+    low: tuple[int, ...]
+    high: tuple[int, ...]
+    value: Scalar = 0
+
+
+@dataclass(frozen=True)
+class FlipAttrs:
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GatherAttrs:
+    """GATHER(x, index): ``torch.gather(x, dim, index)``."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
+class ScatterAttrs:
+    """SCATTER / SCATTER_ADD (x, index, src): ``torch.scatter[_add](x, dim, index, src)``."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
+class IndexAttrs:
+    """INDEX(x, *indices): advanced indexing with int64 index tensors of one shape at ``dims``
+    (full slices elsewhere), placed as PyTorch places them (adjacent dims in place, else first)."""
+
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class IndexPutAttrs:
+    """INDEX_PUT(x, values, *indices): ``x[indices] = values`` (``+=`` when ``accumulate``);
+    ``values`` has exactly the shape ``INDEX`` would return."""
+
+    dims: tuple[int, ...]
+    accumulate: bool = False
+
+
+@dataclass(frozen=True)
+class FullAttrs:
+    shape: Shape
+    value: Scalar
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class IotaAttrs:
+    """IOTA: ``start + step * arange(length)`` as a 1-d tensor."""
+
+    length: int
+    start: Scalar
+    step: Scalar
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class RandomAttrs:
+    """RANDOM_UNIFORM / RANDOM_NORMAL(seed): the stream is a pure function of the int64 ``seed``
+    operand and ``offset``, so a backward or a replay regenerates the same numbers."""
+
+    shape: Shape
+    dtype: torch.dtype
+    device: torch.device
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class GemmAttrs:
+    """ADDMM / BADDBMM(bias, a, b): ``beta * bias + alpha * (a @ b)``."""
+
+    beta: Scalar = 1
+    alpha: Scalar = 1
+
+
+@dataclass(frozen=True)
+class ConvolutionAttrs:
+    """CONVOLUTION(x, weight, bias or None): ``torch.convolution`` semantics, 1d/2d/3d."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    transposed: bool = False
+    output_padding: tuple[int, ...] = (0,)
+    groups: int = 1
+
+
+@dataclass(frozen=True)
+class SdpaAttrs:
+    """SDPA(q, k, v, mask or None): ``F.scaled_dot_product_attention`` without dropout."""
+
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+
+
+@dataclass(frozen=True)
+class CumsumAttrs:
+    dim: int
+
+
+@dataclass(frozen=True)
+class SortAttrs:
+    dim: int
+    descending: bool = False
+    stable: bool = False
+
+
+@dataclass(frozen=True)
+class TopkAttrs:
+    k: int
+    dim: int
+    largest: bool = True
+    sorted: bool = True
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where the i-th tensor operand of an EXTERN node goes in its call's arguments."""
+
+    index: int
+
+    def __repr__(self) -> str:
+        return f"Slot({self.index})"
+
+
+@dataclass(frozen=True)
+class ExternAttrs:
+    """EXTERN(*tensors): ``fn(*args, **kwargs)`` with each ``Slot(i)`` replaced by operand i.
+    Output types come from running ``fn`` on meta tensors."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)

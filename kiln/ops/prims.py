@@ -1,0 +1,58 @@
+"""One Python function per primitive, usable in two modes.
+
+Called on :class:`~kiln.ir.Value` operands inside an active ``GraphBuilder``, a prim appends a
+node and returns its output value(s); called on tensors, it runs the reference implementation.
+Translations are written against these functions, and printed graphs import them
+(``from kiln.ops.prims import *``), which is what makes a printed graph runnable.
+
+``add(x, y)``, ``sum(x, dims=(1,))``, ``convert(x, dtype=torch.float16)``: operands are
+positional, attributes are keywords naming the op's attribute dataclass fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kiln.ir.builder import active_builder
+from kiln.ir.graph import Value
+from kiln.ir.op import Op, op_def
+
+
+def call(op: Op, *operands: Any, **attributes: Any) -> Any:
+    """Apply ``op``: emit a node when any operand is a Value, else run the reference impl."""
+    definition = op_def(op)
+    if definition.attrs is None:
+        if attributes:
+            raise TypeError(f"{op.printed_name} takes no attributes, got {sorted(attributes)}")
+        attrs = None
+    else:
+        attrs = definition.attrs(**attributes)
+    if any(isinstance(operand, Value) for operand in operands):
+        builder = active_builder()
+        if builder is None:
+            raise RuntimeError(f"{op.printed_name} on graph values outside a GraphBuilder")
+        return builder.emit(op, operands, attrs)
+    return definition.impl(attrs, *operands)
+
+
+def _prim(op: Op) -> Callable[..., Any]:
+    def prim(*operands: Any, **attributes: Any) -> Any:
+        return call(op, *operands, **attributes)
+
+    prim.__name__ = prim.__qualname__ = op.printed_name
+    prim.__doc__ = f"The {op.name} primitive (see kiln.ops for its registry row)."
+    return prim
+
+
+__all__ = ["call", "Slot"]
+for _op in Op:
+    globals()[_op.printed_name] = _prim(_op)
+    __all__.append(_op.printed_name)
+
+
+def __getattr__(name: str) -> Callable[..., Any]:  # for type checkers: prims are generated
+    raise AttributeError(name)
+
+
+from kiln.ops.attrs import Slot  # noqa: E402  (printed extern nodes refer to Slot)
