@@ -45,6 +45,10 @@ class OpTypeError(KilnError, TypeError):
     """An op was given an argument of a type or dtype it does not accept."""
 
 
+class OpIndexError(KilnError, IndexError):
+    """An op was given a dim or index out of range."""
+
+
 class OpValueError(KilnError, ValueError):
     """An op was given an argument value it does not accept."""
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kiln.errors import KilnError, OpError, OpTypeError, OpValueError, SourceLocation
+from kiln.errors import KilnError, OpError, OpIndexError, OpTypeError, OpValueError, SourceLocation
 from kiln.ir.graph import Graph, InputKind, Operand, Origin, Value
 from kiln.ir.op import Op, Tag, op_def
 from kiln.ir.types import TensorType
@@ -110,6 +110,8 @@ def _op_error(op: Op, error: Exception, origin: Origin) -> KilnError:
         return OpTypeError(message, location)
     if isinstance(error, ValueError):
         return OpValueError(message, location)
+    if isinstance(error, IndexError):
+        return OpIndexError(message, location)
     return OpError(message, location)
 
 

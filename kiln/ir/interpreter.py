@@ -7,6 +7,7 @@ graph's outputs followed by the new values of mutated inputs, like the printed g
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,12 +25,26 @@ def interpret(graph: Graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor
             f"graph {graph.name} takes {len(graph.inputs)} inputs, got {len(inputs)}"
         )
     env: dict[Value, Any] = dict(zip(graph.inputs, inputs, strict=True))
+    with _no_autocast():
+        _run_nodes(graph, env)
+    return [env[v] for v in graph.outputs] + [env[new] for _, new in graph.mutations]
+
+
+def _no_autocast() -> contextlib.ExitStack:
+    """The graph already holds autocast's casts: running it under autocast would cast twice."""
+    stack = contextlib.ExitStack()
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
+
+
+def _run_nodes(graph: Graph, env: dict[Value, Any]) -> None:
     for node in graph.nodes:
         operands = [env[i] if isinstance(i, Value) else i for i in node.inputs]
         result = op_def(node.op).impl(node.attrs, *operands)
         results = result if isinstance(result, tuple) else (result,)
         env.update(zip(node.outputs, results, strict=True))
-    return [env[v] for v in graph.outputs] + [env[new] for _, new in graph.mutations]
 
 
 def run(graph: Graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

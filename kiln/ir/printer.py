@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import types
 from typing import Any
@@ -37,12 +38,32 @@ _NAMESPACES: tuple[tuple[str, Any], ...] = (
 )
 
 
+@functools.cache
+def _public_names() -> dict[int, str]:
+    """id of each public callable of the torch namespaces -> its dotted public name."""
+    names: dict[int, str] = {}
+    for prefix, namespace in reversed(_NAMESPACES):
+        for attr in dir(namespace):
+            if not attr.startswith("_") or attr.startswith("__"):
+                obj = getattr(namespace, attr, None)
+                if callable(obj):
+                    names[id(obj)] = f"{prefix}.{attr}"
+    return names
+
+
+def public_name(fn: Any) -> str | None:
+    """The public dotted name of a torch callable, or None if it has none."""
+    try:
+        return _public_names().get(id(fn))
+    except Exception:  # a namespace attribute that fails on access
+        return None
+
+
 def callable_name(fn: Any) -> str:
     """An importable dotted name for ``fn`` (``torch.nn.functional.gelu``)."""
-    for prefix, namespace in _NAMESPACES:
-        name = getattr(fn, "__name__", None)
-        if name and getattr(namespace, name, None) is fn:
-            return f"{prefix}.{name}"
+    public = public_name(fn)
+    if public is not None:
+        return public
     module = getattr(fn, "__module__", None) or "?"
     return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
 

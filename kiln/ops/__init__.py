@@ -6,3 +6,6 @@ callables to prims (``kiln.ops.translations``). Importing this package registers
 """
 
 from kiln.ops import elementwise  # noqa: F401  (registers rows)
+from kiln.ops import indexing, movement  # noqa: F401  (registers rows)
+from kiln.ops import creation, externs, reductions  # noqa: F401  (registers rows)
+from kiln.ops import translations  # noqa: F401  (registers translations)

@@ -14,13 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from kiln.ir.builder import active_builder
 from kiln.ir.graph import Value
-from kiln.ir.op import Op, op_def
+from kiln.ir.op import Op, OpDef, Tag, op_def
 
 
 def call(op: Op, *operands: Any, **attributes: Any) -> Any:
-    """Apply ``op``: emit a node when any operand is a Value, else run the reference impl."""
+    """Apply ``op``: emit a node when any operand is a Value (or when a creation op without
+    tensor operands runs inside a builder), else run the reference impl."""
     definition = op_def(op)
     if definition.attrs is None:
         if attributes:
@@ -28,12 +31,21 @@ def call(op: Op, *operands: Any, **attributes: Any) -> Any:
         attrs = None
     else:
         attrs = definition.attrs(**attributes)
-    if any(isinstance(operand, Value) for operand in operands):
-        builder = active_builder()
-        if builder is None:
-            raise RuntimeError(f"{op.printed_name} on graph values outside a GraphBuilder")
+    builder = active_builder()
+    traced = any(isinstance(operand, Value) for operand in operands)
+    if builder is not None and (traced or _creates_from_nothing(definition, operands)):
         return builder.emit(op, operands, attrs)
+    if traced:
+        raise RuntimeError(f"{op.printed_name} on graph values outside a GraphBuilder")
     return definition.impl(attrs, *operands)
+
+
+def _creates_from_nothing(definition: OpDef, operands: tuple[Any, ...]) -> bool:
+    """A creation op without tensor operands (``full``, ``iota``): no Value marks it as traced,
+    yet inside a builder it belongs to the graph rather than to the tracing Python."""
+    return Tag.CREATION in definition.tags and not any(
+        isinstance(operand, torch.Tensor) for operand in operands
+    )
 
 
 def _prim(op: Op) -> Callable[..., Any]:

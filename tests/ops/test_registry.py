@@ -14,6 +14,8 @@ import kiln.ops  # noqa: F401  (registers rows)
 from kiln.ir import Graph, GraphBuilder, Op, Tag, TensorType, Value, load_printed, op_def
 from kiln.ir import interpret, registered_ops, verify
 from kiln.ops import prims
+from kiln.ops.attrs import RandomAttrs
+from kiln.ops.externs import extern_call
 
 ROWS = [(row.op, dtype) for row in registered_ops() for dtype in sorted(row.dtypes, key=str)]
 
@@ -73,3 +75,56 @@ def test_row(op: Op, dtype: torch.dtype) -> None:
             _same(actual, want, random)
         for actual, want in zip(load_printed(graph)(*tensors), expected_list, strict=True):
             _same(actual, want, random)
+
+
+# ---------------------------------------------------------------------------------------------
+# rows whose contract the table cannot check: random streams, extern_call
+
+
+def _draw(op: Op, seed: int, offset: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    attrs = RandomAttrs((10_000,), dtype, torch.device("cpu"), offset)
+    return op_def(op).impl(attrs, torch.tensor(seed, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("op", [Op.RANDOM_UNIFORM, Op.RANDOM_NORMAL], ids=["uniform", "normal"])
+def test_random_is_a_function_of_seed_and_offset(op: Op) -> None:
+    torch.manual_seed(0)  # the global generator must play no part
+    first = _draw(op, 1234, 7)
+    torch.manual_seed(1)
+    assert torch.equal(first, _draw(op, 1234, 7))
+    assert not torch.equal(first, _draw(op, 1234, 8))
+    assert not torch.equal(first, _draw(op, 1235, 7))
+    narrow = _draw(op, 1234, 7, torch.bfloat16).float()  # the same numbers, rounded
+    torch.testing.assert_close(narrow, first, rtol=2**-8, atol=2**-8)
+
+
+def test_random_statistics() -> None:
+    uniform = _draw(Op.RANDOM_UNIFORM, -99, 3).double()
+    assert uniform.min() >= 0 and uniform.max() < 1
+    assert abs(uniform.mean() - 0.5) < 0.015 and abs(uniform.std() - 12**-0.5) < 0.01
+    normal = _draw(Op.RANDOM_NORMAL, 2**40, 0).double()
+    assert abs(normal.mean()) < 0.05 and abs(normal.std() - 1) < 0.03
+    assert _draw(Op.RANDOM_UNIFORM, 5, 0, torch.bfloat16).max() < 1  # rounding never reaches 1
+
+
+def test_extern_call_rebuilds_the_result_structure() -> None:
+    graph = Graph(name="externs")
+    with GraphBuilder(graph) as builder:
+        x = graph.add_input(TensorType((3, 4), torch.float32), name="x")
+        pair = extern_call(torch.aminmax, (x,), {"dim": 1})
+        cat = extern_call(torch.cat, ([x, x, torch.ones(3, 4)],), {"dim": 0})
+        parts = extern_call(torch.split, (cat, 4))
+        graph.outputs = [pair.min, pair.max, cat, *parts]
+        with pytest.raises(TypeError, match="only tensors"):
+            extern_call(torch.Tensor.size, (x,))
+        assert builder.graph is graph
+    verify(graph)
+    assert [len(node.inputs) for node in graph.nodes] == [1, 2, 1]  # a repeated value: one slot
+    assert isinstance(parts, tuple) and len(parts) == 3
+    x_value = torch.randn(3, 4)
+    inputs = [x_value, *graph.constants.values()]
+    got = interpret(graph, inputs)
+    want_cat = torch.cat([x_value, x_value, torch.ones(3, 4)])
+    want = [*torch.aminmax(x_value, dim=1), want_cat, *torch.split(want_cat, 4)]
+    for actual, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)

@@ -1,0 +1,283 @@
+"""Proxy tensors: stand-ins that record what a program does to them into a graph.
+
+A :class:`ProxyTensor` is a ``torch.Tensor`` subclass with no storage (so ``isinstance(x,
+torch.Tensor)`` holds in user code) whose ``__torch_function__`` sends every torch call to the
+translation table. Shape, dtype and device queries are answered from its type; anything that
+needs data (``bool(x)``, ``x.item()``) is data-dependent control flow and raises
+:class:`~kiln.errors.TraceError` naming the user's line.
+
+In-place ops are functionalized: the proxy is rebound to the new value. Views remember their
+root and how to recompute themselves from it, so a view stays current after its root is
+mutated, and an in-place op on a view writes through to the root (through the element
+positions of the view, found by applying the same view to an ``iota`` of the root).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from kiln.errors import KilnError, OpError, OpIndexError, OpTypeError, OpValueError, TraceError
+from kiln.ir.builder import require_builder
+from kiln.ir.graph import Origin, Value
+from kiln.ops import prims
+from kiln.ops.translations import (
+    FallbackToExtern,
+    api_name,
+    collect_assignments,
+    finish_assignments,
+    lookup,
+)
+from kiln.frontends.source import user_location
+
+# Metadata queries answered from the proxy's type without touching data.
+_NATIVE_METHODS = {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.numel,
+    torch.Tensor.nelement, torch.Tensor.stride, torch.Tensor.is_contiguous,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.element_size,
+    torch.Tensor.get_device, torch.Tensor.__len__, torch.Tensor.is_signed,
+    torch.Tensor.storage_offset, torch.Tensor.type,
+}
+_NATIVE_PROPERTIES = {
+    "shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "requires_grad",
+    "layout", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "names", "itemsize",
+    "is_leaf", "grad_fn", "output_nr", "_version", "is_mps", "is_xpu", "nbytes",
+}
+_DATA_ACCESS = {
+    torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
+    torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.data_ptr,
+    torch.Tensor.__array__, torch.Tensor.__complex__,
+}
+
+
+class ProxyTensor(torch.Tensor):
+    """A tensor value of the graph being traced."""
+
+    _value: Value
+    _root: ProxyTensor | None  # the tensor this is a view of, or None
+    _replay: Callable[[Value], Value] | None  # recomputes this view from the root's value
+    _seen_version: int
+    _mutations: int
+    _initial: Value  # the value it had when tracing began (the graph input, for inputs)
+
+    @staticmethod
+    def __new__(cls, value: Value) -> ProxyTensor:
+        kind = value.type
+        shape = [int(d) for d in kind.shape]  # type: ignore[call-overload]
+        proxy = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, shape, dtype=kind.dtype, device=kind.device, requires_grad=kind.requires_grad
+        )
+        proxy._value = value
+        proxy._initial = value
+        proxy._root = None
+        proxy._replay = None
+        proxy._seen_version = 0
+        proxy._mutations = 0
+        return proxy
+
+    def current(self) -> Value:
+        """This tensor's value now, recomputed from its root if the root was mutated."""
+        root = self._root
+        if root is not None and self._replay is not None and root._mutations != self._seen_version:
+            self._value = self._replay(root.current())
+            self._seen_version = root._mutations
+        return self._value
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise TraceError(f"internal: {func} reached tensor data of a proxy", user_location())
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        return dispatch(func, tuple(args), dict(kwargs or {}))
+
+
+# Factories that draw random numbers: traced even with no proxy argument, so each call of the
+# graph draws new numbers instead of replaying the ones drawn while tracing.
+RANDOM_FACTORIES = {
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial,
+}
+
+
+class TraceMode(torch.overrides.TorchFunctionMode):
+    """Routes every torch call that touches a proxy, or draws random numbers, to ``dispatch``;
+    other calls (factories of constants such as ``torch.arange(4)``) run normally."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        leaves = pytree.tree_leaves((args, kwargs))
+        if func in RANDOM_FACTORIES or any(isinstance(leaf, ProxyTensor) for leaf in leaves):
+            return dispatch(func, tuple(args), kwargs)
+        return func(*args, **kwargs)
+
+
+def _native(func: Any) -> bool:
+    if func in _NATIVE_METHODS:
+        return True
+    name = getattr(getattr(func, "__self__", None), "__name__", None)
+    return getattr(func, "__name__", "") == "__get__" and name in _NATIVE_PROPERTIES
+
+
+def _describe(proxy: ProxyTensor) -> str:
+    return f"ProxyTensor({proxy._value.name}: {proxy._value.type})"
+
+
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``func`` on proxies: answer metadata natively, translate everything else."""
+    if _native(func):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if func in _DATA_ACCESS:
+        what = getattr(func, "__name__", str(func))
+        raise TraceError(
+            f"data-dependent control flow: {what}() needs the value of a traced tensor, which "
+            "symbolic tracing does not have (use kiln.compile, which breaks the graph there)",
+            user_location(),
+        )
+    if func in (torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__):
+        return _describe(args[0])
+    builder = require_builder()
+    location = user_location()
+    origin = Origin(api_name(func), location.file if location else "", location.line if location else 0)
+    by_value: dict[Value, ProxyTensor] = {}
+    values = pytree.tree_map(lambda item: _unwrap(item, by_value), (args, kwargs))
+    entry = lookup(func)
+    with builder.origin_scope(origin):
+        token = collect_assignments()
+        try:
+            if entry is None:
+                result = _extern(func, *values)
+            else:
+                try:
+                    result = entry.fn(*values[0], **values[1])
+                except FallbackToExtern:
+                    result = _extern(func, *values)
+        except KilnError:
+            raise
+        except (TypeError, ValueError, RuntimeError, IndexError, NotImplementedError) as error:
+            raise _user_error(origin.api, error, location) from error
+        finally:
+            assignments = finish_assignments(token)
+        for target, new in assignments:
+            _assign(by_value[target], new, origin.api)
+        if entry is not None and entry.inplace:
+            if not isinstance(args[0], ProxyTensor):
+                raise TraceError(
+                    f"{origin.api}: in-place update of a tensor that is not traced (one created "
+                    "from Python data), with traced values: create it with a torch function of "
+                    "a traced tensor instead (e.g. torch.zeros_like)",
+                    location,
+                )
+            return _assign(args[0], result, origin.api)
+    wrapped = pytree.tree_map(_wrap, result)
+    if entry is not None and entry.view and isinstance(wrapped, ProxyTensor | tuple | list):
+        _mark_views(wrapped, args, kwargs, entry.fn)
+    return wrapped
+
+
+def _extern(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from kiln.ops.externs import extern_call
+
+    return extern_call(func, args, kwargs)
+
+
+def _user_error(api: str, error: Exception, location: Any) -> KilnError:
+    message = f"{api}: {error}"
+    if isinstance(error, TypeError):
+        return OpTypeError(message, location)
+    if isinstance(error, ValueError):
+        return OpValueError(message, location)
+    if isinstance(error, IndexError):
+        return OpIndexError(message, location)
+    return OpError(message, location)
+
+
+def _unwrap(item: Any, seen: dict[Value, ProxyTensor] | None = None) -> Any:
+    if isinstance(item, ProxyTensor):
+        value = item.current()
+        if seen is not None:
+            seen[value] = item
+        return value
+    if isinstance(item, torch.Tensor):
+        return require_builder().constant(item)
+    return item
+
+
+def _wrap(item: Any) -> Any:
+    return ProxyTensor(item) if isinstance(item, Value) else item
+
+
+def _assign(target: ProxyTensor, result: Any, api: str) -> ProxyTensor:
+    """Functionalize an in-place op: rebind ``target`` (and its root) to ``result``."""
+    if not isinstance(result, Value):
+        raise TypeError(f"{api}: in-place translation returned {type(result).__name__}")
+    old = target.current()
+    if not torch.can_cast(result.type.dtype, old.type.dtype):
+        raise OpError(
+            f"{api}: result type {result.type.dtype} can't be cast to the desired output type "
+            f"{old.type.dtype}",
+            user_location(),
+        )
+    if result.type.shape != old.type.shape:
+        raise OpError(
+            f"{api}: output with shape {list(old.type.shape)} doesn't match the broadcast shape "
+            f"{list(result.type.shape)}",
+            user_location(),
+        )
+    if result.type.dtype != old.type.dtype:
+        result = prims.convert(result, dtype=old.type.dtype)
+    root = target._root
+    if root is None or target._replay is None:
+        target._value = result
+        target._mutations += 1
+        return target
+    root_value = root.current()
+    positions = prims.reshape(
+        prims.iota(length=int(root_value.type.numel()), start=0, step=1, dtype=torch.int64,
+                   device=root_value.type.device),
+        shape=root_value.type.shape,
+    )
+    view_positions = target._replay(positions)
+    flat = prims.reshape(root_value, shape=(int(root_value.type.numel()),))
+    numel = int(result.type.numel())
+    updated = prims.index_put(
+        flat, prims.reshape(result, shape=(numel,)), prims.reshape(view_positions, shape=(numel,)),
+        dims=(0,), accumulate=False,
+    )
+    root._value = prims.reshape(updated, shape=root_value.type.shape)
+    root._mutations += 1
+    target._value = result
+    target._seen_version = root._mutations
+    return target
+
+
+def _mark_views(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[..., Any]) -> None:
+    """Record that ``result`` views ``args[0]``, and how to recompute it from the root."""
+    source = args[0]
+    if not isinstance(source, ProxyTensor):
+        return
+    root = source._root or source
+    source_replay = source._replay
+
+    outputs, _ = pytree.tree_flatten(result)
+    for index, output in enumerate(outputs):
+        if not isinstance(output, ProxyTensor):
+            continue
+
+        def replay(root_value: Value, index: int = index) -> Value:
+            base = source_replay(root_value) if source_replay is not None else root_value
+            rest = pytree.tree_map(_unwrap, (args[1:], kwargs))
+            values, _ = pytree.tree_flatten(fn(base, *rest[0], **rest[1]))
+            return values[index]
+
+        output._root = root
+        output._replay = replay
+        output._seen_version = root._mutations

@@ -1,0 +1,481 @@
+"""Registry rows of the extern prims: ops that PyTorch's own kernels run.
+
+Kiln generates no code for an extern; a backend calls the torch kernel. Each extern's meta runs
+its impl on meta tensors (:func:`meta_by_running`), so output types are PyTorch's by
+construction. The impls add only what makes a prim strict: the matmul family, convolution and
+attention take operands of one floating dtype (translations convert), and ``cumsum`` keeps its
+dtype (torch promotes integers to int64; the prim takes float or int64 only).
+
+``extern`` is the escape hatch for any torch function: ``Slot(i)`` in its ``args``/``kwargs``
+marks where tensor operand ``i`` goes, and its outputs are the tensors of the function's result,
+flattened with pytree. :func:`extern_call` emits one from graph values while a graph is built::
+
+    t2 = mm(t0, t1)
+    t3, t4 = sort(t0, dim=1, descending=False, stable=False)
+    t5, t6 = extern(t0, fn=torch.aminmax, args=(Slot(index=0),), kwargs={'dim': 1})
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+
+from kiln.ir.builder import emit, require_builder
+from kiln.ir.graph import Value
+from kiln.ir.op import ImplFn, MetaFn, Op, OpDef, Sample, SampleFn, Tag, register
+from kiln.ir.types import FLOATING, TensorType
+from kiln.ops.attrs import (
+    ConvolutionAttrs,
+    CumsumAttrs,
+    ExternAttrs,
+    GemmAttrs,
+    SdpaAttrs,
+    Slot,
+    SortAttrs,
+    TopkAttrs,
+)
+from kiln.ops.sampling import FLOATS, make_tensor
+
+INT64 = frozenset({torch.int64})
+# A sample case: the shapes of the operands (None: an absent optional operand) and the attrs.
+Case = tuple[tuple[tuple[int, ...] | None, ...], Any]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------
+# meta by running, and the checks that make externs strict
+
+
+def _stand_in(operand: Any, device: str | None = None) -> Any:
+    """A tensor without data of ``operand``'s type, on ``device`` or the operand's own device;
+    non-tensors pass through."""
+    if not isinstance(operand, TensorType):
+        return operand
+    sizes = [size for size in operand.shape if isinstance(size, int)]
+    if len(sizes) != operand.rank:
+        raise NotImplementedError(f"externs take static shapes, not {operand}")
+    return torch.empty(sizes, dtype=operand.dtype, device=device or operand.device)
+
+
+def _run_abstractly(impl: ImplFn, attrs: Any, operands: Sequence[Any], *, fake: bool) -> Any:
+    """``impl``'s result on stand-ins without data for ``operands`` (types, scalars, None).
+
+    The stand-ins are meta tensors, cheap and enough for a kernel whose outputs live on its
+    inputs' device; with ``fake``, FakeTensors on the operands' own devices, for any function
+    (one may move tensors between devices). Autocast is off: a prim's dtypes are explicit.
+    A function that writes to an operand in place is rejected: a node must be pure.
+    """
+    with contextlib.ExitStack() as stack:
+        if fake:
+            stack.enter_context(FakeTensorMode())
+            stack.enter_context(torch._C._DisableAutocast())
+        stand_ins = [_stand_in(operand, None if fake else "meta") for operand in operands]
+        versions = [t._version for t in stand_ins if isinstance(t, torch.Tensor)]
+        try:
+            result = impl(attrs, *stand_ins)
+        except (DataDependentOutputException, DynamicOutputShapeException) as error:
+            raise RuntimeError(f"the result of {error} depends on tensor data") from error
+    if versions != [t._version for t in stand_ins if isinstance(t, torch.Tensor)]:
+        raise RuntimeError("writes to an operand in place (translate it to a pure op)")
+    return result
+
+
+def _device_of(op: Op, operands: Sequence[Any]) -> torch.device:
+    devices = {o.device for o in operands if isinstance(o, TensorType)}
+    if len(devices) > 1:
+        listed = ", ".join(sorted(map(str, devices)))
+        raise RuntimeError(f"{op.printed_name}: operands on several devices ({listed})")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def meta_by_running(op: Op, impl: ImplFn, *, fake: bool = False) -> MetaFn:
+    """The meta function of an extern: run ``impl`` on tensors without data, read the outputs.
+
+    Outputs of meta tensors get the operands' device; ``fake`` runs on FakeTensors instead (see
+    :func:`_run_abstractly`). What torch raises there (``TypeError``, ``RuntimeError``)
+    propagates; the graph builder reports it as an error of ``op``.
+    """
+
+    def meta(attrs: Any, *operands: Any) -> TensorType | tuple[TensorType, ...]:
+        device = _device_of(op, operands) if not fake else None
+        result = _run_abstractly(impl, attrs, operands, fake=fake)
+        types = tuple(
+            TensorType(tuple(t.shape), t.dtype, device or t.device)
+            for t in (result if isinstance(result, tuple) else (result,))
+        )
+        return types if isinstance(result, tuple) else types[0]
+
+    return meta
+
+
+def _check_floats(op: Op, *operands: torch.Tensor | None) -> None:
+    """The tensor operands (None: absent) share one floating dtype; prims do not promote."""
+    tensors = [o for o in operands if o is not None]
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{op.printed_name}: expected a tensor operand, got {tensor!r}")
+        if tensor.dtype not in FLOATING:
+            raise TypeError(f"{op.printed_name}: takes floating tensors, got {_name(tensor.dtype)}")
+        if tensor.dtype != tensors[0].dtype:
+            raise TypeError(
+                f"{op.printed_name}: operand dtypes {_name(tensors[0].dtype)} and "
+                f"{_name(tensor.dtype)} differ (prims do not promote)"
+            )
+
+
+def _check_dim(op: Op, dim: int) -> None:
+    if not isinstance(dim, int) or dim < 0:
+        raise IndexError(f"{op.printed_name}: dim must be a non-negative int, got {dim!r}")
+
+
+def _samples(cases: Sequence[Case]) -> SampleFn:
+    """Samples with a fresh random tensor of the sampled dtype for every shape in ``cases``."""
+
+    def samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
+        return [
+            Sample(
+                tuple(None if s is None else make_tensor(s, dtype, device) for s in shapes),
+                attrs,
+            )
+            for shapes, attrs in cases
+        ]
+
+    return samples
+
+
+def extern(
+    op: Op,
+    impl: ImplFn,
+    *,
+    attrs: type | None,
+    dtypes: frozenset[torch.dtype],
+    samples: SampleFn,
+    doc: str,
+    fake: bool = False,
+) -> OpDef:
+    """Register an extern prim computed by ``impl``; its meta runs ``impl`` without data."""
+    return register(
+        OpDef(
+            op,
+            meta=meta_by_running(op, impl, fake=fake),
+            impl=impl,
+            attrs=attrs,
+            tags=frozenset({Tag.EXTERN}),
+            dtypes=dtypes,
+            samples=samples,
+            doc=doc,
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul family
+
+
+def _matmul_impl(op: Op, fn: Callable[..., torch.Tensor]) -> ImplFn:
+    def impl(attrs: GemmAttrs | None, *operands: torch.Tensor) -> torch.Tensor:
+        _check_floats(op, *operands)
+        scaling = {} if attrs is None else {"beta": attrs.beta, "alpha": attrs.alpha}
+        return fn(*operands, **scaling)
+
+    return impl
+
+
+MM_CASES: tuple[Case, ...] = (
+    (((3, 4), (4, 5)), None),
+    (((1, 4), (4, 1)), None),
+    (((5, 1), (1, 6)), None),
+    (((3, 0), (0, 5)), None),
+    (((0, 4), (4, 5)), None),
+)
+BMM_CASES: tuple[Case, ...] = (
+    (((2, 3, 4), (2, 4, 5)), None),
+    (((1, 1, 4), (1, 4, 1)), None),
+    (((0, 3, 4), (0, 4, 5)), None),
+    (((2, 3, 0), (2, 0, 5)), None),
+)
+ADDMM_CASES: tuple[Case, ...] = (
+    (((3, 5), (3, 4), (4, 5)), GemmAttrs()),
+    (((5,), (3, 4), (4, 5)), GemmAttrs(beta=0.5, alpha=2.0)),
+    (((1, 5), (3, 4), (4, 5)), GemmAttrs(beta=0, alpha=-1)),
+    (((3, 1), (3, 0), (0, 1)), GemmAttrs(beta=2)),
+)
+BADDBMM_CASES: tuple[Case, ...] = (
+    (((2, 3, 5), (2, 3, 4), (2, 4, 5)), GemmAttrs()),
+    (((3, 5), (2, 3, 4), (2, 4, 5)), GemmAttrs(beta=0.5, alpha=2.0)),
+    (((1, 1, 1), (1, 1, 4), (1, 4, 1)), GemmAttrs(alpha=3)),
+    (((0, 3, 5), (0, 3, 4), (0, 4, 5)), GemmAttrs()),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# convolution and attention
+
+
+def _convolution(
+    attrs: ConvolutionAttrs, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    _check_floats(Op.CONVOLUTION, x, weight, bias)
+    geometry = (attrs.stride, attrs.padding, attrs.dilation, attrs.transposed)
+    return torch.convolution(x, weight, bias, *geometry, attrs.output_padding, attrs.groups)
+
+
+CONV_CASES: tuple[Case, ...] = (
+    (((2, 3, 10), (4, 3, 3), (4,)), ConvolutionAttrs((1,), (1,), (1,))),
+    (((2, 4, 7, 6), (6, 2, 3, 3), None), ConvolutionAttrs((2, 1), (1, 0), (1, 2), groups=2)),
+    (((1, 2, 5, 4, 4), (3, 2, 2, 2, 2), (3,)), ConvolutionAttrs((1, 1, 1), (0, 1, 0), (1, 1, 1))),
+    (((1, 3, 1, 1), (2, 3, 1, 1), (2,)), ConvolutionAttrs((1, 1), (0, 0), (1, 1))),
+    (((0, 3, 8), (4, 3, 3), (4,)), ConvolutionAttrs((1,), (0,), (1,))),
+    (
+        ((1, 4, 5, 5), (4, 3, 3, 3), (3,)),
+        ConvolutionAttrs((2, 2), (1, 1), (1, 1), transposed=True, output_padding=(1, 1)),
+    ),
+    (
+        ((2, 4, 6), (4, 1, 3), None),
+        ConvolutionAttrs((2,), (0,), (1,), transposed=True, output_padding=(1,), groups=2),
+    ),
+)
+
+
+def _sdpa(
+    attrs: SdpaAttrs,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    _check_floats(Op.SDPA, q, k, v)  # torch checks the mask: bool, or q's dtype
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=0.0,
+        is_causal=attrs.is_causal,
+        scale=attrs.scale,
+        enable_gqa=attrs.enable_gqa,
+    )
+
+
+SDPA_CASES: tuple[Case, ...] = (
+    (((2, 3, 4, 8), (2, 3, 6, 8), (2, 3, 6, 5), None), SdpaAttrs()),
+    (((2, 3, 4, 8), (2, 3, 4, 8), (2, 3, 4, 8), None), SdpaAttrs(is_causal=True)),
+    (((3, 4, 8), (3, 6, 8), (3, 6, 8), (4, 6)), SdpaAttrs(scale=0.3)),
+    (((1, 2, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8), (1, 1, 1, 5)), SdpaAttrs()),
+    (((2, 4, 4, 8), (2, 2, 6, 8), (2, 2, 6, 8), None), SdpaAttrs(enable_gqa=True)),
+    (((2, 3, 0, 8), (2, 3, 4, 8), (2, 3, 4, 8), None), SdpaAttrs()),
+)
+
+
+def _sdpa_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
+    cases = _samples(SDPA_CASES)(dtype, device)
+    mask = make_tensor((4, 6), torch.bool, device)
+    mask[:, 0] = True  # no fully masked row: its softmax would be NaN
+    q, k, v = (make_tensor((2, 3, n, 8), dtype, device) for n in (4, 6, 6))
+    return [*cases, Sample((q, k, v, mask), SdpaAttrs(), note="bool mask")]
+
+
+extern(
+    Op.SDPA,
+    _sdpa,
+    attrs=SdpaAttrs,
+    dtypes=FLOATS,
+    samples=_sdpa_samples,
+    doc="sdpa(q, k, v, mask or None, ...): F.scaled_dot_product_attention, no dropout",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# cumsum, sort, topk
+
+
+def _cumsum(attrs: CumsumAttrs, x: torch.Tensor) -> torch.Tensor:
+    _check_dim(Op.CUMSUM, attrs.dim)
+    if x.dtype not in FLOATING | INT64:
+        raise TypeError(f"cumsum: takes a floating or int64 tensor, got {_name(x.dtype)}")
+    return torch.cumsum(x, attrs.dim)
+
+
+def _sort(attrs: SortAttrs, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_dim(Op.SORT, attrs.dim)
+    values, indices = torch.sort(x, dim=attrs.dim, descending=attrs.descending, stable=attrs.stable)
+    return values, indices
+
+
+def _topk(attrs: TopkAttrs, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_dim(Op.TOPK, attrs.dim)
+    values, indices = torch.topk(x, attrs.k, attrs.dim, largest=attrs.largest, sorted=attrs.sorted)
+    return values, indices
+
+
+CUMSUM_CASES: tuple[Case, ...] = tuple(
+    ((shape,), CumsumAttrs(dim))
+    for shape, dim in (((3, 5), 0), ((3, 5), 1), ((2, 3, 4), 2), ((), 0), ((0, 4), 0), ((4, 1), 1))
+)
+SORT_CASES: tuple[Case, ...] = (
+    (((3, 5),), SortAttrs(1)),
+    (((3, 5),), SortAttrs(0, descending=True)),
+    (((2, 3, 4),), SortAttrs(1, stable=True)),
+    (((6, 1),), SortAttrs(1, descending=True, stable=True)),
+    (((),), SortAttrs(0)),
+    (((0, 4),), SortAttrs(0)),
+    (((4, 0),), SortAttrs(1)),
+)
+TOPK_CASES: tuple[Case, ...] = (
+    (((3, 5),), TopkAttrs(2, 1)),
+    (((3, 5),), TopkAttrs(5, 1, largest=False)),
+    (((3, 5),), TopkAttrs(0, 1)),
+    (((2, 3, 4),), TopkAttrs(1, 0, sorted=False)),
+    (((),), TopkAttrs(1, 0)),
+    (((0, 4),), TopkAttrs(2, 1)),
+)
+
+# (op, impl, attrs, sampled dtypes, sample cases, doc) of the externs with plain samples.
+_ROWS: tuple[tuple[Op, ImplFn, type | None, frozenset[torch.dtype], tuple[Case, ...], str], ...] = (
+    (Op.MM, _matmul_impl(Op.MM, torch.mm), None, FLOATS, MM_CASES, "mm(a, b): a @ b, 2-d"),
+    (Op.BMM, _matmul_impl(Op.BMM, torch.bmm), None, FLOATS, BMM_CASES, "bmm(a, b): a @ b, 3-d"),
+    (
+        Op.ADDMM,
+        _matmul_impl(Op.ADDMM, torch.addmm),
+        GemmAttrs,
+        FLOATS,
+        ADDMM_CASES,
+        "addmm(bias, a, b, beta, alpha): beta * bias + alpha * (a @ b), 2-d",
+    ),
+    (
+        Op.BADDBMM,
+        _matmul_impl(Op.BADDBMM, torch.baddbmm),
+        GemmAttrs,
+        FLOATS,
+        BADDBMM_CASES,
+        "baddbmm(bias, a, b, beta, alpha): beta * bias + alpha * (a @ b), 3-d",
+    ),
+    (
+        Op.CONVOLUTION,
+        _convolution,
+        ConvolutionAttrs,
+        FLOATS,
+        CONV_CASES,
+        "convolution(x, weight, bias or None, ...): torch.convolution, 1d/2d/3d",
+    ),
+    (Op.CUMSUM, _cumsum, CumsumAttrs, FLOATS | INT64, CUMSUM_CASES, "cumsum(x, dim), same dtype"),
+    (Op.SORT, _sort, SortAttrs, FLOATS | INT64, SORT_CASES, "sort(x, ...) -> values, indices"),
+    (Op.TOPK, _topk, TopkAttrs, FLOATS | INT64, TOPK_CASES, "topk(x, ...) -> values, indices"),
+)
+for _op, _impl, _attrs, _dtypes, _cases, _doc in _ROWS:
+    extern(_op, _impl, attrs=_attrs, dtypes=_dtypes, samples=_samples(_cases), doc=_doc)
+
+
+# ---------------------------------------------------------------------------------------------
+# extern: any torch function
+
+
+def _call(attrs: ExternAttrs, *operands: Any) -> Any:
+    """``attrs.fn``'s result with every ``Slot(i)`` of its arguments replaced by operand i."""
+
+    def fill(leaf: Any) -> Any:
+        if not isinstance(leaf, Slot):
+            return leaf
+        if not 0 <= leaf.index < len(operands):
+            raise IndexError(f"extern: {leaf} with {len(operands)} operand(s)")
+        return operands[leaf.index]
+
+    args, kwargs = pytree.tree_map(fill, (tuple(attrs.args), dict(attrs.kwargs)))
+    return attrs.fn(*args, **kwargs)
+
+
+def _output_tensors(fn: Callable[..., Any], result: Any) -> list[torch.Tensor]:
+    """The tensors of ``result``, flattened; anything else cannot be a graph value."""
+    leaves = pytree.tree_leaves(result)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"extern: {getattr(fn, '__name__', fn)} returns {type(leaf).__name__} "
+                f"{leaf!r}; only tensors (in tuples, lists, dicts) can be graph values"
+            )
+    if not leaves:
+        raise TypeError(f"extern: {getattr(fn, '__name__', fn)} returns no tensor")
+    return leaves
+
+
+def _extern(attrs: ExternAttrs, *operands: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    result = _call(attrs, *operands)
+    if isinstance(result, torch.Tensor):
+        return result
+    return tuple(_output_tensors(attrs.fn, result))
+
+
+def extern_call(
+    fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+) -> Any:
+    """Emit an ``extern`` node computing ``fn(*args, **kwargs)`` into the active graph.
+
+    Each :class:`~kiln.ir.Value` in ``args``/``kwargs`` (nested in lists, tuples and dicts too)
+    becomes an operand, replaced by its ``Slot``; a concrete tensor is lifted into a graph
+    constant first. Returns ``fn``'s result with its tensors replaced by the node's outputs: a
+    Value for a tensor, the same container of Values for a tuple or list of tensors. A result
+    holding anything but tensors raises ``TypeError``: it cannot be a graph value.
+    """
+    builder = require_builder()
+    slots: dict[Value, Slot] = {}  # operands in first-use order; a repeated Value shares a slot
+
+    def slot(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            leaf = builder.constant(leaf)
+        if isinstance(leaf, Value):
+            return slots.setdefault(leaf, Slot(len(slots)))
+        return leaf
+
+    slotted_args, slotted_kwargs = pytree.tree_map(slot, (tuple(args), dict(kwargs or {})))
+    attrs = ExternAttrs(fn, slotted_args, slotted_kwargs)
+    outputs = emit(Op.EXTERN, *slots, attrs=attrs)
+    # The node's meta accepted the call; run it abstractly again for the result's structure.
+    result = _run_abstractly(_call, attrs, [value.type for value in slots], fake=True)
+    _, structure = pytree.tree_flatten(result)
+    flat = [outputs] if isinstance(outputs, Value) else list(outputs)
+    return pytree.tree_unflatten(flat, structure)
+
+
+def _extern_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
+    def x(*shape: int) -> torch.Tensor:
+        return make_tensor(shape, dtype, device)
+
+    one = (Slot(0),)
+    cases = [
+        Sample((x(3, 4),), ExternAttrs(F.softplus, one, {"beta": 2.0, "threshold": 1.0})),
+        Sample((x(3, 4),), ExternAttrs(torch.linalg.vector_norm, one, {"ord": 3, "dim": (1,)})),
+        Sample((x(3, 4),), ExternAttrs(torch.aminmax, one, {"dim": 1}), note="two outputs"),
+        Sample(
+            (x(2, 3), x(4, 3)),
+            ExternAttrs(torch.cat, ([Slot(0), Slot(1)],), {"dim": 0}),
+            note="slots nested in a list",
+        ),
+        Sample((x(0, 3),), ExternAttrs(torch.exp, one), note="empty"),
+    ]
+    if dtype == torch.float32:  # CPU has no float16/bfloat16 kernel for bessel_j0
+        cases.append(Sample((x(5),), ExternAttrs(torch.special.bessel_j0, one)))
+    return cases
+
+
+extern(
+    Op.EXTERN,
+    _extern,
+    attrs=ExternAttrs,
+    dtypes=FLOATS,
+    samples=_extern_samples,
+    doc="extern(*tensors, fn, args, kwargs): fn's result, its tensors flattened",
+    fake=True,  # any function: it may move tensors between devices
+)

@@ -1,0 +1,24 @@
+"""torch API -> prims translations, one table keyed by the torch callable.
+
+Importing this package registers every translation. ``lookup(fn)`` finds one; a callable with
+no translation becomes an ``extern`` node (see ``kiln.ops.externs``), never an error.
+"""
+
+from kiln.ops.translations.table import (
+    Call,
+    FallbackToExtern,
+    Translation,
+    api_name,
+    assign_input,
+    collect_assignments,
+    finish_assignments,
+    entries,
+    lookup,
+    translation,
+)
+
+__all__ = ["Call", "FallbackToExtern", "Translation", "api_name", "assign_input", "collect_assignments", "finish_assignments", "entries", "lookup", "translation"]
+from kiln.ops.translations import reductions, norms, sorting, normalization, losses  # noqa: F401
+from kiln.ops.translations import convolution, einsum, linalg, nn, pooling  # noqa: F401
+from kiln.ops.translations import math  # noqa: F401
+from kiln.ops.translations import gathering, indexing, joining, shape, slicing  # noqa: F401

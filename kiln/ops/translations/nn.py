@@ -1,0 +1,224 @@
+"""Translations of neural-network layers that only move data: F.embedding (an ``index`` of the
+weight rows), F.pixel_shuffle/pixel_unshuffle (reshape, permute, reshape) and nearest-neighbour
+F.interpolate.
+
+Nearest interpolation is separable, and its source index along each spatial dim is found by
+running eager's own kernel on an ``arange`` of that dim's length (so scale rounding matches
+eager exactly). An index that repeats each element ``r`` times becomes unsqueeze, broadcast and
+reshape; any other index becomes one ``index`` with a constant index tensor::
+
+    F.interpolate(x, scale_factor=2)   # x: f32[1, 2, 3]
+    t0 = unsqueeze(x, dims=(3,)); t1 = broadcast(t0, shape=(1, 2, 3, 2), dims=(0, 1, 2, 3))
+    t2 = reshape(t1, shape=(1, 2, 6))
+
+Other interpolation modes fall back to an extern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ir.graph import Value
+from kiln.ops import prims
+from kiln.ops.sampling import ALL, FLOATS
+from kiln.ops.translations import common
+from kiln.ops.translations.cases import T, case_calls
+from kiln.ops.translations.linalg import reshape
+from kiln.ops.translations.table import FallbackToExtern, translation
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# embedding
+
+
+def _lookup(weight: Value, indices: Value) -> Value:
+    if indices.type.dtype not in INDEX_DTYPES:
+        raise RuntimeError(
+            "Expected tensor for argument #1 'indices' to have one of the following scalar "
+            f"types: Long, Int; but got {indices.type.dtype} instead (while checking arguments "
+            "for embedding)"
+        )
+    if weight.type.rank != 2:
+        raise RuntimeError(f"embedding: 'weight' must be 2-D, got {weight.type.rank}-D")
+    rows = prims.index(weight, common.convert(indices, torch.int64), dims=(0,))
+    assert isinstance(rows, Value)
+    return rows
+
+
+def _embedding_indices(count: int, shape: tuple[int, ...]) -> T:
+    return T(shape, dtype=torch.int64, low=0, high=count)
+
+
+@translation(
+    F.embedding,
+    samples=case_calls(
+        ((_embedding_indices(6, (2, 3)), T((6, 4))), {}, ""),
+        ((_embedding_indices(6, ()), T((6, 4))), {}, "0-d indices"),
+        ((T((5,), dtype=torch.int32, low=0, high=6), T((6, 4))), {"padding_idx": 0}, "int32"),
+        ((_embedding_indices(6, (0, 2)), T((6, 4))), {"padding_idx": -1}, "empty"),
+    ),
+    dtypes=ALL,
+)
+def embedding(
+    input: Value,
+    weight: Value,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Value:
+    if max_norm is not None:
+        raise FallbackToExtern  # renormalizes the weight rows in place
+    if padding_idx is not None and not -weight.type.shape[0] <= padding_idx < weight.type.shape[0]:
+        raise AssertionError("Padding_idx must be within num_embeddings")
+    return _lookup(weight, input)
+
+
+@translation(
+    torch.embedding,
+    samples=case_calls(((T((6, 4)), _embedding_indices(6, (2, 3))), {}, "weight first")),
+    dtypes=ALL,
+)
+def embedding_weight_first(
+    weight: Value,
+    indices: Value,
+    padding_idx: int = -1,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Value:
+    return _lookup(weight, indices)
+
+
+# ---------------------------------------------------------------------------------------------
+# pixel_shuffle, pixel_unshuffle
+
+
+def _check_factor(op: str, input: Value, factor: int, what: str) -> None:
+    if factor <= 0:
+        raise RuntimeError(f"{op} expects a positive {what}, but got {factor}")
+    if input.type.rank < 3:
+        raise RuntimeError(
+            f"{op} expects input to have at least 3 dimensions, but got input with "
+            f"{input.type.rank} dimension(s)"
+        )
+
+
+@translation(
+    torch.pixel_shuffle,
+    samples=case_calls(
+        ((T((2, 8, 3, 3)), 2), {}, ""),
+        ((T((9, 2, 1)), 3), {}, "3-d"),
+        ((T((2, 1, 4, 2, 2)), 2), {}, "5-d"),
+    ),
+    dtypes=ALL,
+)
+def pixel_shuffle(input: Value, upscale_factor: int) -> Value:
+    _check_factor("pixel_shuffle", input, upscale_factor, "upscale_factor")
+    *lead, channels, height, width = (int(s) for s in input.type.shape)
+    r = upscale_factor
+    if channels % (r * r):
+        raise RuntimeError(
+            "pixel_shuffle expects its input's 'channel' dimension to be divisible by the square "
+            f"of upscale_factor, but input.size(-3)={channels} is not divisible by {r * r}"
+        )
+    split = reshape(input, (*lead, channels // (r * r), r, r, height, width))
+    n = len(lead)
+    moved = prims.permute(split, dims=(*range(n + 1), n + 3, n + 1, n + 4, n + 2))
+    return reshape(moved, (*lead, channels // (r * r), height * r, width * r))
+
+
+@translation(
+    torch.pixel_unshuffle,
+    samples=case_calls(((T((2, 2, 6, 4)), 2), {}, ""), ((T((1, 3, 3)), 3), {}, "3-d")),
+    dtypes=ALL,
+)
+def pixel_unshuffle(input: Value, downscale_factor: int) -> Value:
+    _check_factor("pixel_unshuffle", input, downscale_factor, "downscale_factor")
+    *lead, channels, height, width = (int(s) for s in input.type.shape)
+    r = downscale_factor
+    if height % r or width % r:
+        raise RuntimeError(
+            f"pixel_unshuffle expects height ({height}) and width ({width}) to be divisible by "
+            f"downscale_factor ({r})"
+        )
+    split = reshape(input, (*lead, channels, height // r, r, width // r, r))
+    n = len(lead)
+    moved = prims.permute(split, dims=(*range(n + 1), n + 2, n + 4, n + 1, n + 3))
+    return reshape(moved, (*lead, channels * r * r, height // r, width // r))
+
+
+# ---------------------------------------------------------------------------------------------
+# interpolate (nearest)
+
+
+def _per_dim(value: object, dim: int) -> object:
+    return value[dim] if isinstance(value, Sequence) else value
+
+
+def _source_index(size: int, dim: int, mode: str, arguments: dict[str, object]) -> list[int]:
+    """Eager's nearest source index along one dim, read off its kernel run on an arange."""
+    probe = torch.arange(size, dtype=torch.float32).reshape(1, 1, size)
+    per_dim = {name: _per_dim(value, dim) for name, value in arguments.items()}
+    result = F.interpolate(probe, mode=mode, **per_dim)  # type: ignore[arg-type]
+    return [int(i) for i in result.reshape(-1).tolist()]
+
+
+def _gather_dim(x: Value, dim: int, index: list[int]) -> Value:
+    """``x`` with ``x[..., index, ...]`` along ``dim``, as movement when the index allows."""
+    size = int(x.type.shape[dim])
+    if index == list(range(size)):
+        return x
+    repeats = len(index) // size if size else 0
+    if repeats and index == [i // repeats for i in range(len(index))]:
+        shape = x.type.shape
+        grown = (*shape[: dim + 1], repeats, *shape[dim + 1 :])
+        widened = common.broadcast_to(prims.unsqueeze(x, dims=(dim + 1,)), grown)
+        return reshape(widened, (*shape[:dim], size * repeats, *shape[dim + 1 :]))
+    positions = common.constant(torch.tensor(index, dtype=torch.int64, device=x.type.device))
+    result = prims.index(x, positions, dims=(dim,))
+    assert isinstance(result, Value)
+    return result
+
+
+@translation(
+    F.interpolate,
+    samples=case_calls(
+        ((T((1, 2, 3)),), {"scale_factor": 2}, "1-d, repeat"),
+        ((T((1, 2, 3, 4)),), {"scale_factor": (3, 2)}, "2-d, repeat"),
+        ((T((1, 2, 4, 4)),), {"size": (6, 3)}, "2-d, any size"),
+        ((T((1, 1, 2, 3, 2)),), {"scale_factor": 1.5, "mode": "nearest-exact"}, "3-d exact"),
+        ((T((2, 1, 5, 5)),), {"scale_factor": 0.5, "recompute_scale_factor": True}, "down"),
+    ),
+    dtypes=FLOATS,
+)
+def interpolate(
+    input: Value,
+    size: int | Sequence[int] | None = None,
+    scale_factor: float | Sequence[float] | None = None,
+    mode: str = "nearest",
+    align_corners: bool | None = None,
+    recompute_scale_factor: bool | None = None,
+    antialias: bool = False,
+) -> Value:
+    if mode not in ("nearest", "nearest-exact") or antialias:
+        raise FallbackToExtern  # linear modes weigh neighbours: not expressed in prims yet
+    arguments = {
+        "size": size,
+        "scale_factor": scale_factor,
+        "align_corners": align_corners,
+        "recompute_scale_factor": recompute_scale_factor,
+    }
+    # Eager's own argument checks and output shape, on a meta tensor.
+    meta = torch.empty(tuple(input.type.shape), dtype=input.type.dtype, device="meta")
+    F.interpolate(meta, mode=mode, **arguments)  # type: ignore[arg-type]
+    result = input
+    for dim in range(input.type.rank - 2):
+        index = _source_index(int(input.type.shape[dim + 2]), dim, mode, arguments)
+        result = _gather_dim(result, dim + 2, index)
+    return result

@@ -1,0 +1,487 @@
+"""Translations of max, average and adaptive pooling, decomposed into movement and elementwise
+prims.
+
+A pooling window is a box, so pooling is separable: max (or sum) over the box is max (or sum)
+along one spatial dim after another. Along one dim, the input is padded (``-inf``, the dtype's
+minimum for integers, or 0) to cover every window, and the ``kernel`` strided slices that hold
+each window's j-th element are combined elementwise::
+
+    F.max_pool1d(x, 3, stride=2)   # x: f32[1, 2, 7]
+    t0 = slice(x, dim=2, start=0, stop=5, step=2); t1 = slice(x, dim=2, start=1, stop=6, step=2)
+    t2 = slice(x, dim=2, start=2, stop=7, step=2); t3 = maximum(t0, t1); t4 = maximum(t3, t2)
+
+Averages sum in float32 for reduced-precision inputs and divide once by the window sizes
+(products of per-dim counts, a scalar when all windows are equal), then round once, as eager's
+CPU kernels do. Adaptive pooling reshapes when the input size divides the output size, and
+otherwise pools each output cell's window (``floor(i*in/out)`` to ``ceil((i+1)*in/out)``) and
+concatenates; outputs wider than 64 cells along a dim fall back to an extern.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ir.graph import Value
+from kiln.ops import prims
+from kiln.ops.sampling import FLOATS, NUMERIC
+from kiln.ops.translations import common
+from kiln.ops.translations.cases import T, case_calls
+from kiln.ops.translations.linalg import reshape
+from kiln.ops.translations.table import FallbackToExtern, translation
+
+IntArg = int | Sequence[int]
+Reduce = Callable[[Value, int], Value]  # reduce a value over one dim, removing it
+MAX_ADAPTIVE_CELLS = 64  # wider adaptive outputs (without an even split) become externs
+
+
+@dataclass(frozen=True)
+class Window:
+    """The pooling geometry along one spatial dim."""
+
+    kernel: int
+    stride: int
+    padding: int
+    dilation: int = 1
+    ceil_mode: bool = False
+
+    def output_size(self, size: int) -> int:
+        """PyTorch's ``pooling_output_shape``: a window may not start in the high padding."""
+        span = size + 2 * self.padding - self.dilation * (self.kernel - 1) - 1
+        extra = self.stride - 1 if self.ceil_mode else 0
+        out = (span + extra) // self.stride + 1
+        if self.ceil_mode and (out - 1) * self.stride >= size + self.padding:
+            out -= 1
+        return out
+
+
+def _ints(value: IntArg, spatial: int, op: str, name: str) -> tuple[int, ...]:
+    values = (value,) if isinstance(value, int) else tuple(value)
+    if len(values) == 1:
+        return values * spatial
+    if len(values) != spatial:
+        count = ("one", "two", "three")[spatial - 1]
+        raise RuntimeError(f"{op}: {name} must either be a single int, or a tuple of {count} ints")
+    return values
+
+
+def windows(
+    op: str,
+    spatial: int,
+    kernel_size: IntArg,
+    stride: IntArg | None,
+    padding: IntArg,
+    dilation: IntArg = 1,
+    ceil_mode: bool = False,
+) -> list[Window]:
+    """Per-dim windows from the functional arguments (``stride`` None or empty: the kernel)."""
+    kernels = _ints(kernel_size, spatial, op, "kernel_size")
+    strides = kernels if stride is None or stride == [] else _ints(stride, spatial, op, "stride")
+    pads = _ints(padding, spatial, op, "padding")
+    dilations = _ints(dilation, spatial, op, "dilation")
+    result = []
+    for k, s, p, d in zip(kernels, strides, pads, dilations, strict=True):
+        if k <= 0:
+            raise RuntimeError(f"{op}: kernel_size should be greater than zero, but got {k}")
+        if s <= 0:
+            raise RuntimeError(f"{op}: stride should not be zero")
+        if d <= 0:
+            raise RuntimeError(f"{op}: dilation should be greater than zero, but got {d}")
+        if p < 0 or p > (d * (k - 1) + 1) // 2:
+            raise RuntimeError(
+                f"{op}: pad should be at most half of effective kernel size, but got pad={p}, "
+                f"kernel_size={k} and dilation={d}"
+            )
+        result.append(Window(k, s, p, d, bool(ceil_mode)))
+    return result
+
+
+def check_input(op: str, input: Value, spatial: int) -> None:
+    """Pooling takes (C, *spatial) or (N, C, *spatial) with non-empty spatial dims."""
+    rank = input.type.rank
+    features = input.type.shape[1:] if rank == spatial + 2 else input.type.shape  # N may be 0
+    if rank not in (spatial + 1, spatial + 2) or any(size == 0 for size in features):
+        raise RuntimeError(
+            f"{op}: non-empty {spatial + 1}D or {spatial + 2}D (batch mode) tensor expected for "
+            f"input, got {list(input.type.shape)}"
+        )
+
+
+def _output_sizes(op: str, input: Value, wins: Sequence[Window]) -> list[int]:
+    sizes = [int(s) for s in input.type.shape[-len(wins) :]]
+    outs = [w.output_size(s) for w, s in zip(wins, sizes, strict=True)]
+    if any(out <= 0 for out in outs):
+        raise RuntimeError(
+            f"{op}: Given input size: ({'x'.join(map(str, sizes))}). Calculated output size: "
+            f"({'x'.join(map(str, outs))}). Output size is too small"
+        )
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------
+# windows along one dim
+
+
+def _pad_dim(x: Value, dim: int, low: int, high: int, value: bool | int | float) -> Value:
+    if low == 0 and high == 0:
+        return x
+    lows = tuple(low if d == dim else 0 for d in range(x.type.rank))
+    highs = tuple(high if d == dim else 0 for d in range(x.type.rank))
+    result = prims.pad(x, low=lows, high=highs, value=value)
+    assert isinstance(result, Value)
+    return result
+
+
+def pool_dim(
+    x: Value,
+    dim: int,
+    window: Window,
+    out: int,
+    fill: bool | int | float,
+    combine: Callable[[Value, Value], Value],
+) -> Value:
+    """Combine the ``window.kernel`` elements of each of ``out`` windows along ``dim``."""
+    size = int(x.type.shape[dim])
+    last = (out - 1) * window.stride + 1  # the extent of one slice
+    span = last + window.dilation * (window.kernel - 1)
+    padded = _pad_dim(x, dim, window.padding, span - size - window.padding, fill)
+    slices = [
+        prims.slice(padded, dim=dim, start=j * window.dilation, stop=j * window.dilation + last,
+                    step=window.stride)
+        for j in range(window.kernel)
+    ]
+    return functools.reduce(combine, slices)
+
+
+def _lowest(dtype: torch.dtype) -> bool | int | float:
+    """The padding that never wins a max."""
+    if dtype.is_floating_point:
+        return -math.inf
+    return torch.iinfo(dtype).min
+
+
+def _divide(total: Value, counts: Sequence[Sequence[int]]) -> Value:
+    """``total`` divided by the outer product of per-dim window sizes (its trailing dims)."""
+    flat = [math.prod(cell) for cell in _cells(counts)]
+    if len(set(flat)) <= 1:
+        result = prims.div(total, float(flat[0]) if flat else 1.0)
+        assert isinstance(result, Value)
+        return result
+    shape = tuple(len(c) for c in counts)
+    divisor = torch.tensor(flat, dtype=total.type.dtype, device=total.type.device).reshape(shape)
+    result = prims.div(total, common.broadcast_to(common.constant(divisor), total.type.shape))
+    assert isinstance(result, Value)
+    return result
+
+
+def _cells(counts: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    cells: list[tuple[int, ...]] = [()]
+    for per_dim in counts:
+        cells = [(*cell, count) for cell in cells for count in per_dim]
+    return cells
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Averages of reduced-precision floats accumulate in float32, as on eager's CPU."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# max_pool
+
+
+def max_pool(
+    input: Value,
+    spatial: int,
+    kernel_size: IntArg,
+    stride: IntArg | None,
+    padding: IntArg,
+    dilation: IntArg,
+    ceil_mode: bool,
+    return_indices: bool,
+) -> Value:
+    op = f"max_pool{spatial}d"
+    if return_indices:
+        raise FallbackToExtern  # argmax positions of windows: no prim expresses them yet
+    check_input(op, input, spatial)
+    if spatial == 1 and not input.type.dtype.is_floating_point:
+        name = str(input.type.dtype).removeprefix("torch.")
+        raise NotImplementedError(f'"max_pool1d_impl" not implemented for \'{name}\'')
+    wins = windows(op, spatial, kernel_size, stride, padding, dilation, ceil_mode)
+    outs = _output_sizes(op, input, wins)
+    fill = _lowest(input.type.dtype)
+    result = input
+    first = input.type.rank - spatial
+    for offset, (window, out) in enumerate(zip(wins, outs, strict=True)):
+        result = pool_dim(result, first + offset, window, out, fill, prims.maximum)
+    return result
+
+
+def _max_pool_cases(spatial: int) -> list[tuple[tuple[object, ...], dict[str, object], str]]:
+    size = (9, 7, 5)[spatial - 1]
+    dims = (size,) * spatial
+    return [
+        ((T((2, 3, *dims)), 2), {}, ""),
+        ((T((1, 2, *dims)), 3), {"stride": 2, "padding": 1}, "padded"),
+        ((T((1, 2, *dims)), 2), {"stride": 1, "dilation": 2}, "dilated"),
+        ((T((1, 2, *dims)), 2), {"ceil_mode": True}, "ceil_mode"),
+        ((T((1, 2, *dims)), (3,) * spatial, (2,) * spatial, 1, 1, True), {}, "positional"),
+        ((T((2, *dims)), 3), {"stride": 2}, "unbatched"),
+    ]
+
+
+def _max_pool_translation(spatial: int, *keys: object, dtypes: frozenset[torch.dtype]) -> None:
+    def max_pool_nd(
+        input: Value,
+        kernel_size: IntArg,
+        stride: IntArg | None = None,
+        padding: IntArg = 0,
+        dilation: IntArg = 1,
+        ceil_mode: bool = False,
+        return_indices: bool = False,
+    ) -> Value:
+        geometry = (kernel_size, stride, padding, dilation, ceil_mode)
+        return max_pool(input, spatial, *geometry, return_indices)
+
+    max_pool_nd.__name__ = max_pool_nd.__qualname__ = f"max_pool{spatial}d"
+    samples = case_calls(*_max_pool_cases(spatial))
+    translation(*keys, samples=samples, dtypes=dtypes)(max_pool_nd)  # type: ignore[arg-type]
+
+
+_max_pool_translation(1, F.max_pool1d, torch.max_pool1d, dtypes=FLOATS)  # eager: no int kernel
+_max_pool_translation(2, F.max_pool2d, torch.max_pool2d, dtypes=NUMERIC)
+_max_pool_translation(3, F.max_pool3d, torch.max_pool3d, dtypes=NUMERIC)
+
+
+# ---------------------------------------------------------------------------------------------
+# avg_pool
+
+
+def _window_counts(window: Window, size: int, out: int, include_pad: bool) -> list[int]:
+    """Each window's divisor along one dim, as eager's CPU kernel computes it."""
+    counts = []
+    for i in range(out):
+        start = i * window.stride - window.padding
+        end = min(start + window.kernel, size + window.padding)
+        counts.append(end - start if include_pad else min(end, size) - max(start, 0))
+    return counts
+
+
+def avg_pool(
+    input: Value,
+    spatial: int,
+    kernel_size: IntArg,
+    stride: IntArg | None,
+    padding: IntArg,
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> Value:
+    op = f"avg_pool{spatial}d"
+    check_input(op, input, spatial)
+    if divisor_override is not None and divisor_override == 0:
+        raise RuntimeError(f"{op}: divisor must be not zero")
+    wins = windows(op, spatial, kernel_size, stride, padding, 1, ceil_mode)
+    outs = _output_sizes(op, input, wins)
+    dtype = input.type.dtype
+    if not dtype.is_floating_point:
+        raise FallbackToExtern  # eager's integer average rounds like no prim
+    total = common.convert(input, _compute_dtype(dtype))
+    assert isinstance(total, Value)
+    first = input.type.rank - spatial
+    counts = []
+    for offset, (window, out) in enumerate(zip(wins, outs, strict=True)):
+        size = int(input.type.shape[first + offset])
+        total = pool_dim(total, first + offset, window, out, 0, prims.add)
+        counts.append(_window_counts(window, size, out, count_include_pad))
+    if divisor_override is not None:
+        counts = [[divisor_override]]
+    result = common.convert(_divide(total, counts), dtype)
+    assert isinstance(result, Value)
+    return result
+
+
+def _avg_pool_cases(spatial: int) -> list[tuple[tuple[object, ...], dict[str, object], str]]:
+    size = (9, 7, 5)[spatial - 1]
+    dims = (size,) * spatial
+    cases = [
+        ((T((2, 3, *dims)), 2), {}, ""),
+        ((T((1, 2, *dims)), 3), {"stride": 2, "padding": 1}, "padded, counting the padding"),
+        ((T((1, 2, *dims)), 3), {"padding": 1, "count_include_pad": False}, "not counting it"),
+        ((T((1, 2, *dims)), 2), {"ceil_mode": True, "padding": 1}, "ceil_mode"),
+        ((T((2, *dims)), 3), {"stride": 2}, "unbatched"),
+    ]
+    if spatial > 1:
+        cases.append(((T((1, 2, *dims)), 2), {"divisor_override": 3}, "divisor_override"))
+    return cases
+
+
+@translation(torch.avg_pool1d, samples=case_calls(*_avg_pool_cases(1)), dtypes=FLOATS)
+def avg_pool1d(
+    input: Value,
+    kernel_size: IntArg,
+    stride: IntArg | None = None,
+    padding: IntArg = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+) -> Value:
+    geometry = (kernel_size, stride, padding, ceil_mode, count_include_pad)
+    return avg_pool(input, 1, *geometry, None)
+
+
+def _avg_pool_translation(spatial: int, key: object, dtypes: frozenset[torch.dtype]) -> None:
+    def avg_pool_nd(
+        input: Value,
+        kernel_size: IntArg,
+        stride: IntArg | None = None,
+        padding: IntArg = 0,
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+        divisor_override: int | None = None,
+    ) -> Value:
+        geometry = (kernel_size, stride, padding, ceil_mode, count_include_pad)
+        return avg_pool(input, spatial, *geometry, divisor_override)
+
+    avg_pool_nd.__name__ = avg_pool_nd.__qualname__ = f"avg_pool{spatial}d"
+    samples = case_calls(*_avg_pool_cases(spatial))
+    translation(key, samples=samples, dtypes=dtypes)(avg_pool_nd)  # type: ignore[arg-type]
+
+
+_avg_pool_translation(2, F.avg_pool2d, FLOATS)
+# Eager's CPU kernel has no float16/bfloat16 avg_pool3d; the translation computes them anyway.
+_avg_pool_translation(3, F.avg_pool3d, frozenset({torch.float32}))
+
+
+# ---------------------------------------------------------------------------------------------
+# adaptive pooling
+
+
+def _adaptive_sizes(op: str, input: Value, spatial: int, output_size: object) -> list[int]:
+    """Output sizes per spatial dim (None keeps the input's size)."""
+    check_input(op, input, spatial)
+    sizes = [int(s) for s in input.type.shape[-spatial:]]
+    wanted = [output_size] * spatial if not isinstance(output_size, Sequence) else output_size
+    if len(wanted) == 1 and spatial > 1:
+        wanted = list(wanted) * spatial
+    if len(wanted) != spatial:
+        raise ValueError(f"{op}: output_size must be {spatial}, got {list(wanted)}")
+    outs = [size if out is None else int(out) for out, size in zip(wanted, sizes, strict=True)]
+    if any(out < 0 for out in outs):
+        raise RuntimeError(f"{op}: elements of output_size must be greater than or equal to 0")
+    return outs
+
+
+def adaptive_bounds(size: int, out: int) -> list[tuple[int, int]]:
+    """Each output cell's window ``[floor(i*size/out), ceil((i+1)*size/out))``."""
+    return [((i * size) // out, -((-(i + 1) * size) // out)) for i in range(out)]
+
+
+def adaptive_dim(x: Value, dim: int, out: int, reduce: Reduce) -> Value:
+    """Reduce each adaptive window along ``dim``: one reshape when ``out`` divides the size,
+    else one slice per output cell, concatenated."""
+    shape = x.type.shape
+    size = int(shape[dim])
+    if out and size % out == 0:
+        split = reshape(x, (*shape[:dim], out, size // out, *shape[dim + 1 :]))
+        return reduce(split, dim + 1)
+    if out > MAX_ADAPTIVE_CELLS:
+        raise FallbackToExtern  # one slice per cell: too many nodes
+    cells = [
+        prims.unsqueeze(reduce(prims.slice(x, dim=dim, start=start, stop=stop), dim), dims=(dim,))
+        for start, stop in adaptive_bounds(size, out)
+    ]
+    if not cells:
+        return prims.slice(x, dim=dim, start=0, stop=0)
+    result = prims.cat(*cells, dim=dim)
+    assert isinstance(result, Value)
+    return result
+
+
+def _sum_dim(x: Value, dim: int) -> Value:
+    result = prims.sum(x, dims=(dim,))
+    assert isinstance(result, Value)
+    return result
+
+
+def _amax_dim(x: Value, dim: int) -> Value:
+    result = prims.amax(x, dims=(dim,))
+    assert isinstance(result, Value)
+    return result
+
+
+def adaptive_avg_pool(input: Value, spatial: int, output_size: object) -> Value:
+    op = f"adaptive_avg_pool{spatial}d"
+    outs = _adaptive_sizes(op, input, spatial, output_size)
+    dtype = input.type.dtype
+    if not dtype.is_floating_point:
+        raise RuntimeError(f'"{op}" not implemented for \'{str(dtype).removeprefix("torch.")}\'')
+    total = common.convert(input, _compute_dtype(dtype))
+    assert isinstance(total, Value)
+    first = input.type.rank - spatial
+    counts = []
+    for offset, out in enumerate(outs):
+        size = int(input.type.shape[first + offset])
+        total = adaptive_dim(total, first + offset, out, _sum_dim)
+        counts.append([stop - start for start, stop in adaptive_bounds(size, out)])
+    result = common.convert(_divide(total, counts), dtype)
+    assert isinstance(result, Value)
+    return result
+
+
+def adaptive_max_pool(
+    input: Value, spatial: int, output_size: object, return_indices: bool
+) -> Value:
+    op = f"adaptive_max_pool{spatial}d"
+    if return_indices:
+        raise FallbackToExtern  # argmax positions of windows: no prim expresses them yet
+    outs = _adaptive_sizes(op, input, spatial, output_size)
+    result = input
+    first = input.type.rank - spatial
+    for offset, out in enumerate(outs):
+        result = adaptive_dim(result, first + offset, out, _amax_dim)
+    return result
+
+
+def _adaptive_cases(spatial: int) -> list[tuple[tuple[object, ...], dict[str, object], str]]:
+    size = (10, 6, 4)[spatial - 1]
+    dims = (size,) * spatial
+    cases = [
+        ((T((2, 3, *dims)), 1), {}, "global"),
+        ((T((2, 3, *dims)), 2), {}, "even split"),
+        ((T((1, 2, *dims)), 3), {}, "overlapping windows"),
+        ((T((2, *dims)), (size + 1,) * spatial), {}, "unbatched, upsampling"),
+    ]
+    if spatial > 1:  # the 1-d functions take no None
+        cases.append(((T((1, 2, *dims)), (None, *(3,) * (spatial - 1))), {}, "None keeps a size"))
+    return cases
+
+
+def _adaptive_translation(kind: str, spatial: int, *keys: object) -> None:
+    if kind == "avg":
+
+        def pool(input: Value, output_size: object) -> Value:
+            return adaptive_avg_pool(input, spatial, output_size)
+
+        dtypes = FLOATS
+    else:
+
+        def pool(input: Value, output_size: object, return_indices: bool = False) -> Value:
+            return adaptive_max_pool(input, spatial, output_size, return_indices)
+
+        dtypes = FLOATS
+    pool.__name__ = pool.__qualname__ = f"adaptive_{kind}_pool{spatial}d"
+    samples = case_calls(*_adaptive_cases(spatial))
+    translation(*keys, samples=samples, dtypes=dtypes)(pool)  # type: ignore[arg-type]
+
+
+_adaptive_translation("avg", 1, torch.adaptive_avg_pool1d)
+_adaptive_translation("avg", 2, F.adaptive_avg_pool2d)
+_adaptive_translation("avg", 3, F.adaptive_avg_pool3d)
+_adaptive_translation("max", 1, F.adaptive_max_pool1d)
+_adaptive_translation("max", 2, F.adaptive_max_pool2d)
+_adaptive_translation("max", 3, F.adaptive_max_pool3d)
