@@ -9,8 +9,10 @@ The pipeline (see docs/architecture.md)::
 verifies and interprets it; ``kiln.backends.get_backend("eager")`` runs it.
 """
 
-from kiln import ops  # noqa: F401  (registers every op row and translation)
-from kiln import backends  # noqa: F401  (registers the built-in backends)
+from kiln import (
+    backends,  # noqa: F401  (registers the built-in backends)
+    ops,  # noqa: F401  (registers every op row and translation)
+)
 from kiln.errors import KilnError, TraceError
 from kiln.frontends import run_traced, trace
 from kiln.ir import Graph

@@ -17,8 +17,10 @@ def main(argv: list[str] | None = None) -> int:
         from kiln.demo import run_demo
 
         if args.backend not in backend_names():
-            print(f"kiln: unknown backend {args.backend!r} (have: {', '.join(backend_names())})",
-                  file=sys.stderr)
+            print(
+                f"kiln: unknown backend {args.backend!r} (have: {', '.join(backend_names())})",
+                file=sys.stderr,
+            )
             return 2
         return 0 if run_demo(args.backend) else 1
     return 2

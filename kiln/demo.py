@@ -42,8 +42,9 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """A GPT-2-shaped language model: token and position embeddings, blocks, tied LM head."""
 
-    def __init__(self, vocab: int = 512, width: int = 128, depth: int = 2, heads: int = 4,
-                 context: int = 128) -> None:
+    def __init__(
+        self, vocab: int = 512, width: int = 128, depth: int = 2, heads: int = 4, context: int = 128
+    ) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, width)
         self.positions = nn.Embedding(context, width)
@@ -69,7 +70,10 @@ def _median_seconds(fn: Callable[[], Any], repeats: int = 10) -> float:
 
 
 def run_demo(backend_name: str = "eager") -> bool:
-    """Trace TinyGPT, check it on ``backend_name`` against eager; print a report. True if correct."""
+    """Trace TinyGPT, run it on ``backend_name``, compare with eager, print a report.
+
+    Returns whether the result matched eager.
+    """
     torch.manual_seed(0)
     model = TinyGPT().eval()
     ids = torch.randint(0, 512, (4, 64))
@@ -85,8 +89,10 @@ def run_demo(backend_name: str = "eager") -> bool:
         eager_time = _median_seconds(lambda: model(ids))
         kiln_time = _median_seconds(lambda: compiled(graph_inputs(graph, model, ids)))
     ok = torch.allclose(result, expected, rtol=1e-4, atol=1e-4)
-    print(f"model        TinyGPT ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params), "
-          f"ids {tuple(ids.shape)}, cpu, float32")
+    print(
+        f"model        TinyGPT ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params), "
+        f"ids {tuple(ids.shape)}, cpu, float32"
+    )
     print(f"graph        {len(graph.nodes)} nodes, {len(graph.inputs)} inputs")
     print(f"backend      {backend_name}")
     print(f"correct      {'yes' if ok else 'NO'} (max abs error vs eager {error:.2e})")

@@ -22,7 +22,8 @@ CompiledGraph = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 class Backend(Protocol):
     """Compiles graphs. ``name`` is how users select it: ``kiln.compile(f, backend=name)``."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def compile(self, graph: Graph) -> CompiledGraph: ...
 

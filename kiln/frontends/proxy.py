@@ -21,8 +21,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kiln.errors import KilnError, OpError, OpIndexError, OpTypeError, OpValueError, TraceError
+from kiln.frontends.source import user_location
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Origin, Value
+from kiln.ir.types import concrete, concrete_shape
 from kiln.ops import prims
 from kiln.ops.translations import (
     FallbackToExtern,
@@ -31,25 +33,63 @@ from kiln.ops.translations import (
     finish_assignments,
     lookup,
 )
-from kiln.frontends.source import user_location
 
 # Metadata queries answered from the proxy's type without touching data.
 _NATIVE_METHODS = {
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.numel,
-    torch.Tensor.nelement, torch.Tensor.stride, torch.Tensor.is_contiguous,
-    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.element_size,
-    torch.Tensor.get_device, torch.Tensor.__len__, torch.Tensor.is_signed,
-    torch.Tensor.storage_offset, torch.Tensor.type,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.ndimension,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.stride,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex,
+    torch.Tensor.element_size,
+    torch.Tensor.get_device,
+    torch.Tensor.__len__,
+    torch.Tensor.is_signed,
+    torch.Tensor.storage_offset,
+    torch.Tensor.type,
+    torch.is_floating_point,
+    torch.is_complex,
+    torch.numel,
 }
 _NATIVE_PROPERTIES = {
-    "shape", "dtype", "device", "ndim", "is_cuda", "is_cpu", "is_meta", "requires_grad",
-    "layout", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "names", "itemsize",
-    "is_leaf", "grad_fn", "output_nr", "_version", "is_mps", "is_xpu", "nbytes",
+    "shape",
+    "dtype",
+    "device",
+    "ndim",
+    "is_cuda",
+    "is_cpu",
+    "is_meta",
+    "requires_grad",
+    "layout",
+    "is_sparse",
+    "is_quantized",
+    "is_mkldnn",
+    "is_nested",
+    "names",
+    "itemsize",
+    "is_leaf",
+    "grad_fn",
+    "output_nr",
+    "_version",
+    "is_mps",
+    "is_xpu",
+    "nbytes",
 }
 _DATA_ACCESS = {
-    torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
-    torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.data_ptr,
-    torch.Tensor.__array__, torch.Tensor.__complex__,
+    torch.Tensor.__bool__,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.numpy,
+    torch.Tensor.data_ptr,
+    torch.Tensor.__array__,
+    torch.Tensor.__complex__,
 }
 
 
@@ -66,9 +106,12 @@ class ProxyTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, value: Value) -> ProxyTensor:
         kind = value.type
-        shape = [int(d) for d in kind.shape]  # type: ignore[call-overload]
-        proxy = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, shape, dtype=kind.dtype, device=kind.device, requires_grad=kind.requires_grad
+        proxy = torch.Tensor._make_wrapper_subclass(
+            cls,
+            concrete_shape(kind.shape),
+            dtype=kind.dtype,
+            device=kind.device,
+            requires_grad=kind.requires_grad,
         )
         proxy._value = value
         proxy._initial = value
@@ -87,21 +130,29 @@ class ProxyTensor(torch.Tensor):
         return self._value
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         raise TraceError(f"internal: {func} reached tensor data of a proxy", user_location())
 
     @classmethod
-    def __torch_function__(
-        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return dispatch(func, tuple(args), dict(kwargs or {}))
 
 
 # Factories that draw random numbers: traced even with no proxy argument, so each call of the
 # graph draws new numbers instead of replaying the ones drawn while tracing.
 RANDOM_FACTORIES = {
-    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
-    torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+    torch.bernoulli,
+    torch.normal,
+    torch.multinomial,
 }
 
 
@@ -109,9 +160,7 @@ class TraceMode(torch.overrides.TorchFunctionMode):
     """Routes every torch call that touches a proxy, or draws random numbers, to ``dispatch``;
     other calls (factories of constants such as ``torch.arange(4)``) run normally."""
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         leaves = pytree.tree_leaves((args, kwargs))
         if func in RANDOM_FACTORIES or any(isinstance(leaf, ProxyTensor) for leaf in leaves):
@@ -146,7 +195,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return _describe(args[0])
     builder = require_builder()
     location = user_location()
-    origin = Origin(api_name(func), location.file if location else "", location.line if location else 0)
+    origin = Origin(
+        api_name(func), location.file if location else "", location.line if location else 0
+    )
     by_value: dict[Value, ProxyTensor] = {}
     values = pytree.tree_map(lambda item: _unwrap(item, by_value), (args, kwargs))
     entry = lookup(func)
@@ -160,7 +211,10 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                     result = entry.fn(*values[0], **values[1])
                 except FallbackToExtern:
                     result = _extern(func, *values)
-        except KilnError:
+        except KilnError as error:
+            if error.location is None and location is not None:
+                error.location = location
+                error.args = (f"{error.message}\n  at {location}",)
             raise
         except (TypeError, ValueError, RuntimeError, IndexError, NotImplementedError) as error:
             raise _user_error(origin.api, error, location) from error
@@ -178,7 +232,11 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 )
             return _assign(args[0], result, origin.api)
     wrapped = pytree.tree_map(_wrap, result)
-    if entry is not None and entry.view and isinstance(wrapped, ProxyTensor | tuple | list):
+    if (
+        entry is not None
+        and entry.is_view(*values)
+        and isinstance(wrapped, ProxyTensor | tuple | list)
+    ):
         _mark_views(wrapped, args, kwargs, entry.fn)
     return wrapped
 
@@ -241,16 +299,24 @@ def _assign(target: ProxyTensor, result: Any, api: str) -> ProxyTensor:
         return target
     root_value = root.current()
     positions = prims.reshape(
-        prims.iota(length=int(root_value.type.numel()), start=0, step=1, dtype=torch.int64,
-                   device=root_value.type.device),
+        prims.iota(
+            length=concrete(root_value.type.numel()),
+            start=0,
+            step=1,
+            dtype=torch.int64,
+            device=root_value.type.device,
+        ),
         shape=root_value.type.shape,
     )
     view_positions = target._replay(positions)
-    flat = prims.reshape(root_value, shape=(int(root_value.type.numel()),))
-    numel = int(result.type.numel())
+    flat = prims.reshape(root_value, shape=(concrete(root_value.type.numel()),))
+    numel = concrete(result.type.numel())
     updated = prims.index_put(
-        flat, prims.reshape(result, shape=(numel,)), prims.reshape(view_positions, shape=(numel,)),
-        dims=(0,), accumulate=False,
+        flat,
+        prims.reshape(result, shape=(numel,)),
+        prims.reshape(view_positions, shape=(numel,)),
+        dims=(0,),
+        accumulate=False,
     )
     root._value = prims.reshape(updated, shape=root_value.type.shape)
     root._mutations += 1
@@ -259,12 +325,14 @@ def _assign(target: ProxyTensor, result: Any, api: str) -> ProxyTensor:
     return target
 
 
-def _mark_views(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[..., Any]) -> None:
+def _mark_views(
+    result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[..., Any]
+) -> None:
     """Record that ``result`` views ``args[0]``, and how to recompute it from the root."""
     source = args[0]
     if not isinstance(source, ProxyTensor):
         return
-    root = source._root or source
+    root = source._root if source._root is not None else source
     source_replay = source._replay
 
     outputs, _ = pytree.tree_flatten(result)

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from kiln.frontends.proxy import ProxyTensor, TraceMode
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.interpreter import run
 from kiln.ir.types import TensorType
 from kiln.ir.verify import verify
-from kiln.frontends.proxy import ProxyTensor, TraceMode
 
 
 def trace(fn_or_module: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
@@ -47,20 +47,20 @@ def trace(fn_or_module: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
     ):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         names = _leaf_names(target, args, kwargs, len(leaves))
-        proxies: list[ProxyTensor] = []
+        proxies: dict[int, ProxyTensor] = {}  # one input per tensor object, however often passed
         traced_leaves = []
         for leaf, name in zip(leaves, names, strict=True):
             if isinstance(leaf, torch.Tensor):
-                value = graph.add_input(TensorType.of(leaf), name=name, source=name)
-                proxy = ProxyTensor(value)
-                proxies.append(proxy)
-                traced_leaves.append(proxy)
+                if id(leaf) not in proxies:
+                    value = graph.add_input(TensorType.of(leaf), name=name, source=name)
+                    proxies[id(leaf)] = ProxyTensor(value)
+                traced_leaves.append(proxies[id(leaf)])
             else:
                 traced_leaves.append(leaf)
         traced_args, traced_kwargs = pytree.tree_unflatten(traced_leaves, spec)
         result = fn_or_module(*traced_args, **traced_kwargs)
         _set_outputs(graph, result)
-        for proxy in proxies + state_proxies:
+        for proxy in [*proxies.values(), *state_proxies]:
             if proxy._mutations:
                 graph.mutations.append((proxy._initial, proxy.current()))
     return verify(graph)
@@ -72,7 +72,9 @@ def _graph_name(fn: Any) -> str:
     return name if name.isidentifier() else "fn"
 
 
-def _leaf_names(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> list[str]:
+def _leaf_names(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], count: int
+) -> list[str]:
     """A readable input name per pytree leaf: the parameter name, suffixed inside containers."""
     try:
         bound = inspect.signature(fn).bind(*args, **kwargs).arguments
@@ -109,11 +111,11 @@ def _compiling() -> Iterator[None]:
     """Make ``torch.compiler.is_compiling()`` answer True, so libraries pick traceable paths."""
     compiler = torch.compiler
     previous = getattr(compiler, "_is_compiling_flag", False)
-    compiler._is_compiling_flag = True  # type: ignore[attr-defined]
+    compiler._is_compiling_flag = True
     try:
         yield
     finally:
-        compiler._is_compiling_flag = previous  # type: ignore[attr-defined]
+        compiler._is_compiling_flag = previous
 
 
 @contextlib.contextmanager
@@ -127,13 +129,18 @@ def _module_proxies(module: torch.nn.Module | None, graph: Graph) -> Iterator[li
     proxies: list[ProxyTensor] = []
     try:
         for prefix, owner in module.named_modules(remove_duplicate=False):
-            for slot, kind in ((owner._parameters, InputKind.PARAMETER), (owner._buffers, InputKind.BUFFER)):
+            for slot, kind in (
+                (owner._parameters, InputKind.PARAMETER),
+                (owner._buffers, InputKind.BUFFER),
+            ):
                 for attr, tensor in list(slot.items()):
                     if tensor is None or isinstance(tensor, ProxyTensor):
                         continue  # absent, or a module reached twice (already swapped)
                     if id(tensor) not in by_tensor:
                         path = f"{prefix}.{attr}" if prefix else attr
-                        value = graph.add_input(TensorType.of(tensor), name=path, kind=kind, source=path)
+                        value = graph.add_input(
+                            TensorType.of(tensor), name=path, kind=kind, source=path
+                        )
                         proxy = ProxyTensor(value)
                         by_tensor[id(tensor)] = proxy
                         proxies.append(proxy)
@@ -147,7 +154,12 @@ def _module_proxies(module: torch.nn.Module | None, graph: Graph) -> Iterator[li
 
 def graph_inputs(graph: Graph, fn_or_module: Any, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
     """The tensors to feed ``graph`` for a call ``fn_or_module(*args, **kwargs)``."""
-    user = iter(leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor))
+    unique = {
+        id(leaf): leaf
+        for leaf in pytree.tree_leaves((args, kwargs))
+        if isinstance(leaf, torch.Tensor)
+    }
+    user = iter(unique.values())
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     tensors: list[torch.Tensor] = []
     for value in graph.inputs:
@@ -155,7 +167,9 @@ def graph_inputs(graph: Graph, fn_or_module: Any, *args: Any, **kwargs: Any) -> 
     return tensors
 
 
-def _input_tensor(value: Value, graph: Graph, module: torch.nn.Module | None, user: Iterator[torch.Tensor]) -> torch.Tensor:
+def _input_tensor(
+    value: Value, graph: Graph, module: torch.nn.Module | None, user: Iterator[torch.Tensor]
+) -> torch.Tensor:
     if value.kind is InputKind.USER:
         return next(user)
     if value.kind is InputKind.CONSTANT:

@@ -94,8 +94,7 @@ class GraphBuilder:
             and any(isinstance(i, Value) and i.type.requires_grad for i in inputs)
         )
         output_types = tuple(
-            t.with_(requires_grad=requires_grad and t.dtype.is_floating_point)
-            for t in output_types
+            t.with_(requires_grad=requires_grad and t.dtype.is_floating_point) for t in output_types
         )
         node = self.graph.append(op, inputs, attrs, output_types, self.origin)
         return node.outputs if isinstance(types, tuple) else node.outputs[0]

@@ -129,13 +129,20 @@ class Graph:
 
     def add_constant(self, tensor: torch.Tensor, name: str = "c") -> Value:
         """Lift a concrete tensor into a graph input whose value the graph stores."""
-        value = self.add_input(TensorType.of(tensor).with_(requires_grad=False), name=name,
-                               kind=InputKind.CONSTANT)
+        value = self.add_input(
+            TensorType.of(tensor).with_(requires_grad=False), name=name, kind=InputKind.CONSTANT
+        )
         self.constants[value.name] = tensor
         return value
 
-    def append(self, op: Op, inputs: tuple[Operand, ...], attrs: Any,
-               output_types: tuple[TensorType, ...], origin: Origin) -> Node:
+    def append(
+        self,
+        op: Op,
+        inputs: tuple[Operand, ...],
+        attrs: Any,
+        output_types: tuple[TensorType, ...],
+        origin: Origin,
+    ) -> Node:
         """Append a node whose output types were already computed (by the op's meta)."""
         node = Node(op, inputs, attrs, origin=origin)
         node.outputs = tuple(Value(self.fresh_name(), t, node) for t in output_types)

@@ -19,7 +19,7 @@ from kiln.ir.op import op_def
 
 
 def interpret(graph: Graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Outputs, then mutated-input values, of ``graph`` on ``inputs`` (in ``graph.inputs`` order)."""
+    """Outputs, then mutated-input values, of ``graph`` on ``inputs`` (``graph.inputs`` order)."""
     if len(inputs) != len(graph.inputs):
         raise BackendError(
             f"graph {graph.name} takes {len(graph.inputs)} inputs, got {len(inputs)}"

@@ -18,7 +18,7 @@ import torch
 
 
 class Op(enum.Enum):
-    """Every primitive. Its lowercase name is its printed name and its ``kiln.ops.prims`` function."""
+    """Every primitive; its lowercase name is its printed name and its prims function."""
 
     # elementwise unary
     NEG = enum.auto()

@@ -91,7 +91,9 @@ def format_value(value: Any) -> str:
         return "[" + ", ".join(format_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {format_value(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, types.BuiltinFunctionType | types.FunctionType | types.MethodDescriptorType):
+    if isinstance(
+        value, types.BuiltinFunctionType | types.FunctionType | types.MethodDescriptorType
+    ):
         return callable_name(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = ", ".join(

@@ -44,13 +44,16 @@ def dtype_abbreviation(dtype: torch.dtype) -> str:
     return _DTYPE_ABBREVIATIONS.get(dtype, str(dtype).removeprefix("torch."))
 
 
+CPU = torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class TensorType:
     """The static type of a tensor value."""
 
     shape: Shape
     dtype: torch.dtype
-    device: torch.device = torch.device("cpu")
+    device: torch.device = CPU
     requires_grad: bool = False
 
     @property
@@ -79,9 +82,7 @@ class TensorType:
     @staticmethod
     def of(tensor: torch.Tensor) -> TensorType:
         """The type of a concrete tensor."""
-        return TensorType(
-            tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad
-        )
+        return TensorType(tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
 
 
 FLOATING = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
@@ -97,3 +98,15 @@ def is_integral(dtype: torch.dtype) -> bool:
 
 
 Scalar = bool | int | float
+
+
+def concrete(dim: Dim) -> int:
+    """``dim`` as an int; a symbolic dim raises (the caller needs a specialized shape)."""
+    if isinstance(dim, SymDim):
+        raise TypeError(f"symbolic dim {dim} where a concrete size is required")
+    return dim
+
+
+def concrete_shape(shape: Shape) -> tuple[int, ...]:
+    """``shape`` with every dim concrete (see :func:`concrete`)."""
+    return tuple(concrete(dim) for dim in shape)

@@ -63,7 +63,10 @@ class ExpandAttrs:
 
 @dataclass(frozen=True)
 class SliceAttrs:
-    """SLICE: ``x[..., start:stop:step, ...]`` along ``dim``; 0 <= start <= stop <= size, step >= 1."""
+    """SLICE: ``x[..., start:stop:step, ...]`` along ``dim``.
+
+    Normalized: 0 <= start <= stop <= size and step >= 1.
+    """
 
     dim: int
     start: int

@@ -28,7 +28,9 @@ def _name(dtype: torch.dtype) -> str:
 def _check_dtype(op: Op, dtype: torch.dtype, allowed: frozenset[torch.dtype]) -> None:
     if dtype not in allowed and not (dtype == torch.float64 and allowed & FLOATS):
         kinds = sorted(_name(d) for d in allowed)
-        raise TypeError(f"{op.printed_name} does not support {_name(dtype)} (takes {', '.join(kinds)})")
+        raise TypeError(
+            f"{op.printed_name} does not support {_name(dtype)} (takes {', '.join(kinds)})"
+        )
 
 
 def _operand_tensor(operands: Sequence[TensorType | Scalar | None], op: Op) -> TensorType:
@@ -49,9 +51,7 @@ def _operand_tensor(operands: Sequence[TensorType | Scalar | None], op: Op) -> T
                 f"{_name(other.dtype)} differ (prims do not promote)"
             )
         if other.device != first.device:
-            raise RuntimeError(
-                f"{op.printed_name}: operands on {first.device} and {other.device}"
-            )
+            raise RuntimeError(f"{op.printed_name}: operands on {first.device} and {other.device}")
     for operand in operands:
         if isinstance(operand, float) and not first.dtype.is_floating_point:
             raise TypeError(f"{op.printed_name}: float scalar with a {_name(first.dtype)} tensor")
@@ -163,13 +163,13 @@ def _binary_samples(
             return make_tensor(shape, dtype, device, low=low, high=high, nonzero=nonzero_rhs)
 
         lhs_low = 0.1 if low is not None and low >= 0 and dtype.is_floating_point else None
-        cases = [
-            Sample((make_tensor(s, dtype, device, low=lhs_low), rhs(s))) for s in SHAPES
-        ]
+        cases = [Sample((make_tensor(s, dtype, device, low=lhs_low), rhs(s))) for s in SHAPES]
         scalar = scalar_for(dtype)
         if low is not None and isinstance(scalar, int | float) and not isinstance(scalar, bool):
             scalar = type(scalar)(max(scalar, low if low > 0 else scalar))
-        cases.append(Sample((make_tensor((4, 3), dtype, device, low=lhs_low), scalar), note="scalar rhs"))
+        cases.append(
+            Sample((make_tensor((4, 3), dtype, device, low=lhs_low), scalar), note="scalar rhs")
+        )
         cases.append(Sample((scalar, rhs((4, 3))), note="scalar lhs"))
         return cases
 
@@ -241,7 +241,9 @@ binary(Op.SHIFT_RIGHT, torch.bitwise_right_shift, INTS, low=0, high=5)
 # where and convert
 
 
-def _where_meta(attrs: None, cond: TensorType, x: TensorType | Scalar, y: TensorType | Scalar) -> TensorType:
+def _where_meta(
+    attrs: None, cond: TensorType, x: TensorType | Scalar, y: TensorType | Scalar
+) -> TensorType:
     if not isinstance(cond, TensorType) or cond.dtype != torch.bool:
         raise TypeError("where: the condition must be a bool tensor")
     result = _operand_tensor((x, y), Op.WHERE)
@@ -259,12 +261,25 @@ def _where_impl(attrs: None, cond: torch.Tensor, x: Any, y: Any) -> torch.Tensor
 
 def _where_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
     cases = [
-        Sample((make_tensor(s, torch.bool, device), make_tensor(s, dtype, device),
-                make_tensor(s, dtype, device)))
+        Sample(
+            (
+                make_tensor(s, torch.bool, device),
+                make_tensor(s, dtype, device),
+                make_tensor(s, dtype, device),
+            )
+        )
         for s in SHAPES
     ]
-    cases.append(Sample((make_tensor((3, 4), torch.bool, device), make_tensor((3, 4), dtype, device),
-                         scalar_for(dtype)), note="scalar y"))
+    cases.append(
+        Sample(
+            (
+                make_tensor((3, 4), torch.bool, device),
+                make_tensor((3, 4), dtype, device),
+                scalar_for(dtype),
+            ),
+            note="scalar y",
+        )
+    )
     return cases
 
 

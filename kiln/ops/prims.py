@@ -57,7 +57,7 @@ def _prim(op: Op) -> Callable[..., Any]:
     return prim
 
 
-__all__ = ["call", "Slot"]
+__all__ = ["Slot", "call"]
 for _op in Op:
     globals()[_op.printed_name] = _prim(_op)
     __all__.append(_op.printed_name)

@@ -11,8 +11,17 @@ from torch.nn import functional as F
 
 import kiln
 from kiln.errors import VerificationError
-from kiln.ir import Graph, GraphBuilder, InputKind, TensorType, format_graph, graph_hash
-from kiln.ir import interpret, load_printed, verify
+from kiln.ir import (
+    Graph,
+    GraphBuilder,
+    InputKind,
+    TensorType,
+    format_graph,
+    graph_hash,
+    interpret,
+    load_printed,
+    verify,
+)
 from kiln.ops import prims
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -41,7 +41,9 @@ class SmallResNet(nn.Module):
     def __init__(self, classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Sequential(
-            nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+            nn.Conv2d(3, 8, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(3, 2, 1),
         )
         self.layers = nn.Sequential(BasicBlock(8), BasicBlock(8, stride=2))
@@ -78,8 +80,10 @@ def test_resnet_style_cnn(train: bool) -> None:
 def test_tiny_gpt_demo_model() -> None:
     torch.manual_seed(0)
     with torch.no_grad():
-        _check(TinyGPT(vocab=64, width=32, depth=2, heads=2, context=16).eval(),
-               torch.randint(0, 64, (2, 16)))
+        _check(
+            TinyGPT(vocab=64, width=32, depth=2, heads=2, context=16).eval(),
+            torch.randint(0, 64, (2, 16)),
+        )
 
 
 transformers = pytest.importorskip("transformers")
@@ -88,8 +92,13 @@ transformers = pytest.importorskip("transformers")
 def test_tiny_bert() -> None:
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32, attn_implementation="eager",
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        attn_implementation="eager",
     )
     model = transformers.BertForMaskedLM(config).eval()
     ids = torch.randint(0, 100, (2, 12))
@@ -100,8 +109,14 @@ def test_tiny_bert() -> None:
 def test_tiny_gpt2() -> None:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=32,
-        bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+        vocab_size=100,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
     )
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 100, (2, 12))

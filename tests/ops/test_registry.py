@@ -11,8 +11,19 @@ import pytest
 import torch
 
 import kiln.ops  # noqa: F401  (registers rows)
-from kiln.ir import Graph, GraphBuilder, Op, Tag, TensorType, Value, load_printed, op_def
-from kiln.ir import interpret, registered_ops, verify
+from kiln.ir import (
+    Graph,
+    GraphBuilder,
+    Op,
+    Tag,
+    TensorType,
+    Value,
+    interpret,
+    load_printed,
+    op_def,
+    registered_ops,
+    verify,
+)
 from kiln.ops import prims
 from kiln.ops.attrs import RandomAttrs
 from kiln.ops.externs import extern_call
@@ -27,7 +38,9 @@ def test_every_op_has_a_row_with_samples() -> None:
         assert row.samples is not None and row.dtypes, f"{row.op.name} has no samples"
 
 
-def _graph_of(op: Op, inputs: tuple[object, ...], attrs: object) -> tuple[Graph, list[torch.Tensor]]:
+def _graph_of(
+    op: Op, inputs: tuple[object, ...], attrs: object
+) -> tuple[Graph, list[torch.Tensor]]:
     graph = Graph(name="one_op")
     tensors: list[torch.Tensor] = []
     operands: list[object] = []

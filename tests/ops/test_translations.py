@@ -28,7 +28,7 @@ CASES = [
 
 
 def _id(case: tuple[Translation, Any, torch.dtype]) -> str:
-    entry, key, dtype = case
+    _, key, dtype = case
     return f"{api_name(key)}-{str(dtype).removeprefix('torch.')}"
 
 
@@ -56,7 +56,9 @@ def _split(call: Call) -> tuple[list[torch.Tensor], Any]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], (leaves, spec)
 
 
-def _rebuild(tensors: tuple[torch.Tensor, ...], layout: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _rebuild(
+    tensors: tuple[torch.Tensor, ...], layout: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     leaves, spec = layout
     supply = iter(tensors)
     filled = [next(supply) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
@@ -72,7 +74,7 @@ def test_translation(entry: Translation, key: Any, dtype: torch.dtype) -> None:
     for call in calls:
         tensors, layout = _split(call)
 
-        def program(*inputs: torch.Tensor) -> Any:
+        def program(*inputs: torch.Tensor, layout: Any = layout) -> Any:
             args, kwargs = _rebuild(inputs, layout)
             return key(*args, **kwargs)
 

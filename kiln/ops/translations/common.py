@@ -13,7 +13,7 @@ import torch
 
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Value
-from kiln.ir.types import Shape
+from kiln.ir.types import Shape, concrete_shape
 from kiln.ops import prims
 
 Operand = Value | bool | int | float
@@ -41,7 +41,9 @@ def normalize_dims(dims: int | Sequence[int] | None, rank: int, op: str = "op") 
 
 def _meta(operand: Any) -> Any:
     if isinstance(operand, Value):
-        return torch.empty(operand.type.shape, dtype=operand.type.dtype, device="meta")
+        return torch.empty(
+            concrete_shape(operand.type.shape), dtype=operand.type.dtype, device="meta"
+        )
     return operand
 
 
@@ -125,7 +127,9 @@ def broadcast(*operands: Operand) -> list[Operand]:
     return [broadcast_to(o, shape) if isinstance(o, Value) else o for o in operands]
 
 
-def elementwise(*operands: Operand, int_to_float: bool = False) -> tuple[list[Operand], torch.dtype]:
+def elementwise(
+    *operands: Operand, int_to_float: bool = False
+) -> tuple[list[Operand], torch.dtype]:
     """Promote and broadcast operands as eager elementwise ops do; returns them and the dtype.
 
     ``int_to_float`` is for ops that always compute in floating point (``div``, ``exp``...).
@@ -137,7 +141,9 @@ def elementwise(*operands: Operand, int_to_float: bool = False) -> tuple[list[Op
     return broadcast(*converted), dtype
 
 
-def full(shape: Shape, value: bool | int | float, dtype: torch.dtype, device: torch.device) -> Value:
+def full(
+    shape: Shape, value: bool | int | float, dtype: torch.dtype, device: torch.device
+) -> Value:
     result = prims.full(shape=tuple(shape), value=value, dtype=dtype, device=device)
     assert isinstance(result, Value)
     return result
@@ -158,25 +164,104 @@ def constant(tensor: torch.Tensor) -> Value:
 # Autocast policies, by device type, keyed by the names translations pass (see autocast()).
 # From PyTorch's autocast op lists (torch/csrc/autograd/autocast_mode.cpp and the AMP docs).
 _LOWER = {
-    "cuda": {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "conv", "conv_transpose",
-             "sdpa", "einsum", "addbmm", "prelu"},
-    "cpu": {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "conv", "conv_transpose",
-            "sdpa", "addbmm", "prelu", "einsum"},
+    "cuda": {
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "matmul",
+        "linear",
+        "conv",
+        "conv_transpose",
+        "sdpa",
+        "einsum",
+        "addbmm",
+        "prelu",
+    },
+    "cpu": {
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "matmul",
+        "linear",
+        "conv",
+        "conv_transpose",
+        "sdpa",
+        "addbmm",
+        "prelu",
+        "einsum",
+    },
 }
 _FP32 = {
-    "cuda": {"pow", "rdiv", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "exp", "expm1",
-             "log", "log10", "log1p", "log2", "reciprocal", "rsqrt", "layer_norm", "group_norm",
-             "norm", "softmax", "log_softmax", "softplus", "sum", "prod", "cumsum",
-             "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "kl_div",
-             "binary_cross_entropy_with_logits", "cosine_similarity", "normalize", "dist",
-             "softmin", "cdist", "renorm"},
-    "cpu": {"mse_loss", "nll_loss", "cross_entropy", "l1_loss", "smooth_l1_loss", "kl_div",
-            "binary_cross_entropy", "binary_cross_entropy_with_logits", "prod", "cdist",
-            "huber_loss", "margin_ranking_loss"},
+    "cuda": {
+        "pow",
+        "rdiv",
+        "acos",
+        "asin",
+        "cosh",
+        "sinh",
+        "tan",
+        "erfinv",
+        "exp",
+        "expm1",
+        "log",
+        "log10",
+        "log1p",
+        "log2",
+        "reciprocal",
+        "rsqrt",
+        "layer_norm",
+        "group_norm",
+        "norm",
+        "softmax",
+        "log_softmax",
+        "softplus",
+        "sum",
+        "prod",
+        "cumsum",
+        "cross_entropy",
+        "nll_loss",
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "kl_div",
+        "binary_cross_entropy_with_logits",
+        "cosine_similarity",
+        "normalize",
+        "dist",
+        "softmin",
+        "cdist",
+        "renorm",
+    },
+    "cpu": {
+        "mse_loss",
+        "nll_loss",
+        "cross_entropy",
+        "l1_loss",
+        "smooth_l1_loss",
+        "kl_div",
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+        "prod",
+        "cdist",
+        "huber_loss",
+        "margin_ranking_loss",
+    },
 }
 _PROMOTE = {
-    "cuda": {"addcdiv", "addcmul", "atan2", "cat", "stack", "index_put", "scatter_add",
-             "tensordot", "dot", "cross"},
+    "cuda": {
+        "addcdiv",
+        "addcmul",
+        "atan2",
+        "cat",
+        "stack",
+        "index_put",
+        "scatter_add",
+        "tensordot",
+        "dot",
+        "cross",
+    },
     "cpu": {"cat", "stack", "index_copy"},
 }
 

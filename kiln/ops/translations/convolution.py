@@ -16,13 +16,15 @@ Integer convolutions (which eager runs on CPU, slowly) fall back to an extern.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from kiln.ir.graph import Value
 from kiln.ops import prims
 from kiln.ops.translations import common
-from kiln.ops.translations.cases import T, case_calls
+from kiln.ops.translations.cases import Case, T, case_calls
+from kiln.ops.translations.linalg import static_shape
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 IntArg = int | Sequence[int]
@@ -54,9 +56,7 @@ def _check_operands(op: str, input: Value, weight: Value, bias: Value | None, sp
             f"got input of size: {list(input.type.shape)}"
         )
     if weight.type.rank != spatial + 2:
-        raise RuntimeError(
-            f"{op}: expected weight to be {spatial + 2}-D, got {weight.type.rank}-D"
-        )
+        raise RuntimeError(f"{op}: expected weight to be {spatial + 2}-D, got {weight.type.rank}-D")
     if not input.type.dtype.is_floating_point:
         raise FallbackToExtern  # the convolution prim takes floating operands
 
@@ -69,7 +69,7 @@ def _same_padding(
     if any(s != 1 for s in stride):
         raise RuntimeError("padding='same' is not supported for strided convolutions")
     spatial = len(stride)
-    kernel = [int(k) for k in weight.type.shape[-spatial:]]
+    kernel = static_shape(weight)[-spatial:]
     totals = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
     low = tuple(total // 2 for total in totals)
     extra = [total - 2 * left for total, left in zip(totals, low, strict=True)]
@@ -86,7 +86,7 @@ def _run(
     input: Value,
     weight: Value,
     bias: Value | None,
-    geometry: dict[str, tuple[int, ...] | int | bool],
+    geometry: dict[str, Any],
 ) -> Value:
     """The convolution prim on ``input``, adding and dropping a batch dim if it has none."""
     spatial = len(weight.type.shape) - 2
@@ -122,7 +122,7 @@ def convolution(
         raise RuntimeError(f"Invalid padding string: '{padding}'")
     else:
         pads = expand_param(padding, spatial, "padding")
-    geometry = {
+    geometry: dict[str, Any] = {
         "stride": strides,
         "padding": pads,
         "dilation": dilations,
@@ -148,7 +148,7 @@ def conv_transpose(
     op = f"conv_transpose{spatial}d"
     input, weight, bias = common.autocast("conv_transpose", input, weight, bias)
     _check_operands(op, input, weight, bias, spatial)
-    geometry = {
+    geometry: dict[str, Any] = {
         "stride": expand_param(stride, spatial, "stride"),
         "padding": expand_param(padding, spatial, "padding"),
         "dilation": expand_param(dilation, spatial, "dilation"),
@@ -163,15 +163,23 @@ def conv_transpose(
 # the functional entry points, one per rank
 
 
-def _conv_cases(spatial: int) -> list[tuple[tuple[object, ...], dict[str, object], str]]:
+def _conv_cases(spatial: int) -> list[Case]:
     """Sample cases for F.conv{spatial}d: sizes shrink with the rank to stay small."""
     size = (9, 6, 4)[spatial - 1]
     dims = (size,) * spatial
     kernel = (3,) * spatial
     return [
         ((T((2, 3, *dims)), T((4, 3, *kernel)), T((4,))), {}, ""),
-        ((T((2, 4, *dims)), T((6, 2, *kernel))), {"stride": 2, "padding": 1, "groups": 2}, "groups"),
-        ((T((1, 3, *dims)), T((2, 3, *kernel))), {"dilation": 2, "padding": (1,) * spatial}, "dilated"),
+        (
+            (T((2, 4, *dims)), T((6, 2, *kernel))),
+            {"stride": 2, "padding": 1, "groups": 2},
+            "groups",
+        ),
+        (
+            (T((1, 3, *dims)), T((2, 3, *kernel))),
+            {"dilation": 2, "padding": (1,) * spatial},
+            "dilated",
+        ),
         ((T((3, *dims)), T((2, 3, *kernel)), T((2,))), {}, "unbatched"),
         ((T((1, 2, *dims)), T((3, 2, *(2,) * spatial))), {"padding": "same"}, "same, even kernel"),
         ((T((1, 2, *dims)), T((3, 2, *kernel))), {"padding": "valid", "bias": T((3,))}, "valid"),
@@ -179,7 +187,7 @@ def _conv_cases(spatial: int) -> list[tuple[tuple[object, ...], dict[str, object
     ]
 
 
-def _conv_transpose_cases(spatial: int) -> list[tuple[tuple[object, ...], dict[str, object], str]]:
+def _conv_transpose_cases(spatial: int) -> list[Case]:
     size = (7, 5, 3)[spatial - 1]
     dims = (size,) * spatial
     kernel = (3,) * spatial

@@ -10,7 +10,7 @@ permutes and reshapes; a final permute puts the labels in the output's order::
     torch.einsum("ii->i", x)             # reshape, then slice(step=n + 1)
 
 Size-1 dims broadcast against the same label's size elsewhere, like eager. The sublist form
-(``einsum(a, [0, 1], b, [1, 2])``) falls back to an extern.
+(``einsum(a, [0, 1], b, [1, 2])``) arrives here as an equation: torch converts it first.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from kiln.ops import prims
 from kiln.ops.sampling import NUMERIC
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
-from kiln.ops.translations.linalg import check_same_dtype, product, reshape
+from kiln.ops.translations.linalg import check_same_dtype, product, reshape, static_shape
+from kiln.ops.translations.reductions import static
 from kiln.ops.translations.table import Call, FallbackToExtern, translation
 
 # A label is a letter's code point; ellipsis dims are -1 (last), -2, ... (right-aligned).
@@ -41,7 +42,7 @@ class Term:
     labels: list[Label]
 
     def size(self, label: Label) -> int:
-        return int(self.value.type.shape[self.labels.index(label)])
+        return static(self.value.type.shape[self.labels.index(label)])
 
 
 def _parse_term(text: str, rank: int | None, where: str) -> list[Label]:
@@ -69,8 +70,12 @@ def parse(equation: str, ranks: Sequence[int]) -> tuple[list[list[Label]], list[
     terms = lhs.split(",")
     if len(terms) != len(ranks):
         more = "more" if len(ranks) > len(terms) else "fewer"
-        raise RuntimeError(f"einsum(): {more} operands were provided than specified in the equation")
-    inputs = [_parse_term(t, r, f"operand {i}") for i, (t, r) in enumerate(zip(terms, ranks))]
+        raise RuntimeError(
+            f"einsum(): {more} operands were provided than specified in the equation"
+        )
+    inputs = [
+        _parse_term(t, r, f"operand {i}") for i, (t, r) in enumerate(zip(terms, ranks, strict=True))
+    ]
     ellipsis = max((-min(labels, default=0) for labels in inputs), default=0)
     if arrow:
         head, dots, tail = rhs.partition("...")
@@ -106,7 +111,7 @@ def _diagonal(term: Term, label: Label) -> Term:
     """``term`` with the first repeated ``label`` pair merged into its diagonal (last dim)."""
     first = term.labels.index(label)
     second = term.labels.index(label, first + 1)
-    size, other = term.size(label), int(term.value.type.shape[second])
+    size, other = term.size(label), static(term.value.type.shape[second])
     if size != other:
         raise RuntimeError(
             f"einsum(): subscript {chr(label)} is repeated for operand but the sizes don't "
@@ -114,7 +119,7 @@ def _diagonal(term: Term, label: Label) -> Term:
         )
     keep = [d for d in range(len(term.labels)) if d not in (first, second)]
     moved = _permute_dims(term.value, (*keep, first, second))
-    lead = [int(moved.type.shape[d]) for d in range(len(keep))]
+    lead = static_shape(moved)[: len(keep)]
     flat = reshape(moved, (*lead, size * size))
     diagonal = prims.slice(flat, dim=len(keep), start=0, stop=size * size, step=size + 1)
     return Term(diagonal, [term.labels[d] for d in keep] + [label])
@@ -192,7 +197,9 @@ def _contract(a: Term, b: Term, keep: set[Label]) -> Term:
         raise RuntimeError(
             f"einsum(): expected scalar type {a.value.type.dtype} but found {b.value.type.dtype}"
         )
-    a, b = _sum_broadcast(a, b, [label for label in a.labels if label in b.labels and label not in keep])
+    a, b = _sum_broadcast(
+        a, b, [label for label in a.labels if label in b.labels and label not in keep]
+    )
     sizes = {label: max(a.size(label), b.size(label)) for label in a.labels if label in b.labels}
     sizes |= {label: a.size(label) for label in a.labels if label not in b.labels}
     sizes |= {label: b.size(label) for label in b.labels if label not in a.labels}
@@ -244,7 +251,7 @@ def _einsum_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
 def einsum(*args: object) -> Value:
     equation, operands = args[0], list(args[1:])
     if not isinstance(equation, str):
-        raise FallbackToExtern  # the sublist format
+        raise FallbackToExtern  # not an equation: left to torch
     if len(operands) == 1 and isinstance(operands[0], list | tuple):
         operands = list(operands[0])
     values = common.autocast("einsum", *operands)

@@ -63,7 +63,9 @@ class Span:
     high: float | None = None
     nonzero: bool = False
 
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def tensor(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         low, high = self.low, self.high
         if self.nonzero and low is None and dtype.is_floating_point:
             low = 0.1  # keeps a float divisor (and reduced-precision quotients) away from zero
@@ -83,11 +85,14 @@ class Span:
         return value if floating or dtype.is_floating_point else int(value)
 
 
+ANYWHERE = Span()
+
+
 def _variants(kwargs: KwargsFn | None, dtype: torch.dtype) -> list[dict[str, Any]]:
-    return [{}] + list(kwargs(dtype) if kwargs is not None else ())
+    return [{}, *(kwargs(dtype) if kwargs is not None else ())]
 
 
-def unary_calls(span: Span = Span(), kwargs: KwargsFn | None = None) -> CallFn:
+def unary_calls(span: Span = ANYWHERE, kwargs: KwargsFn | None = None) -> CallFn:
     """``f(x)`` on every shape of :data:`UNARY_SHAPES`, then ``f(x, **kw)`` per keyword variant."""
 
     def samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
@@ -100,8 +105,8 @@ def unary_calls(span: Span = Span(), kwargs: KwargsFn | None = None) -> CallFn:
 
 
 def binary_calls(
-    lhs: Span = Span(),
-    rhs: Span = Span(),
+    lhs: Span = ANYWHERE,
+    rhs: Span = ANYWHERE,
     *,
     scalar: bool = True,
     float_scalar: bool = False,
@@ -113,12 +118,16 @@ def binary_calls(
     0-d), and every keyword variant of ``kwargs(dtype)``."""
 
     def samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
-        def pair(a: tuple[int, ...], b: tuple[int, ...], other: torch.dtype = dtype) -> tuple[Any, ...]:
+        def pair(
+            a: tuple[int, ...], b: tuple[int, ...], other: torch.dtype = dtype
+        ) -> tuple[Any, ...]:
             return lhs.tensor(a, dtype, device), rhs.tensor(b, other, device)
 
         calls = [Call(pair(a, b)) for a, b in BINARY_SHAPES]
         if scalar:
-            calls.append(Call((lhs.tensor((4, 3), dtype, device), rhs.scalar(dtype)), note="scalar"))
+            calls.append(
+                Call((lhs.tensor((4, 3), dtype, device), rhs.scalar(dtype)), note="scalar")
+            )
         if float_scalar and not dtype.is_floating_point:
             floating = rhs.scalar(dtype, floating=True)
             calls.append(Call((lhs.tensor((4, 3), dtype, device), floating), note="float scalar"))
@@ -137,7 +146,7 @@ def binary_calls(
 
 
 def inplace_calls(
-    rhs: Span = Span(),
+    rhs: Span = ANYWHERE,
     *,
     scalar: bool = True,
     partner: bool = True,
@@ -147,12 +156,16 @@ def inplace_calls(
     promotion still casts back into ``x`` (when ``partner``), and keyword variants."""
 
     def samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
-        def pair(a: tuple[int, ...], b: tuple[int, ...], other: torch.dtype = dtype) -> tuple[Any, ...]:
+        def pair(
+            a: tuple[int, ...], b: tuple[int, ...], other: torch.dtype = dtype
+        ) -> tuple[Any, ...]:
             return make_tensor(a, dtype, device), rhs.tensor(b, other, device)
 
         calls = [Call(pair(a, b)) for a, b in INPLACE_SHAPES]
         if scalar:
-            calls.append(Call((make_tensor((4, 3), dtype, device), rhs.scalar(dtype)), note="scalar"))
+            calls.append(
+                Call((make_tensor((4, 3), dtype, device), rhs.scalar(dtype)), note="scalar")
+            )
         other = _INPLACE_PARTNER.get(dtype)
         if partner and other is not None:
             calls.append(Call(pair((3, 4), (4,), other), note=f"with {other}"))

@@ -28,14 +28,14 @@ from kiln.ops.translations.common import (
     normalize_dim,
 )
 from kiln.ops.translations.indexing import INDEX_DTYPES, MASK_DTYPES, distinct, fitted
-from kiln.ops.translations.shape import reshape, shape_of
+from kiln.ops.translations.shape import numel_of, reshape, shape_of
 from kiln.ops.translations.slicing import fill_scalar
-from kiln.ops.translations.table import Call, FallbackToExtern, translation
+from kiln.ops.translations.table import Call, CallFn, FallbackToExtern, translation
 
 
-def _check_long(index: Value, op: str) -> None:
-    if index.type.dtype != torch.int64:
-        raise RuntimeError(f"{op}(): Expected dtype int64 for index")
+def _check_index(index: Value, op: str) -> None:
+    if index.type.dtype not in INDEX_DTYPES:
+        raise RuntimeError(f"{op}(): Expected dtype int32/int64 for index")
 
 
 def _check_same_dtype(self: Value, source: Value, op: str) -> None:
@@ -47,21 +47,22 @@ def _check_same_dtype(self: Value, source: Value, op: str) -> None:
 
 
 def _flat(value: Value) -> Value:
-    return reshape(value, (int(value.type.numel()),))  # type: ignore[call-overload]
+    return reshape(value, (numel_of(value),))
 
 
-def _index_calls(x: tuple[int, ...], dim: int, count: int, *extra: Any, note: str = "") -> Any:
-    """A sample factory: ``fn(x, dim, index, *extra)`` with ``count`` distinct indices."""
+def _along_calls(x: tuple[int, ...], dim: int, source: tuple[int, ...]) -> CallFn:
+    """Samples ``fn(x, dim, index, source)`` with distinct indices, one per row of ``source``
+    along ``dim`` (index_copy is defined only without repeated positions)."""
 
     def samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
-        index = distinct(count, x[dim], device) % x[dim]
-        tensors = [e.make(dtype, device) if isinstance(e, T) else e for e in extra]
-        return [Call((make_tensor(x, dtype, device), dim, index, *tensors), note=note)]
+        index = distinct(source[dim], x[dim], device) % x[dim]
+        tensors = (make_tensor(x, dtype, device), index, make_tensor(source, dtype, device))
+        return [Call((tensors[0], dim, *tensors[1:]))]
 
     return samples
 
 
-def _joined(*factories: Any) -> Any:
+def _joined(*factories: CallFn) -> CallFn:
     def samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
         return [call for factory in factories for call in factory(dtype, device)]
 
@@ -72,11 +73,12 @@ def _joined(*factories: Any) -> Any:
 # gather, scatter, scatter_add
 
 
-def _gather_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
+def _gather_samples(dtype: torch.dtype, device: torch.device) -> Sequence[Call]:
     return case_calls(
         ((T((4, 5)), 1, T((4, 3), torch.int64, low=0, high=5)), {}, ""),
         ((T((4, 5)), -2, T((6, 2), torch.int64, low=0, high=4)), {}, "negative dim, longer"),
         ((T(()), 0, T((), torch.int64, low=0, high=1)), {}, "0-d"),
+        ((T((4, 5)), 0, T((2, 5), torch.int32, low=0, high=4)), {}, "int32 index"),
     )(dtype, device)
 
 
@@ -86,7 +88,7 @@ def gather(
 ) -> Value:
     if out is not None:
         raise FallbackToExtern
-    _check_long(index, "gather")
+    _check_index(index, "gather")
     return prims.gather(input, index, dim=normalize_dim(dim, input.type.rank, "gather"))
 
 
@@ -114,7 +116,7 @@ def scatter(
     value: bool | int | float | None = None,
     reduce: str | None = None,
 ) -> Value:
-    _check_long(index, "scatter")
+    _check_index(index, "scatter")
     dim = normalize_dim(dim, input.type.rank, "scatter")
     if isinstance(src, Value):
         if src.type.dtype != input.type.dtype:
@@ -133,7 +135,7 @@ def scatter(
     raise FallbackToExtern  # reduce="multiply"
 
 
-def _scatter_add_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
+def _scatter_add_samples(dtype: torch.dtype, device: torch.device) -> Sequence[Call]:
     return case_calls(
         ((T((3, 4)), 1, T((3, 10), torch.int64, low=0, high=4), T((3, 10))), {}, "duplicates"),
         ((T((5, 2)), 0, T((3, 2), torch.int64, low=0, high=5), T((4, 2))), {}, "dim 0"),
@@ -143,7 +145,7 @@ def _scatter_add_samples(dtype: torch.dtype, device: torch.device) -> list[Call]
 @translation(torch.Tensor.scatter_add_, samples=_scatter_add_samples, dtypes=ALL, inplace=True)
 @translation(torch.Tensor.scatter_add, torch.scatter_add, samples=_scatter_add_samples, dtypes=ALL)
 def scatter_add(input: Value, dim: int, index: Value, src: Value) -> Value:
-    _check_long(index, "scatter_add")
+    _check_index(index, "scatter_add")
     if src.type.dtype != input.type.dtype:
         raise RuntimeError("scatter_add(): Expected self.dtype to be equal to src.dtype")
     input, src = autocast("scatter_add", input, src)
@@ -236,7 +238,7 @@ def index_put(
     dims = tuple(range(len(tensors)))
     target = indexed_shape(shape_of(input), dims, shape)
     input, values = autocast("index_put", input, values)
-    values = fitted(values, target, input)  # type: ignore[arg-type]
+    values = fitted(values, target, input)
     return prims.index_put(input, values, *tensors, dims=dims, accumulate=accumulate)
 
 
@@ -259,7 +261,7 @@ def _along_dim(
     return prims.index_put(input, source, index, dims=(dim,), accumulate=accumulate)
 
 
-_ALONG_CASES = (_index_calls((4, 5), 1, 3, T((4, 3))), _index_calls((5, 2), 0, 4, T((4, 2))))
+_ALONG_CASES = (_along_calls((4, 5), 1, (4, 3)), _along_calls((5, 2), 0, (4, 2)))
 
 
 @translation(torch.Tensor.index_add_, samples=_joined(*_ALONG_CASES), dtypes=ALL, inplace=True)
@@ -268,18 +270,13 @@ _ALONG_CASES = (_index_calls((4, 5), 1, 3, T((4, 3))), _index_calls((5, 2), 0, 4
     torch.index_add,
     samples=_joined(
         *_ALONG_CASES,
-        lambda dtype, device: [
-            Call(
-                (
-                    make_tensor((3, 4), dtype, device),
-                    1,
-                    torch.randint(0, 4, (9,), device=device),
-                    make_tensor((3, 9), dtype, device),
-                ),
-                {"alpha": scalar_for(dtype)},
+        case_calls(
+            (
+                (T((3, 4)), 1, T((9,), torch.int64, low=0, high=4), T((3, 9))),
+                {"alpha": 2},
                 "duplicates, alpha",
             )
-        ],
+        ),
     ),
     dtypes=ALL,
 )
@@ -298,7 +295,7 @@ def index_copy(input: Value, dim: int, index: Value, source: Value) -> Value:
     return _along_dim(input, dim, index, source, "index_copy_", accumulate=False)
 
 
-def _index_fill_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
+def _index_fill_samples(dtype: torch.dtype, device: torch.device) -> Sequence[Call]:
     return case_calls(
         ((T((4, 5)), 1, T((3,), torch.int64, low=-5, high=5), scalar_for(dtype)), {}, ""),
         ((T((4, 5)), 0, T((6,), torch.int64, low=0, high=4), T(())), {}, "0-d value"),

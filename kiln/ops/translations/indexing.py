@@ -1,5 +1,5 @@
-"""Translations of indexing: ``x[key]``, ``x[key] = value`` and the indexing functions
-(masked_fill, gather, scatter, index_select, index_put, index_add, take...).
+"""Translations of subscripts and masks: ``x[key]``, ``x[key] = value``, masked_fill and
+masked_scatter (the indexing functions, gather to take, are in ``gathering``).
 
 ``x[key]`` follows PyTorch's order: ints, slices, ``None`` and ``...`` apply first as basic
 indexing (``select``/``slice``/``unsqueeze``), then the index tensors (and lists, and bool
@@ -8,29 +8,31 @@ scalars) go to one ``index`` prim, broadcast together, at the dims they index::
     x[0, :, idx]   ->  t0 = squeeze(slice(x, dim=0, start=0, stop=1), dims=(0,))
                        t1 = index(t0, idx, dims=(1,))                 # x: f32[5, 6, 7]
 
+``x[key] = v`` writes the element positions that ``key`` selects, found by indexing an
+``iota`` of ``x``'s shape with the same key, with one ``index_put`` into the flattened ``x``.
+
 A bool mask tensor selects a data-dependent number of elements, which a static graph cannot
-express: ``x[mask]`` raises :class:`~kiln.errors.TraceError`, while ``x[mask] = v`` (a shape-
-preserving update) becomes a ``where``. ``x[key] = v`` writes through the element positions
-that ``key`` selects, found by indexing an ``iota`` of ``x``'s shape with the same key, into
-one ``index_put`` on the flattened ``x``.
-"""
+express: ``x[mask]`` raises :class:`~kiln.errors.TraceError`. ``x[..., mask] = v`` keeps
+the shape, so it becomes a ``where`` (v must not need one value per selected element)."""
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any
 
 import torch
 
 from kiln.errors import TraceError
 from kiln.ir.graph import Value
+from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.sampling import ALL, scalar_for
 from kiln.ops.translations.cases import T, case_calls, materialize
 from kiln.ops.translations.common import broadcast_shapes, broadcast_to, constant, convert, full
-from kiln.ops.translations.shape import reshape, shape_of, take_slice, unsqueeze_dim
+from kiln.ops.translations.shape import numel_of, reshape, shape_of, take_slice, unsqueeze_dim
 from kiln.ops.translations.slicing import fill_scalar, select_index
 from kiln.ops.translations.table import Call, translation
 
@@ -43,12 +45,30 @@ MASK_DTYPES = (torch.bool, torch.uint8)
 
 @dataclass(frozen=True)
 class Mask:
-    """A bool mask tensor among the index items: it consumes ``rank`` dims."""
+    """A bool (or uint8) mask tensor: it consumes ``rank`` dims, selecting data-dependently."""
 
     value: Value
 
 
-Item = Any  # int, slice, None, Ellipsis, Value (int), Mask, or a tuple of constant Values
+@dataclass(frozen=True)
+class BoolScalar:
+    """``x[True]``/``x[False]``: a new dim, indexed by ``[0]`` or by nothing (an advanced
+    index, so it takes part in the placement of the other index tensors)."""
+
+    flag: bool
+
+
+@dataclass(frozen=True)
+class Indices:
+    """Index tensors consuming one dim each: a traced int tensor, a constant list, or the
+    ``nonzero()`` columns of a constant bool list. ``extremes`` (the least and greatest value
+    of each) lets constants be bounds-checked while tracing, as eager does."""
+
+    values: tuple[Value, ...]
+    extremes: tuple[tuple[int, int], ...] = ()
+
+
+Item = int | slice | None | EllipsisType | Mask | BoolScalar | Indices
 
 
 def _sequence_as_tuple(key: Sequence[Any]) -> bool:
@@ -60,20 +80,20 @@ def _sequence_as_tuple(key: Sequence[Any]) -> bool:
     )
 
 
-def _constant_index(items: Any) -> Item:
+def _constant_index(items: Any) -> Indices:
     """A list (or nested tuple) of ints or bools as constant index tensors."""
     tensor = torch.tensor(items)
-    if tensor.dtype == torch.bool:
-        return tuple(constant(column) for column in tensor.nonzero().unbind(1))
     if tensor.numel() == 0:
         tensor = tensor.to(torch.int64)
     if tensor.dtype.is_floating_point:
         raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
-    return constant(tensor.to(torch.int64))
+    columns = tensor.nonzero().unbind(1) if tensor.dtype == torch.bool else (tensor.long(),)
+    extremes = tuple((int(c.min()), int(c.max())) if c.numel() else (0, -1) for c in columns)
+    return Indices(tuple(constant(c) for c in columns), extremes)
 
 
 def _item(item: Any) -> Item:
-    """One index item in canonical form; Python bools become constant one-element indices."""
+    """One index item in canonical form."""
     if item is None or item is Ellipsis or isinstance(item, slice):
         return item
     if isinstance(item, Value):
@@ -81,9 +101,9 @@ def _item(item: Any) -> Item:
             return Mask(item)
         if item.type.dtype not in INDEX_DTYPES:
             raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
-        return item
+        return Indices((item,))
     if isinstance(item, bool):
-        return ("bool", item)
+        return BoolScalar(item)
     if isinstance(item, list | tuple):
         return _constant_index(item)
     try:
@@ -106,19 +126,16 @@ def parse_key(key: Any) -> list[Item]:
 
 def _consumed(item: Item) -> int:
     """How many dims of the indexed tensor an item uses up."""
-    if item is None or item is Ellipsis or (isinstance(item, tuple) and item[0] == "bool"):
-        return 0
     if isinstance(item, Mask):
         return item.value.type.rank
-    if isinstance(item, tuple):  # a constant bool mask as one index per dim
-        return len(item)
-    return 1
+    if isinstance(item, Indices):
+        return len(item.values)
+    return 0 if item is None or item is Ellipsis or isinstance(item, BoolScalar) else 1
 
 
-def _check_count(items: Sequence[Item], rank: int) -> int:
-    """The number of dims ``...`` stands for; IndexError for too many indices."""
-    if sum(item is Ellipsis for item in items) > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
+def _ellipsis_dims(items: Sequence[Item], rank: int) -> int:
+    """The number of dims the first ``...`` stands for (later ones stand for none, as in
+    PyTorch); IndexError for too many indices."""
     used = sum(_consumed(item) for item in items)
     if used > rank:
         raise IndexError(f"too many indices for tensor of dimension {rank}")
@@ -142,53 +159,56 @@ def _slice_bounds(item: slice, size: int) -> tuple[int, int, int]:
     return start, max(start, stop), step
 
 
-def _bool_index(value: Value, dim: int, flag: bool) -> tuple[Value, Value]:
-    """``x[True]``/``x[False]``: a new dim indexed by ``[0]`` or by nothing."""
-    index = torch.zeros(1 if flag else 0, dtype=torch.int64)
-    return unsqueeze_dim(value, dim), constant(index)
-
-
-def _check_int(index: int, size: int, dim: int) -> None:
+def _check_index(index: int, size: int, dim: int) -> None:
     if not -size <= index < size:
         raise IndexError(f"index {index} is out of bounds for dimension {dim} with size {size}")
 
 
-def _mask_error() -> TraceError:
-    return TraceError(
-        "x[mask] with a bool tensor mask selects a data-dependent number of elements, which "
-        "a traced graph cannot express; use torch.where(mask, x, other) or "
-        "x.masked_fill(mask, value) instead"
-    )
+@dataclass
+class Applied:
+    """A key applied up to its advanced part: the basic-indexed value, and where (which dim
+    of it) each index tensor and each mask goes."""
+
+    value: Value
+    indices: list[tuple[int, Value]]
+    masks: list[tuple[int, Mask]]
 
 
-def apply_basic(x: Value, items: Sequence[Item]) -> tuple[Value, list[tuple[int, Value]]]:
-    """Apply ints, slices, ``None`` and ``...``; return the result and the advanced indices
-    as ``(dim of the result, index tensor)`` pairs, in order."""
-    ellipsis_dims = _check_count(items, x.type.rank)
-    result, dim = x, 0
-    advanced: list[tuple[int, Value]] = []
+def _apply_indices(applied: Applied, dim: int, item: Indices) -> int:
+    shape = shape_of(applied.value)
+    for offset, index in enumerate(item.values):
+        for bound in item.extremes[offset] if item.extremes else ():
+            _check_index(bound, shape[dim + offset], dim + offset)
+        applied.indices.append((dim + offset, index))
+    return dim + len(item.values)
+
+
+def apply_basic(x: Value, items: Sequence[Item]) -> Applied:
+    """Apply ints, slices, ``None`` and ``...``; place index tensors and masks."""
+    ellipsis_dims = _ellipsis_dims(items, x.type.rank)
+    applied, dim = Applied(x, [], []), 0
     for item in items:
         if item is None:
-            result, dim = unsqueeze_dim(result, dim), dim + 1
+            applied.value, dim = unsqueeze_dim(applied.value, dim), dim + 1
         elif item is Ellipsis:
-            dim += ellipsis_dims
+            dim, ellipsis_dims = dim + ellipsis_dims, 0
         elif isinstance(item, int):
-            _check_int(item, shape_of(result)[dim], dim)
-            result = select_index(result, dim, item)
+            _check_index(item, shape_of(applied.value)[dim], dim)
+            applied.value = select_index(applied.value, dim, item)
         elif isinstance(item, slice):
-            result = take_slice(result, dim, *_slice_bounds(item, shape_of(result)[dim]))
-            dim += 1
+            bounds = _slice_bounds(item, shape_of(applied.value)[dim])
+            applied.value, dim = take_slice(applied.value, dim, *bounds), dim + 1
         elif isinstance(item, Mask):
-            raise _mask_error()
-        elif isinstance(item, tuple) and item[0] == "bool":
-            result, index = _bool_index(result, dim, item[1])
-            advanced.append((dim, index))
+            applied.masks.append((dim, item))
+            dim += item.value.type.rank
+        elif isinstance(item, BoolScalar):
+            index = constant(torch.zeros(1 if item.flag else 0, dtype=torch.int64))
+            applied.value = unsqueeze_dim(applied.value, dim)
+            applied.indices.append((dim, index))
             dim += 1
         else:
-            for index in item if isinstance(item, tuple) else (item,):
-                advanced.append((dim, index))
-                dim += 1
-    return result, advanced
+            dim = _apply_indices(applied, dim, item)
+    return applied
 
 
 def apply_advanced(x: Value, advanced: Sequence[tuple[int, Value]]) -> Value:
@@ -208,8 +228,14 @@ def apply_advanced(x: Value, advanced: Sequence[tuple[int, Value]]) -> Value:
 
 def index_items(x: Value, items: Sequence[Item]) -> Value:
     """``x[key]`` for the parsed items of a key without a bool tensor mask."""
-    result, advanced = apply_basic(x, items)
-    return apply_advanced(result, advanced)
+    applied = apply_basic(x, items)
+    if applied.masks:
+        raise TraceError(
+            "x[mask] with a bool tensor mask selects a data-dependent number of elements, "
+            "which a traced graph cannot express; use torch.where(mask, x, other) or "
+            "x.masked_fill(mask, value) instead"
+        )
+    return apply_advanced(applied.value, applied.indices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,20 +277,27 @@ def _getitem_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
         ((False, 1), "False"),
         ((), "empty tuple"),
     ]
-    return [
-        Call(*materialize(((T((5, 6, 7)), key), {}), dtype, device), note=note)
-        for key, note in keys
-    ]
+    return [Call(materialize((T((5, 6, 7)), key), dtype, device), note=note) for key, note in keys]
 
 
-@translation(torch.Tensor.__getitem__, samples=_getitem_samples, dtypes=ALL, view=True)
+def _is_basic_key(self: Value, key: Any) -> bool:
+    """Whether ``self[key]`` is a view in eager: only ints, slices, None and Ellipsis."""
+    items = key if isinstance(key, tuple) else (key,)
+    return all(
+        item is None or item is Ellipsis or isinstance(item, slice)
+        or (isinstance(item, int) and not isinstance(item, bool))
+        for item in items
+    )
+
+
+@translation(torch.Tensor.__getitem__, samples=_getitem_samples, dtypes=ALL, view=_is_basic_key)
 def getitem(self: Value, key: Any) -> Value:
     return index_items(self, parse_key(key))
 
 
 def positions(x: Value) -> Value:
     """The flat position of every element of ``x``, shaped like ``x`` (int64)."""
-    count = int(x.type.numel())  # type: ignore[call-overload]
+    count = numel_of(x)
     flat = prims.iota(length=count, start=0, step=1, dtype=torch.int64, device=x.type.device)
     return reshape(flat, shape_of(x))
 
@@ -278,12 +311,14 @@ def _strip_leading_ones(value: Value, rank: int) -> Value:
     return reshape(value, shape[drop:]) if drop else value
 
 
-def fitted(value: Value | bool | int | float, shape: Sequence[int], like: Value) -> Value:
+def fitted(value: Value | bool | int | float, shape: Sequence[Dim], like: Value) -> Value:
     """``value`` as a tensor of ``like``'s dtype broadcast to ``shape``, as ``copy_`` does."""
     dtype, target = like.type.dtype, tuple(shape)
     if not isinstance(value, Value):
         return full(target, fill_scalar(value, dtype), dtype, like.type.device)
-    value = _strip_leading_ones(convert(value, dtype), len(target))  # type: ignore[arg-type]
+    converted = convert(value, dtype)
+    assert isinstance(converted, Value)
+    value = _strip_leading_ones(converted, len(target))
     source = shape_of(value)
     offset = len(target) - len(source)
     if offset < 0 or any(s not in (1, t) for s, t in zip(source, target[offset:], strict=True)):
@@ -294,28 +329,17 @@ def fitted(value: Value | bool | int | float, shape: Sequence[int], like: Value)
     return broadcast_to(value, target)
 
 
-def _mask_position(items: Sequence[Item], rank: int) -> tuple[Mask, int]:
-    """The one mask of a key made of full slices, ``...`` and a mask; the dim it starts at."""
-    ellipsis_dims = _check_count(items, rank)
-    masks = [item for item in items if isinstance(item, Mask)]
-    full_slice = slice(None)
-    others = [item for item in items if not isinstance(item, Mask)]
-    if len(masks) != 1 or any(item is not Ellipsis and item != full_slice for item in others):
+def _masked_update(self: Value, applied: Applied, value: Any) -> Value:
+    """The new values at the positions ``applied.value`` for ``x[..., mask, ...] = value``:
+    the value where the mask holds, the current element elsewhere. The value must not depend
+    on how many elements the mask selects."""
+    if applied.indices or len(applied.masks) > 1:
         raise TraceError(
-            "x[key] = value with a bool mask mixed with other indices cannot be traced; "
+            "x[key] = value with a bool mask and other index tensors cannot be traced; "
             "use torch.where"
         )
-    start = 0
-    for item in items[: items.index(masks[0])]:
-        start += ellipsis_dims if item is Ellipsis else 1
-    return masks[0], start
-
-
-def _masked_assign(self: Value, items: Sequence[Item], value: Any) -> Value:
-    """``x[mask] = value`` as ``where``: each selected element takes the value, which must
-    not depend on how many elements the mask selects."""
-    mask, start = _mask_position(items, self.type.rank)
-    shape, mask_shape = shape_of(self), shape_of(mask.value)
+    (start, mask), region = applied.masks[0], applied.value
+    shape, mask_shape = shape_of(region), shape_of(mask.value)
     stop = start + len(mask_shape)
     for offset, size in enumerate(mask_shape):
         if shape[start + offset] != size:
@@ -326,19 +350,24 @@ def _masked_assign(self: Value, items: Sequence[Item], value: Any) -> Value:
     condition = as_bool(mask.value)
     if mask_shape != shape:
         condition = prims.broadcast(condition, shape=shape, dims=tuple(range(start, stop)))
+    current = self if region.type.shape == self.type.shape else _elements(self, region)
     if not isinstance(value, Value):
-        return prims.where(condition, fill_scalar(value, self.type.dtype), self)
+        return prims.where(condition, fill_scalar(value, self.type.dtype), current)
     # The selected elements form one dim of unknown length: the value must broadcast over it.
-    selected = (*shape[:start], 1, *shape[stop:])
     try:
-        fill = fitted(value, selected, self)
+        fill = fitted(value, (*shape[:start], 1, *shape[stop:]), self)
     except RuntimeError:
         raise TraceError(
             "x[mask] = values with one value per selected element depends on how many "
             "elements the mask selects, which cannot be traced; use torch.where"
         ) from None
     spread = reshape(fill, (*shape[:start], *(1,) * len(mask_shape), *shape[stop:]))
-    return prims.where(condition, broadcast_to(spread, shape), self)
+    return prims.where(condition, broadcast_to(spread, shape), current)
+
+
+def _elements(x: Value, where: Value) -> Value:
+    """The elements of ``x`` at the flat positions ``where`` (shaped like ``where``)."""
+    return prims.index(reshape(x, (numel_of(x),)), where, dims=(0,))
 
 
 def as_bool(mask: Value) -> Value:
@@ -358,27 +387,29 @@ def _setitem_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
         (T((5, 6, 7), torch.bool), value, "mask, scalar"),
         (T((5, 6), torch.bool), T((7,)), "leading mask, row value"),
         ((Ellipsis, T((7,), torch.bool)), T(()), "trailing mask, 0-d value"),
+        ((1, slice(2, 5), T((7,), torch.bool)), T((1,)), "mask after int and slice"),
     ]
     return [
-        Call(*materialize(((T((5, 6, 7)), key, item), {}), dtype, device), note=note)
+        Call(materialize((T((5, 6, 7)), key, item), dtype, device), note=note)
         for key, item, note in cases
     ]
 
 
 @translation(torch.Tensor.__setitem__, samples=_setitem_samples, dtypes=ALL, inplace=True)
 def setitem(self: Value, key: Any, value: Any) -> Value:
-    items = parse_key(key)
-    if any(isinstance(item, Mask) for item in items):
-        return _masked_assign(self, items, value)
     everywhere = positions(self)
-    chosen = index_items(everywhere, items)
+    applied = apply_basic(everywhere, parse_key(key))
+    if applied.masks:
+        chosen, new = applied.value, _masked_update(self, applied, value)
+    else:
+        chosen = apply_advanced(applied.value, applied.indices)
+        new = fitted(value, shape_of(chosen), self)
     if chosen is everywhere:
-        return fitted(value, shape_of(self), self)
-    count = int(chosen.type.numel())  # type: ignore[call-overload]
-    values = fitted(value, shape_of(chosen), self)
-    flat = reshape(self, (int(self.type.numel()),))  # type: ignore[call-overload]
+        return new
+    count = numel_of(chosen)
+    flat = reshape(self, (numel_of(self),))
     updated = prims.index_put(
-        flat, reshape(values, (count,)), reshape(chosen, (count,)), dims=(0,), accumulate=False
+        flat, reshape(new, (count,)), reshape(chosen, (count,)), dims=(0,), accumulate=False
     )
     return reshape(updated, shape_of(self))
 
@@ -394,7 +425,7 @@ def _check_mask(mask: Value, op: str) -> None:
         )
 
 
-def _masked_fill_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
+def _masked_fill_samples(dtype: torch.dtype, device: torch.device) -> Sequence[Call]:
     return case_calls(
         ((T((3, 4)), T((3, 4), torch.bool), scalar_for(dtype)), {}, "scalar"),
         ((T((3, 4)), T((4,), torch.bool), T(())), {}, "broadcast mask, 0-d value"),
@@ -449,7 +480,7 @@ def masked_scatter(input: Value, mask: Value, source: Value) -> Value:
         )
     shape = broadcast_shapes(input.type.shape, mask.type.shape)
     condition, base = broadcast_to(mask, shape), broadcast_to(input, shape)
-    count, available = int(base.type.numel()), int(source.type.numel())  # type: ignore[call-overload]
+    count, available = numel_of(base), numel_of(source)
     if available == 0:
         return base  # a valid call selects nothing
     order = prims.cumsum(prims.convert(reshape(condition, (count,)), dtype=torch.int64), dim=0)

@@ -24,7 +24,7 @@ from kiln.ir.graph import Value
 from kiln.ops import prims
 from kiln.ops.sampling import ALL
 from kiln.ops.translations.cases import T, case_calls
-from kiln.ops.translations.common import autocast, convert, normalize_dim
+from kiln.ops.translations.common import autocast, normalize_dim
 from kiln.ops.translations.shape import (
     case,
     reshape,
@@ -43,7 +43,7 @@ from kiln.ops.translations.table import CallFn, FallbackToExtern, translation
 def promoted(tensors: Sequence[Value]) -> list[Value]:
     """``tensors`` converted to their promoted dtype (all tensors rank alike here)."""
     dtype = functools.reduce(torch.promote_types, (t.type.dtype for t in tensors))
-    return [convert(t, dtype) for t in tensors]  # type: ignore[misc]
+    return [prims.convert(t, dtype=dtype) if t.type.dtype != dtype else t for t in tensors]
 
 
 def _check_cat(tensors: Sequence[Value], dim: int) -> None:

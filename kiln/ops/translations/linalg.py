@@ -1,5 +1,5 @@
-"""Translations of matrix products: matmul (``@``), mm, bmm, addmm, baddbmm, dot, mv, outer
-and F.linear. einsum lives in ``einsum.py``.
+"""Translations of matrix products: matmul (``@``), mm, bmm, addmm, baddbmm, dot, mv, outer,
+F.linear and tensordot. einsum lives in ``einsum.py``.
 
 Floating products go to the extern prims ``mm``/``bmm``/``addmm``/``baddbmm`` (PyTorch's own
 kernels, so results match eager bit for bit); those take floating operands only, so integer
@@ -17,6 +17,7 @@ batched products broadcast their batch dims and run one ``bmm`` on 3-d reshapes:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -26,7 +27,8 @@ from kiln.ops import prims
 from kiln.ops.sampling import NUMERIC
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
-from kiln.ops.translations.table import translation
+from kiln.ops.translations.reductions import static
+from kiln.ops.translations.table import FallbackToExtern, translation
 
 Scalar = bool | int | float
 
@@ -45,12 +47,17 @@ def check_same_dtype(op: str, *values: Value | None) -> torch.dtype:
                 f"{_dtype_name(dtypes[0])} != {_dtype_name(dtype)}"
             )
     if dtypes and dtypes[0] == torch.bool:
-        raise RuntimeError(f'"{op}" not implemented for \'Bool\'')
+        raise RuntimeError(f"\"{op}\" not implemented for 'Bool'")
     return dtypes[0]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def static_shape(value: Value) -> tuple[int, ...]:
+    """``value``'s shape as ints; a symbolic dim makes the call an extern (``static``)."""
+    return tuple(static(size) for size in value.type.shape)
 
 
 def reshape(value: Value, shape: Shape) -> Value:
@@ -108,7 +115,7 @@ def gemm(bias: Value, a: Value, b: Value, beta: Scalar = 1, alpha: Scalar = 1) -
     return result
 
 
-def _check_inner(op: str, a: Shape, b: Shape) -> None:
+def _check_inner(op: str, a: tuple[int, ...], b: tuple[int, ...]) -> None:
     if a[-1] != b[-2]:
         raise RuntimeError(
             f"{op}: mat1 and mat2 shapes cannot be multiplied ("
@@ -127,12 +134,12 @@ def _check_rank(op: str, value: Value, rank: int, name: str) -> None:
 
 def batched_matmul(a: Value, b: Value) -> Value:
     """``a @ b`` for ``a`` (..., n, k) and ``b`` (..., k, m) of at least 2 dims each."""
-    _check_inner("matmul", a.type.shape, b.type.shape)
-    (*a_batch, n, k), (*b_batch, _, m) = a.type.shape, b.type.shape
+    _check_inner("matmul", static_shape(a), static_shape(b))
+    (*a_batch, n, k), (*b_batch, _, m) = static_shape(a), static_shape(b)
     if b.type.rank == 2:  # fold the batch of a into its rows: one mm
         rows = reshape(a, (math.prod(a_batch) * n, k))
         return reshape(product(rows, b), (*a_batch, n, m))
-    batch = common.broadcast_shapes(tuple(a_batch), tuple(b_batch))
+    batch = tuple(static(s) for s in common.broadcast_shapes(tuple(a_batch), tuple(b_batch)))
     count = math.prod(batch)
     left = reshape(common.broadcast_to(a, (*batch, n, k)), (count, n, k))
     right = reshape(common.broadcast_to(b, (*batch, k, m)), (count, k, m))
@@ -169,13 +176,11 @@ def matmul(input: Value, other: Value) -> Value:
     a = prims.unsqueeze(input, dims=(0,)) if input.type.rank == 1 else input
     b = prims.unsqueeze(other, dims=(1,)) if other.type.rank == 1 else other
     result = batched_matmul(a, b)
-    drop = tuple(
-        dim
-        for dim, dropped in ((result.type.rank - 2, input.type.rank == 1), (result.type.rank - 1, other.type.rank == 1))
-        if dropped
-    )
+    rank = result.type.rank  # the dims the 1-d operands gained go again
+    drop = [rank - 2] if input.type.rank == 1 else []
+    drop += [rank - 1] if other.type.rank == 1 else []
     if drop:
-        result = prims.squeeze(result, dims=drop)
+        result = prims.squeeze(result, dims=tuple(drop))
     return result
 
 
@@ -207,12 +212,12 @@ def mm(input: Value, mat2: Value) -> Value:
     check_same_dtype("mm", input, mat2)
     _check_rank("mm", input, 2, "self")
     _check_rank("mm", mat2, 2, "mat2")
-    _check_inner("mm", input.type.shape, mat2.type.shape)
+    _check_inner("mm", static_shape(input), static_shape(mat2))
     return product(input, mat2)
 
 
 def _check_batches(op: str, a: Value, b: Value) -> None:
-    (batch, _, k), (batch2, k2, m) = a.type.shape, b.type.shape
+    (batch, _, k), (batch2, k2, _) = a.type.shape, b.type.shape
     if (batch2, k2) != (batch, k):
         raise RuntimeError(
             f"{op}: Expected size for first two dimensions of batch2 tensor to be: "
@@ -276,11 +281,10 @@ def dot(input: Value, tensor: Value) -> Value:
             f"1D tensors expected, but got {input.type.rank}D and {tensor.type.rank}D tensors"
         )
     if input.type.shape != tensor.type.shape:
+        a, b = input.type.shape[0], tensor.type.shape[0]
         raise RuntimeError(
-            "inconsistent tensor size, expected tensor [{0}] and src [{1}] to have the same "
-            "number of elements, but got {0} and {1} elements respectively".format(
-                input.type.shape[0], tensor.type.shape[0]
-            )
+            f"inconsistent tensor size, expected tensor [{a}] and src [{b}] to have the same "
+            f"number of elements, but got {a} and {b} elements respectively"
         )
     return matmul(input, tensor)
 
@@ -324,7 +328,7 @@ def addmm(input: Value, mat1: Value, mat2: Value, *, beta: Scalar = 1, alpha: Sc
     check_same_dtype("addmm", input, mat1, mat2)
     _check_rank("addmm", mat1, 2, "mat1")
     _check_rank("addmm", mat2, 2, "mat2")
-    _check_inner("addmm", mat1.type.shape, mat2.type.shape)
+    _check_inner("addmm", static_shape(mat1), static_shape(mat2))
     return gemm(input, mat1, mat2, beta, alpha)
 
 
@@ -398,10 +402,66 @@ def linear(input: Value, weight: Value, bias: Value | None = None) -> Value:
     if weight.type.rank == 1 and bias is None:  # a vector weight: a plain matmul
         return matmul(input, weight)
     _check_rank("linear", weight, 2, "weight")
-    *lead, inner = input.type.shape
-    features = weight.type.shape[0]
-    _check_inner("linear", input.type.shape, weight.type.shape[::-1])
+    *lead, inner = static_shape(input)
+    features = static(weight.type.shape[0])
+    _check_inner("linear", static_shape(input), static_shape(weight)[::-1])
     rows = reshape(input, (math.prod(lead), inner))
     weight_t = prims.permute(weight, dims=(1, 0))
     out = product(rows, weight_t) if bias is None else gemm(bias, rows, weight_t)
     return reshape(out, (*lead, features))
+
+
+# ---------------------------------------------------------------------------------------------
+# tensordot
+
+
+def _contracted_dims(
+    dims: int | Sequence[Sequence[int] | int], a: Value, b: Value
+) -> tuple[list[int], list[int]]:
+    """The dims of ``a`` and ``b`` that tensordot sums over, non-negative and paired."""
+    if isinstance(dims, int):
+        if dims < 0:
+            raise RuntimeError(f"tensordot expects dims >= 0, but got dims={dims}")
+        return list(range(a.type.rank - dims, a.type.rank)), list(range(dims))
+    first, second = ([d] if isinstance(d, int) else list(d) for d in dims)
+    if len(first) != len(second):
+        raise RuntimeError("both dimension lists should have same length")
+    return (
+        [common.normalize_dim(d, a.type.rank, "tensordot") for d in first],
+        [common.normalize_dim(d, b.type.rank, "tensordot") for d in second],
+    )
+
+
+@translation(
+    torch.tensordot,
+    samples=case_calls(
+        ((T((3, 4, 5)), T((4, 5, 6))), {}, "dims=2"),
+        ((T((3, 4, 5)), T((4, 5, 6))), {"dims": ([1], [0])}, "lists"),
+        ((T((3, 4, 5)), T((6, 4, 3))), {"dims": ([-2, 0], [1, 2])}, "negative, reordered"),
+        ((T((2, 3)), T((4,))), {"dims": 0}, "outer product"),
+    ),
+    dtypes=NUMERIC,
+)
+def tensordot(
+    a: Value, b: Value, dims: int | Sequence[Sequence[int] | int] = 2, out: None = None
+) -> Value:
+    if a.type.dtype != b.type.dtype:
+        raise RuntimeError("both inputs should have same dtype")
+    if out is not None or not isinstance(dims, int | Sequence):
+        raise FallbackToExtern  # out= or dims given as a tensor
+    summed_a, summed_b = _contracted_dims(dims, a, b)
+    for da, db in zip(summed_a, summed_b, strict=True):
+        if a.type.shape[da] != b.type.shape[db]:
+            raise RuntimeError(
+                f"contracted dimensions need to match, but first has size {a.type.shape[da]} in "
+                f"dim {da} and second has size {b.type.shape[db]} in dim {db}"
+            )
+    free_a = [d for d in range(a.type.rank) if d not in summed_a]
+    free_b = [d for d in range(b.type.rank) if d not in summed_b]
+    shape_a, shape_b = static_shape(a), static_shape(b)
+    sizes_a = [shape_a[d] for d in free_a]
+    sizes_b = [shape_b[d] for d in free_b]
+    inner = math.prod(shape_a[d] for d in summed_a)
+    left = reshape(prims.permute(a, dims=(*free_a, *summed_a)), (math.prod(sizes_a), inner))
+    right = reshape(prims.permute(b, dims=(*summed_b, *free_b)), (inner, math.prod(sizes_b)))
+    return reshape(product(left, right), (*sizes_a, *sizes_b))

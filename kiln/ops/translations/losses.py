@@ -28,7 +28,14 @@ from kiln.ops import prims
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import Case, T, case_calls
 from kiln.ops.translations.normalization import softmax_of
-from kiln.ops.translations.reductions import compute_dtype, numel, reduce, static, sum_of
+from kiln.ops.translations.reductions import (
+    compute_dtype,
+    numel,
+    reduce,
+    scalar_type_name,
+    static,
+    sum_of,
+)
 from kiln.ops.translations.table import translation
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -317,9 +324,8 @@ def _class_dim(input: Value) -> int:
 
 def _check_targets(op: str, input: Value, target: Value) -> None:
     if target.type.dtype not in (torch.int64, torch.uint8):
-        raise RuntimeError(
-            f"expected target dtype to be Long or Byte, but got {_torch_name(target.type.dtype)}"
-        )
+        name = scalar_type_name(target.type.dtype)
+        raise RuntimeError(f"expected target dtype to be Long or Byte, but got {name}")
     if input.type.rank < 1:
         raise ValueError(f"{op}: Expected 1 or more dimensions (got 0)")
     expected = tuple(s for i, s in enumerate(input.type.shape) if i != _class_dim(input))
@@ -327,11 +333,6 @@ def _check_targets(op: str, input: Value, target: Value) -> None:
         raise ValueError(
             f"{op}: Expected target size {list(expected)}, got {list(target.type.shape)}"
         )
-
-
-def _torch_name(dtype: torch.dtype) -> str:
-    names = {torch.int32: "Int", torch.int64: "Long", torch.bool: "Bool", torch.int16: "Short"}
-    return names.get(dtype, str(dtype).removeprefix("torch.").capitalize())
 
 
 def _target_weights(

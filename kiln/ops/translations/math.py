@@ -27,11 +27,11 @@ from kiln.ops import prims
 from kiln.ops.sampling import ALL, BOOL, FLOATS, INTS, NUMERIC
 from kiln.ops.translations import common
 from kiln.ops.translations.elementwise_cases import (
+    ANYWHERE,
     KwargsFn,
     Span,
     binary_calls,
     inplace_calls,
-    unary_calls,
 )
 from kiln.ops.translations.table import FallbackToExtern, translation
 
@@ -68,6 +68,39 @@ def scale(value: Operand, factor: bool | int | float) -> Operand:
     return value * factor
 
 
+def round_scalar(value: Operand, dtype: torch.dtype) -> Operand:
+    """A Python float rounded to ``dtype`` (eager casts scalar operands to the tensor's dtype)."""
+    if isinstance(value, float) and dtype in REDUCED:
+        return float(torch.tensor(value, dtype=dtype))
+    return value
+
+
+def _is_cpu_scalar(value: Operand) -> bool:
+    """A Python scalar or a 0-d tensor: eager's reduced-precision kernels read it in float32."""
+    return not isinstance(value, Value) or value.type.rank == 0
+
+
+def opmath_binary(
+    prim: Prim, input: Operand, other: Operand, *, int_to_float: bool = False
+) -> Value:
+    """``prim`` as eager's float16/bfloat16 ``mul``/``div`` kernels compute it: in float32, on
+    ``input`` rounded to the dtype and on ``other`` at its own precision when it is a Python
+    scalar or 0-d tensor, rounded once. Other dtypes: plain :func:`apply`."""
+    dtype = common.result_dtype(input, other)
+    dtype = common.float_dtype(dtype) if int_to_float else dtype
+    if dtype not in REDUCED:
+        return apply(prim, input, other, int_to_float=int_to_float)
+    wide = torch.float32
+    first = common.convert(common.convert(round_scalar(input, dtype), dtype), wide)
+    second = other if _is_cpu_scalar(other) else common.convert(other, dtype)
+    a, b = common.broadcast(first, common.convert(second, wide))
+    return common.convert(prim(a, b), dtype)
+
+
+def reciprocal_of(x: Value) -> Value:
+    return prims.reciprocal(common.convert(x, common.float_dtype(x.type.dtype)))
+
+
 def keys(names: Sequence[str], owners: Sequence[Any] = (torch, torch.Tensor)) -> tuple[Any, ...]:
     """The callables named ``names`` on ``owners`` that exist, each once (aliases share objects)."""
     found: list[Any] = []
@@ -81,147 +114,6 @@ def keys(names: Sequence[str], owners: Sequence[Any] = (torch, torch.Tensor)) ->
 
 def methods(names: Sequence[str]) -> tuple[Any, ...]:
     return keys(names, (torch.Tensor,))
-
-
-# ---------------------------------------------------------------------------------------------
-# unary
-
-
-def _unary(name: str, prim: Prim, *, floating: bool) -> Callable[..., Value]:
-    def translate(input: Value, *, out: Any = None) -> Value:
-        no_out(out)
-        (x,) = common.autocast(name, input)
-        if floating:
-            x = common.convert(x, common.float_dtype(x.type.dtype))
-        return prim(x)
-
-    translate.__name__ = translate.__qualname__ = name
-    return translate
-
-
-def _log10(x: Value) -> Value:
-    wide = common.convert(x, opmath_dtype(x.type.dtype))
-    result = prims.mul(prims.log(wide), 1 / 2.302585092994046)
-    return common.convert(result, x.type.dtype)
-
-
-def _isfinite(x: Value) -> Value:
-    return prims.logical_not(prims.logical_or(prims.isnan(x), prims.isinf(x)))
-
-
-def _positive(x: Value) -> Value:
-    if x.type.dtype == torch.bool:
-        raise TypeError("The `+` operator, on a bool tensor is not supported.")
-    return x
-
-
-def _square(x: Value) -> Value:
-    """``pow(x, 2)``: a bool tensor squares to int64, as PyTorch's promotion with ``2`` says."""
-    y = common.convert(x, common.result_dtype(x, 2))
-    return prims.mul(y, y)
-
-
-def _frac(x: Value) -> Value:
-    return prims.sub(x, prims.trunc(x))
-
-
-def register_unary(
-    fn: Callable[..., Value],
-    names: Sequence[str],
-    dtypes: frozenset[torch.dtype],
-    *,
-    span: Span = Span(),
-    inplace_dtypes: frozenset[torch.dtype] | None = None,
-    extra: Sequence[Any] = (),
-    kwargs: KwargsFn | None = None,
-) -> None:
-    """Register ``fn`` for ``torch.<name>``/``Tensor.<name>`` and the in-place ``<name>_``."""
-    samples = unary_calls(span, kwargs)
-    translation(*keys(names), *extra, samples=samples, dtypes=dtypes)(fn)
-    inplace = keys([f"{name}_" for name in names])
-    if inplace:
-        in_dtypes = dtypes if inplace_dtypes is None else inplace_dtypes
-        translation(*inplace, samples=samples, dtypes=in_dtypes, inplace=True)(fn)
-
-
-POSITIVE = Span(low=0.1, high=5.0)
-_FLOAT_UNARY: tuple[tuple[Sequence[str], Prim, Span, tuple[Any, ...]], ...] = (
-    (("exp",), prims.exp, Span(), ()),
-    (("exp2",), prims.exp2, Span(), (torch.special.exp2,)),
-    (("expm1",), prims.expm1, Span(), (torch.special.expm1,)),
-    (("log",), prims.log, POSITIVE, ()),
-    (("log1p",), prims.log1p, Span(low=-0.9, high=5.0), (torch.special.log1p,)),
-    (("log2",), prims.log2, POSITIVE, ()),
-    (("log10",), _log10, POSITIVE, ()),
-    (("sqrt",), prims.sqrt, POSITIVE, ()),
-    (("rsqrt",), prims.rsqrt, POSITIVE, ()),
-    (("reciprocal",), prims.reciprocal, Span(low=0.5, high=5.0), ()),
-    (("sin",), prims.sin, Span(), ()),
-    (("cos",), prims.cos, Span(), ()),
-    (("tan",), prims.tan, Span(low=-1.2, high=1.2), ()),
-    (("tanh",), prims.tanh, Span(), ()),
-    (("asin", "arcsin"), prims.asin, Span(low=-0.95, high=0.95), ()),
-    (("acos", "arccos"), prims.acos, Span(low=-0.95, high=0.95), ()),
-    (("atan", "arctan"), prims.atan, Span(), ()),
-    (("sinh",), prims.sinh, Span(), ()),
-    (("cosh",), prims.cosh, Span(), ()),
-    (("erf",), prims.erf, Span(), (torch.special.erf,)),
-    (("erfinv",), prims.erfinv, Span(low=-0.9, high=0.9), (torch.special.erfinv,)),
-    (("sigmoid",), prims.sigmoid, Span(), (torch.special.expit,)),
-)
-for _names, _prim, _span, _extra in _FLOAT_UNARY:
-    # Integer inputs compute in the default float dtype, which they cannot be written back to.
-    register_unary(
-        _unary(_names[0], _prim, floating=True), _names, NUMERIC | BOOL, span=_span,
-        inplace_dtypes=FLOATS, extra=_extra,
-    )
-
-_SAME_DTYPE_UNARY: tuple[tuple[Sequence[str], Prim, frozenset[torch.dtype]], ...] = (
-    (("neg", "negative"), prims.neg, NUMERIC),
-    (("abs", "absolute"), prims.abs, NUMERIC),
-    (("floor",), prims.floor, NUMERIC),
-    (("ceil",), prims.ceil, NUMERIC),
-    (("trunc", "fix"), prims.trunc, NUMERIC),
-    (("sign", "sgn"), prims.sign, NUMERIC | BOOL),
-    (("isnan",), prims.isnan, ALL),
-    (("isinf",), prims.isinf, ALL),
-    (("isfinite",), _isfinite, ALL),
-    (("logical_not",), prims.logical_not, ALL),
-    (("bitwise_not",), prims.bitwise_not, INTS | BOOL),
-    (("positive",), _positive, NUMERIC),
-    (("frac",), _frac, FLOATS),
-)
-for _names, _prim, _dtypes in _SAME_DTYPE_UNARY:
-    register_unary(_unary(_names[0], _prim, floating=False), _names, _dtypes)
-register_unary(_unary("square", _square, floating=False), ["square"], ALL, inplace_dtypes=NUMERIC)
-translation(*methods(["__invert__"]), samples=unary_calls(), dtypes=INTS | BOOL)(
-    _unary("invert", prims.bitwise_not, floating=False)
-)
-
-
-def round(input: Value, *, decimals: int = 0, out: Any = None) -> Value:  # noqa: A001
-    """``torch.round``; with ``decimals``, eager scales by 10**decimals in float32 (opmath)."""
-    no_out(out)
-    if decimals == 0:
-        return prims.round(input)
-    dtype = input.type.dtype
-    if not dtype.is_floating_point:
-        raise NotImplementedError(f'"round_cpu" not implemented for {dtype} with decimals')
-    x = common.convert(input, opmath_dtype(dtype))
-    ten = float(10 ** abs(decimals))
-    if decimals > 0:
-        rounded = prims.div(prims.round(prims.mul(x, ten)), ten)
-    else:
-        rounded = prims.mul(prims.round(prims.div(x, ten)), ten)
-    return common.convert(rounded, dtype)
-
-
-def _round_kwargs(dtype: torch.dtype) -> list[dict[str, Any]]:
-    return [{"decimals": 1}, {"decimals": -1}] if dtype.is_floating_point else []
-
-
-register_unary(round, ["round"], NUMERIC, kwargs=_round_kwargs)
-translation(torch.special.round, samples=unary_calls(kwargs=_round_kwargs), dtypes=FLOATS)(round)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,8 +156,8 @@ def register_binary(
     reflections: Sequence[str] = (),
     inplace_operators: Sequence[str] = (),
     inplace_dtypes: frozenset[torch.dtype] | None = None,
-    lhs: Span = Span(),
-    rhs: Span = Span(),
+    lhs: Span = ANYWHERE,
+    rhs: Span = ANYWHERE,
     scalar: bool = True,
     kwargs: KwargsFn | None = None,
 ) -> None:
@@ -311,13 +203,17 @@ def _check_alpha(alpha: bool | int | float, dtype: torch.dtype) -> None:
 
 
 def scaled(prim: Prim, input: Operand, other: Operand, alpha: bool | int | float) -> Value:
-    """``prim(input, alpha * other)`` (add and sub), in float32 for float16/bfloat16."""
+    """``prim(input, alpha * other)`` (add and sub); for float16/bfloat16 eager rounds a scalar
+    ``other`` and ``alpha`` to the dtype and computes in float32."""
     (x, y), dtype = common.elementwise(input, other)
     _check_alpha(alpha, dtype)
     if alpha is True or (alpha == 1 and not isinstance(alpha, bool)):
         return prim(x, y)
     wide = opmath_dtype(dtype)
-    result = prim(common.convert(x, wide), scale(common.convert(y, wide), alpha))
+    y = common.convert(round_scalar(y, dtype), wide)
+    factor = round_scalar(alpha, dtype)
+    assert not isinstance(factor, Value)
+    result = prim(common.convert(x, wide), scale(y, factor))
     return common.convert(result, dtype)
 
 
@@ -336,14 +232,16 @@ def sub(input: Operand, other: Operand, *, alpha: bool | int | float = 1, out: A
     return scaled(prims.sub, input, other, alpha)
 
 
-def rsub(input: Operand, other: Operand, *, alpha: bool | int | float = 1, out: Any = None) -> Value:
+def rsub(
+    input: Operand, other: Operand, *, alpha: bool | int | float = 1, out: Any = None
+) -> Value:
     """``torch.rsub``: ``other - alpha * input``."""
     return sub(other, input, alpha=alpha, out=out)
 
 
 def mul(input: Operand, other: Operand, *, out: Any = None) -> Value:
     no_out(out)
-    return apply(prims.mul, input, other)
+    return opmath_binary(prims.mul, input, other)
 
 
 def _negative(value: Operand) -> Value | bool:
@@ -365,6 +263,9 @@ def _xor(p: Value | bool, q: Value | bool) -> Value | bool:
 def _trunc_div(input: Operand, other: Operand) -> Value:
     (x, y), dtype = common.elementwise(input, other)
     if dtype.is_floating_point:
+        if dtype in REDUCED and (not isinstance(other, Value) or other.type.numel() == 1):
+            # Eager's kernel reads a one-element divisor as a float32 scalar.
+            return opmath_binary(lambda a, b: prims.trunc(prims.div(a, b)), input, other)
         return prims.trunc(prims.div(x, y))
     # Integers: floor division, plus one where the remainder is nonzero and the signs differ.
     signs_differ = _xor(_negative(x), _negative(y))
@@ -382,9 +283,9 @@ def div(
 ) -> Value:
     no_out(out)
     if rounding_mode is None:
-        return apply(prims.div, input, other, int_to_float=True)
+        return opmath_binary(prims.div, input, other, int_to_float=True)
     if rounding_mode == "floor":
-        return apply(prims.floor_div, input, other)
+        return opmath_binary(prims.floor_div, input, other)
     if rounding_mode == "trunc":
         return _trunc_div(input, other)
     raise RuntimeError(
@@ -397,10 +298,13 @@ def true_divide(input: Operand, other: Operand, *, out: Any = None) -> Value:
     return div(input, other, out=out)
 
 
-def rdiv(input: Operand, other: Operand) -> Value:
-    """``other / input`` from ``Tensor.__rdiv__`` (fp32 under CUDA autocast, as eager)."""
-    input, other = common.autocast("rdiv", input, other)
-    return div(input, other)
+def rdiv(self: Value, other: Operand) -> Operand:
+    """``Tensor.__rdiv__(self, other)``, ``other / self``: eager computes
+    ``self.reciprocal() * other`` (in float32 under CUDA autocast)."""
+    if not isinstance(other, Value | bool | int | float):
+        return NotImplemented
+    self, other = common.autocast("rdiv", self, other)
+    return mul(reciprocal_of(self), other)
 
 
 def floor_divide(input: Operand, other: Operand, *, out: Any = None) -> Value:
@@ -417,13 +321,13 @@ def fmod(input: Operand, other: Operand, *, out: Any = None) -> Value:
     return apply(prims.fmod, input, other)
 
 
-def pow(input: Operand, exponent: Operand, *, out: Any = None) -> Value:  # noqa: A001
+def pow(input: Operand, exponent: Operand, *, out: Any = None) -> Value:
     no_out(out)
     input, exponent = common.autocast("pow", input, exponent)
     (base, power), dtype = common.elementwise(input, exponent)
-    if isinstance(power, int) and not isinstance(power, bool) and power < 0:
-        if not dtype.is_floating_point:
-            raise RuntimeError("Integers to negative integer powers are not allowed.")
+    negative = isinstance(power, int) and not isinstance(power, bool) and power < 0
+    if negative and not dtype.is_floating_point:
+        raise RuntimeError("Integers to negative integer powers are not allowed.")
     return prims.pow(base, power)
 
 
@@ -451,44 +355,82 @@ def _rounding(dtype: torch.dtype) -> list[dict[str, Any]]:
 
 DIVISOR = Span(nonzero=True)
 register_binary(
-    add, ["add"], ALL, operators=["__add__"], reflections=["__radd__"],
-    inplace_operators=["__iadd__"], kwargs=_alpha,
+    add,
+    ["add"],
+    ALL,
+    operators=["__add__"],
+    reflections=["__radd__"],
+    inplace_operators=["__iadd__"],
+    kwargs=_alpha,
 )
 register_binary(
-    sub, ["sub", "subtract"], NUMERIC, operators=["__sub__"], reflections=["__rsub__"],
-    inplace_operators=["__isub__"], kwargs=_alpha,
+    sub,
+    ["sub", "subtract"],
+    NUMERIC,
+    operators=["__sub__"],
+    reflections=["__rsub__"],
+    inplace_operators=["__isub__"],
+    kwargs=_alpha,
 )
 translation(torch.rsub, samples=binary_calls(kwargs=_alpha, partners=NUMERIC), dtypes=NUMERIC)(rsub)
 register_binary(
-    mul, ["mul", "multiply"], ALL, operators=["__mul__"], reflections=["__rmul__"],
+    mul,
+    ["mul", "multiply"],
+    ALL,
+    operators=["__mul__"],
+    reflections=["__rmul__"],
     inplace_operators=["__imul__"],
 )
 register_binary(
-    div, ["div", "divide"], ALL, operators=["__truediv__", "__div__"],
-    inplace_operators=["__itruediv__"], inplace_dtypes=FLOATS, rhs=DIVISOR, kwargs=_rounding,
+    div,
+    ["div", "divide"],
+    ALL,
+    operators=["__truediv__", "__div__"],
+    inplace_operators=["__itruediv__"],
+    inplace_dtypes=FLOATS,
+    rhs=DIVISOR,
+    kwargs=_rounding,
 )
 register_binary(true_divide, ["true_divide"], ALL, inplace_dtypes=FLOATS, rhs=DIVISOR)
 translation(
     *methods(["__rdiv__", "__rtruediv__"]),
     samples=binary_calls(DIVISOR, partners=ALL, float_scalar=True),
     dtypes=ALL,
-)(reflected(rdiv))
+)(rdiv)
 register_binary(
-    floor_divide, ["floor_divide"], NUMERIC, operators=["__floordiv__"],
-    reflections=["__rfloordiv__"], inplace_operators=["__ifloordiv__"], rhs=DIVISOR,
+    floor_divide,
+    ["floor_divide"],
+    NUMERIC,
+    operators=["__floordiv__"],
+    reflections=["__rfloordiv__"],
+    inplace_operators=["__ifloordiv__"],
+    rhs=DIVISOR,
 )
 register_binary(
-    remainder, ["remainder"], NUMERIC, operators=["__mod__"], reflections=["__rmod__"],
-    inplace_operators=["__imod__"], rhs=DIVISOR,
+    remainder,
+    ["remainder"],
+    NUMERIC,
+    operators=["__mod__"],
+    reflections=["__rmod__"],
+    inplace_operators=["__imod__"],
+    rhs=DIVISOR,
 )
 register_binary(fmod, ["fmod"], NUMERIC, rhs=DIVISOR)
 register_binary(
-    pow, ["pow"], NUMERIC, operators=["__pow__"], reflections=["__rpow__"],
-    inplace_operators=["__ipow__"], rhs=Span(low=0, high=3),
+    pow,
+    ["pow"],
+    NUMERIC,
+    operators=["__pow__"],
+    reflections=["__rpow__"],
+    inplace_operators=["__ipow__"],
+    rhs=Span(low=0, high=3),
 )
 register_binary(
-    _binary("atan2", prims.atan2, int_to_float=True), ["atan2", "arctan2"], NUMERIC,
-    inplace_dtypes=FLOATS, scalar=False,
+    _binary("atan2", prims.atan2, int_to_float=True),
+    ["atan2", "arctan2"],
+    NUMERIC,
+    inplace_dtypes=FLOATS,
+    scalar=False,
 )
 for _name, _prim in (("maximum", prims.maximum), ("minimum", prims.minimum)):
     register_binary(_binary(_name, _prim), [_name], ALL, scalar=False)
@@ -506,9 +448,7 @@ _COMPARISONS = (
     ("ge", prims.ge, ("greater_equal",)),
 )
 for _name, _prim, _aliases in _COMPARISONS:
-    register_binary(
-        _binary(_name, _prim), [_name, *_aliases], ALL, operators=[f"__{_name}__"]
-    )
+    register_binary(_binary(_name, _prim), [_name, *_aliases], ALL, operators=[f"__{_name}__"])
 
 for _name, _prim in (
     ("logical_and", prims.logical_and),
@@ -523,8 +463,12 @@ for _name, _prim, _dunder in (
     ("bitwise_xor", prims.bitwise_xor, "xor"),
 ):
     register_binary(
-        _binary(_name, _prim), [_name], INTS | BOOL, operators=[f"__{_dunder}__"],
-        reflections=[f"__r{_dunder}__"], inplace_operators=[f"__i{_dunder}__"],
+        _binary(_name, _prim),
+        [_name],
+        INTS | BOOL,
+        operators=[f"__{_dunder}__"],
+        reflections=[f"__r{_dunder}__"],
+        inplace_operators=[f"__i{_dunder}__"],
     )
 
 for _name, _prim, _dunder in (
@@ -532,7 +476,11 @@ for _name, _prim, _dunder in (
     ("bitwise_right_shift", prims.shift_right, "rshift"),
 ):
     register_binary(
-        _binary(_name, _prim), [_name], INTS, operators=[f"__{_dunder}__"],
-        reflections=[f"__r{_dunder}__"], inplace_operators=[f"__i{_dunder}__"],
+        _binary(_name, _prim),
+        [_name],
+        INTS,
+        operators=[f"__{_dunder}__"],
+        reflections=[f"__r{_dunder}__"],
+        inplace_operators=[f"__i{_dunder}__"],
         rhs=Span(low=0, high=5),
     )

@@ -17,6 +17,7 @@ Other interpolation modes fall back to an extern.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,8 @@ from kiln.ops import prims
 from kiln.ops.sampling import ALL, FLOATS
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
-from kiln.ops.translations.linalg import reshape
+from kiln.ops.translations.linalg import reshape, static_shape
+from kiln.ops.translations.reductions import static
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -75,7 +77,8 @@ def embedding(
 ) -> Value:
     if max_norm is not None:
         raise FallbackToExtern  # renormalizes the weight rows in place
-    if padding_idx is not None and not -weight.type.shape[0] <= padding_idx < weight.type.shape[0]:
+    rows = static(weight.type.shape[0])
+    if padding_idx is not None and not -rows <= padding_idx < rows:
         raise AssertionError("Padding_idx must be within num_embeddings")
     return _lookup(weight, input)
 
@@ -120,7 +123,7 @@ def _check_factor(op: str, input: Value, factor: int, what: str) -> None:
 )
 def pixel_shuffle(input: Value, upscale_factor: int) -> Value:
     _check_factor("pixel_shuffle", input, upscale_factor, "upscale_factor")
-    *lead, channels, height, width = (int(s) for s in input.type.shape)
+    *lead, channels, height, width = static_shape(input)
     r = upscale_factor
     if channels % (r * r):
         raise RuntimeError(
@@ -140,7 +143,7 @@ def pixel_shuffle(input: Value, upscale_factor: int) -> Value:
 )
 def pixel_unshuffle(input: Value, downscale_factor: int) -> Value:
     _check_factor("pixel_unshuffle", input, downscale_factor, "downscale_factor")
-    *lead, channels, height, width = (int(s) for s in input.type.shape)
+    *lead, channels, height, width = static_shape(input)
     r = downscale_factor
     if height % r or width % r:
         raise RuntimeError(
@@ -161,7 +164,7 @@ def _per_dim(value: object, dim: int) -> object:
     return value[dim] if isinstance(value, Sequence) else value
 
 
-def _source_index(size: int, dim: int, mode: str, arguments: dict[str, object]) -> list[int]:
+def _source_index(size: int, dim: int, mode: str, arguments: dict[str, Any]) -> list[int]:
     """Eager's nearest source index along one dim, read off its kernel run on an arange."""
     probe = torch.arange(size, dtype=torch.float32).reshape(1, 1, size)
     per_dim = {name: _per_dim(value, dim) for name, value in arguments.items()}
@@ -171,7 +174,7 @@ def _source_index(size: int, dim: int, mode: str, arguments: dict[str, object]) 
 
 def _gather_dim(x: Value, dim: int, index: list[int]) -> Value:
     """``x`` with ``x[..., index, ...]`` along ``dim``, as movement when the index allows."""
-    size = int(x.type.shape[dim])
+    size = static(x.type.shape[dim])
     if index == list(range(size)):
         return x
     repeats = len(index) // size if size else 0
@@ -208,17 +211,17 @@ def interpolate(
 ) -> Value:
     if mode not in ("nearest", "nearest-exact") or antialias:
         raise FallbackToExtern  # linear modes weigh neighbours: not expressed in prims yet
-    arguments = {
+    arguments: dict[str, Any] = {
         "size": size,
         "scale_factor": scale_factor,
         "align_corners": align_corners,
         "recompute_scale_factor": recompute_scale_factor,
     }
     # Eager's own argument checks and output shape, on a meta tensor.
-    meta = torch.empty(tuple(input.type.shape), dtype=input.type.dtype, device="meta")
-    F.interpolate(meta, mode=mode, **arguments)  # type: ignore[arg-type]
+    meta = torch.empty(static_shape(input), dtype=input.type.dtype, device="meta")
+    F.interpolate(meta, mode=mode, **arguments)
     result = input
     for dim in range(input.type.rank - 2):
-        index = _source_index(int(input.type.shape[dim + 2]), dim, mode, arguments)
+        index = _source_index(static(input.type.shape[dim + 2]), dim, mode, arguments)
         result = _gather_dim(result, dim + 2, index)
     return result

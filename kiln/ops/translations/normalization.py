@@ -40,9 +40,10 @@ from kiln.ops.translations.reductions import (
     reduce,
     reduced_count,
     require_float,
+    scalar_type_name,
     static,
 )
-from kiln.ops.translations.table import assign_input, translation
+from kiln.ops.translations.table import FallbackToExtern, assign_input, translation
 
 # ---------------------------------------------------------------------------------------------
 # softmax, log_softmax, softmin
@@ -63,7 +64,9 @@ def softmax_of(x: Value, dim: int, dtype: torch.dtype | None, log: bool, op: str
         (x,) = common.autocast(op, x)
     x = common.convert(x, dtype) if dtype is not None else x
     if not x.type.dtype.is_floating_point:
-        raise NotImplementedError(f'"{op}" not implemented for {x.type.dtype}')
+        raise NotImplementedError(
+            f"\"{op}\" not implemented for '{scalar_type_name(x.type.dtype)}'"
+        )
     axis = common.normalize_dim(dim, x.type.rank, op)
     if x.type.numel() == 0:
         return x
@@ -381,6 +384,8 @@ def normalize(
 ) -> Value:
     """``input / max(norm(input, p, dim), eps)``, the norm rounded to the input's dtype first as
     in eager (``input.norm(...).clamp_min(eps)``)."""
+    if out is not None:
+        raise FallbackToExtern  # writes into ``out``
     (x,) = common.autocast("normalize", input)
     require_float(x, "normalize")
     axis = common.normalize_dim(dim, x.type.rank, "normalize")

@@ -29,6 +29,8 @@ from kiln.ops.translations.reductions import (
     compute_dtype,
     reduce,
     reduction_dims,
+    require_float,
+    scalar_type_name,
 )
 from kiln.ops.translations.table import FallbackToExtern, translation
 
@@ -60,12 +62,12 @@ def vector_norm_call(
         (x,) = common.autocast("norm", x)
     else:
         x = common.convert(x, dtype)
-    if not x.type.dtype.is_floating_point:
-        name = str(x.type.dtype).removeprefix("torch.").capitalize()
-        raise RuntimeError(
-            f"{op}: Expected a floating point or complex tensor as input. "
-            f"Got {'Long' if name == 'Int64' else name}"
-        )
+    require_float(
+        x,
+        op,
+        f"{op}: Expected a floating point or complex tensor as input. "
+        f"Got {scalar_type_name(x.type.dtype)}",
+    )
     if isinstance(ord, str):
         raise RuntimeError(f"{op}: ord must be a number, got {ord!r}")
     return vector_norm_of(x, ord, reduction_dims(x, dim, op), keepdim)

@@ -12,9 +12,7 @@ each window's j-th element are combined elementwise::
 
 Averages sum in float32 for reduced-precision inputs and divide once by the window sizes
 (products of per-dim counts, a scalar when all windows are equal), then round once, as eager's
-CPU kernels do. Adaptive pooling reshapes when the input size divides the output size, and
-otherwise pools each output cell's window (``floor(i*in/out)`` to ``ceil((i+1)*in/out)``) and
-concatenates; outputs wider than 64 cells along a dim fall back to an extern.
+CPU kernels do. Adaptive pooling is in ``adaptive_pooling.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +30,12 @@ from kiln.ir.graph import Value
 from kiln.ops import prims
 from kiln.ops.sampling import FLOATS, NUMERIC
 from kiln.ops.translations import common
-from kiln.ops.translations.cases import T, case_calls
-from kiln.ops.translations.linalg import reshape
+from kiln.ops.translations.cases import Case, T, case_calls
+from kiln.ops.translations.linalg import static_shape
+from kiln.ops.translations.reductions import compute_dtype, static
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 IntArg = int | Sequence[int]
-Reduce = Callable[[Value, int], Value]  # reduce a value over one dim, removing it
-MAX_ADAPTIVE_CELLS = 64  # wider adaptive outputs (without an even split) become externs
 
 
 @dataclass(frozen=True)
@@ -113,7 +111,7 @@ def check_input(op: str, input: Value, spatial: int) -> None:
 
 
 def _output_sizes(op: str, input: Value, wins: Sequence[Window]) -> list[int]:
-    sizes = [int(s) for s in input.type.shape[-len(wins) :]]
+    sizes = list(static_shape(input)[-len(wins) :])
     outs = [w.output_size(s) for w, s in zip(wins, sizes, strict=True)]
     if any(out <= 0 for out in outs):
         raise RuntimeError(
@@ -146,13 +144,18 @@ def pool_dim(
     combine: Callable[[Value, Value], Value],
 ) -> Value:
     """Combine the ``window.kernel`` elements of each of ``out`` windows along ``dim``."""
-    size = int(x.type.shape[dim])
+    size = static(x.type.shape[dim])
     last = (out - 1) * window.stride + 1  # the extent of one slice
     span = last + window.dilation * (window.kernel - 1)
     padded = _pad_dim(x, dim, window.padding, span - size - window.padding, fill)
     slices = [
-        prims.slice(padded, dim=dim, start=j * window.dilation, stop=j * window.dilation + last,
-                    step=window.stride)
+        prims.slice(
+            padded,
+            dim=dim,
+            start=j * window.dilation,
+            stop=j * window.dilation + last,
+            step=window.stride,
+        )
         for j in range(window.kernel)
     ]
     return functools.reduce(combine, slices)
@@ -165,7 +168,7 @@ def _lowest(dtype: torch.dtype) -> bool | int | float:
     return torch.iinfo(dtype).min
 
 
-def _divide(total: Value, counts: Sequence[Sequence[int]]) -> Value:
+def divide_by_counts(total: Value, counts: Sequence[Sequence[int]]) -> Value:
     """``total`` divided by the outer product of per-dim window sizes (its trailing dims)."""
     flat = [math.prod(cell) for cell in _cells(counts)]
     if len(set(flat)) <= 1:
@@ -184,11 +187,6 @@ def _cells(counts: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
     for per_dim in counts:
         cells = [(*cell, count) for cell in cells for count in per_dim]
     return cells
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Averages of reduced-precision floats accumulate in float32, as on eager's CPU."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +209,7 @@ def max_pool(
     check_input(op, input, spatial)
     if spatial == 1 and not input.type.dtype.is_floating_point:
         name = str(input.type.dtype).removeprefix("torch.")
-        raise NotImplementedError(f'"max_pool1d_impl" not implemented for \'{name}\'')
+        raise NotImplementedError(f"\"max_pool1d_impl\" not implemented for '{name}'")
     wins = windows(op, spatial, kernel_size, stride, padding, dilation, ceil_mode)
     outs = _output_sizes(op, input, wins)
     fill = _lowest(input.type.dtype)
@@ -222,7 +220,7 @@ def max_pool(
     return result
 
 
-def _max_pool_cases(spatial: int) -> list[tuple[tuple[object, ...], dict[str, object], str]]:
+def _max_pool_cases(spatial: int) -> list[Case]:
     size = (9, 7, 5)[spatial - 1]
     dims = (size,) * spatial
     return [
@@ -235,7 +233,9 @@ def _max_pool_cases(spatial: int) -> list[tuple[tuple[object, ...], dict[str, ob
     ]
 
 
-def _max_pool_translation(spatial: int, *keys: object, dtypes: frozenset[torch.dtype]) -> None:
+def _max_pool_translation(
+    spatial: int, *keys: Callable[..., Any], dtypes: frozenset[torch.dtype]
+) -> None:
     def max_pool_nd(
         input: Value,
         kernel_size: IntArg,
@@ -250,7 +250,7 @@ def _max_pool_translation(spatial: int, *keys: object, dtypes: frozenset[torch.d
 
     max_pool_nd.__name__ = max_pool_nd.__qualname__ = f"max_pool{spatial}d"
     samples = case_calls(*_max_pool_cases(spatial))
-    translation(*keys, samples=samples, dtypes=dtypes)(max_pool_nd)  # type: ignore[arg-type]
+    translation(*keys, samples=samples, dtypes=dtypes)(max_pool_nd)
 
 
 _max_pool_translation(1, F.max_pool1d, torch.max_pool1d, dtypes=FLOATS)  # eager: no int kernel
@@ -291,25 +291,25 @@ def avg_pool(
     dtype = input.type.dtype
     if not dtype.is_floating_point:
         raise FallbackToExtern  # eager's integer average rounds like no prim
-    total = common.convert(input, _compute_dtype(dtype))
+    total = common.convert(input, compute_dtype(dtype))
     assert isinstance(total, Value)
     first = input.type.rank - spatial
     counts = []
     for offset, (window, out) in enumerate(zip(wins, outs, strict=True)):
-        size = int(input.type.shape[first + offset])
+        size = static(input.type.shape[first + offset])
         total = pool_dim(total, first + offset, window, out, 0, prims.add)
         counts.append(_window_counts(window, size, out, count_include_pad))
     if divisor_override is not None:
         counts = [[divisor_override]]
-    result = common.convert(_divide(total, counts), dtype)
+    result = common.convert(divide_by_counts(total, counts), dtype)
     assert isinstance(result, Value)
     return result
 
 
-def _avg_pool_cases(spatial: int) -> list[tuple[tuple[object, ...], dict[str, object], str]]:
+def _avg_pool_cases(spatial: int) -> list[Case]:
     size = (9, 7, 5)[spatial - 1]
     dims = (size,) * spatial
-    cases = [
+    cases: list[Case] = [
         ((T((2, 3, *dims)), 2), {}, ""),
         ((T((1, 2, *dims)), 3), {"stride": 2, "padding": 1}, "padded, counting the padding"),
         ((T((1, 2, *dims)), 3), {"padding": 1, "count_include_pad": False}, "not counting it"),
@@ -334,7 +334,9 @@ def avg_pool1d(
     return avg_pool(input, 1, *geometry, None)
 
 
-def _avg_pool_translation(spatial: int, key: object, dtypes: frozenset[torch.dtype]) -> None:
+def _avg_pool_translation(
+    spatial: int, key: Callable[..., Any], dtypes: frozenset[torch.dtype]
+) -> None:
     def avg_pool_nd(
         input: Value,
         kernel_size: IntArg,
@@ -349,139 +351,9 @@ def _avg_pool_translation(spatial: int, key: object, dtypes: frozenset[torch.dty
 
     avg_pool_nd.__name__ = avg_pool_nd.__qualname__ = f"avg_pool{spatial}d"
     samples = case_calls(*_avg_pool_cases(spatial))
-    translation(key, samples=samples, dtypes=dtypes)(avg_pool_nd)  # type: ignore[arg-type]
+    translation(key, samples=samples, dtypes=dtypes)(avg_pool_nd)
 
 
 _avg_pool_translation(2, F.avg_pool2d, FLOATS)
 # Eager's CPU kernel has no float16/bfloat16 avg_pool3d; the translation computes them anyway.
 _avg_pool_translation(3, F.avg_pool3d, frozenset({torch.float32}))
-
-
-# ---------------------------------------------------------------------------------------------
-# adaptive pooling
-
-
-def _adaptive_sizes(op: str, input: Value, spatial: int, output_size: object) -> list[int]:
-    """Output sizes per spatial dim (None keeps the input's size)."""
-    check_input(op, input, spatial)
-    sizes = [int(s) for s in input.type.shape[-spatial:]]
-    wanted = [output_size] * spatial if not isinstance(output_size, Sequence) else output_size
-    if len(wanted) == 1 and spatial > 1:
-        wanted = list(wanted) * spatial
-    if len(wanted) != spatial:
-        raise ValueError(f"{op}: output_size must be {spatial}, got {list(wanted)}")
-    outs = [size if out is None else int(out) for out, size in zip(wanted, sizes, strict=True)]
-    if any(out < 0 for out in outs):
-        raise RuntimeError(f"{op}: elements of output_size must be greater than or equal to 0")
-    return outs
-
-
-def adaptive_bounds(size: int, out: int) -> list[tuple[int, int]]:
-    """Each output cell's window ``[floor(i*size/out), ceil((i+1)*size/out))``."""
-    return [((i * size) // out, -((-(i + 1) * size) // out)) for i in range(out)]
-
-
-def adaptive_dim(x: Value, dim: int, out: int, reduce: Reduce) -> Value:
-    """Reduce each adaptive window along ``dim``: one reshape when ``out`` divides the size,
-    else one slice per output cell, concatenated."""
-    shape = x.type.shape
-    size = int(shape[dim])
-    if out and size % out == 0:
-        split = reshape(x, (*shape[:dim], out, size // out, *shape[dim + 1 :]))
-        return reduce(split, dim + 1)
-    if out > MAX_ADAPTIVE_CELLS:
-        raise FallbackToExtern  # one slice per cell: too many nodes
-    cells = [
-        prims.unsqueeze(reduce(prims.slice(x, dim=dim, start=start, stop=stop), dim), dims=(dim,))
-        for start, stop in adaptive_bounds(size, out)
-    ]
-    if not cells:
-        return prims.slice(x, dim=dim, start=0, stop=0)
-    result = prims.cat(*cells, dim=dim)
-    assert isinstance(result, Value)
-    return result
-
-
-def _sum_dim(x: Value, dim: int) -> Value:
-    result = prims.sum(x, dims=(dim,))
-    assert isinstance(result, Value)
-    return result
-
-
-def _amax_dim(x: Value, dim: int) -> Value:
-    result = prims.amax(x, dims=(dim,))
-    assert isinstance(result, Value)
-    return result
-
-
-def adaptive_avg_pool(input: Value, spatial: int, output_size: object) -> Value:
-    op = f"adaptive_avg_pool{spatial}d"
-    outs = _adaptive_sizes(op, input, spatial, output_size)
-    dtype = input.type.dtype
-    if not dtype.is_floating_point:
-        raise RuntimeError(f'"{op}" not implemented for \'{str(dtype).removeprefix("torch.")}\'')
-    total = common.convert(input, _compute_dtype(dtype))
-    assert isinstance(total, Value)
-    first = input.type.rank - spatial
-    counts = []
-    for offset, out in enumerate(outs):
-        size = int(input.type.shape[first + offset])
-        total = adaptive_dim(total, first + offset, out, _sum_dim)
-        counts.append([stop - start for start, stop in adaptive_bounds(size, out)])
-    result = common.convert(_divide(total, counts), dtype)
-    assert isinstance(result, Value)
-    return result
-
-
-def adaptive_max_pool(
-    input: Value, spatial: int, output_size: object, return_indices: bool
-) -> Value:
-    op = f"adaptive_max_pool{spatial}d"
-    if return_indices:
-        raise FallbackToExtern  # argmax positions of windows: no prim expresses them yet
-    outs = _adaptive_sizes(op, input, spatial, output_size)
-    result = input
-    first = input.type.rank - spatial
-    for offset, out in enumerate(outs):
-        result = adaptive_dim(result, first + offset, out, _amax_dim)
-    return result
-
-
-def _adaptive_cases(spatial: int) -> list[tuple[tuple[object, ...], dict[str, object], str]]:
-    size = (10, 6, 4)[spatial - 1]
-    dims = (size,) * spatial
-    cases = [
-        ((T((2, 3, *dims)), 1), {}, "global"),
-        ((T((2, 3, *dims)), 2), {}, "even split"),
-        ((T((1, 2, *dims)), 3), {}, "overlapping windows"),
-        ((T((2, *dims)), (size + 1,) * spatial), {}, "unbatched, upsampling"),
-    ]
-    if spatial > 1:  # the 1-d functions take no None
-        cases.append(((T((1, 2, *dims)), (None, *(3,) * (spatial - 1))), {}, "None keeps a size"))
-    return cases
-
-
-def _adaptive_translation(kind: str, spatial: int, *keys: object) -> None:
-    if kind == "avg":
-
-        def pool(input: Value, output_size: object) -> Value:
-            return adaptive_avg_pool(input, spatial, output_size)
-
-        dtypes = FLOATS
-    else:
-
-        def pool(input: Value, output_size: object, return_indices: bool = False) -> Value:
-            return adaptive_max_pool(input, spatial, output_size, return_indices)
-
-        dtypes = FLOATS
-    pool.__name__ = pool.__qualname__ = f"adaptive_{kind}_pool{spatial}d"
-    samples = case_calls(*_adaptive_cases(spatial))
-    translation(*keys, samples=samples, dtypes=dtypes)(pool)  # type: ignore[arg-type]
-
-
-_adaptive_translation("avg", 1, torch.adaptive_avg_pool1d)
-_adaptive_translation("avg", 2, F.adaptive_avg_pool2d)
-_adaptive_translation("avg", 3, F.adaptive_avg_pool3d)
-_adaptive_translation("max", 1, F.adaptive_max_pool1d)
-_adaptive_translation("max", 2, F.adaptive_max_pool2d)
-_adaptive_translation("max", 3, F.adaptive_max_pool3d)

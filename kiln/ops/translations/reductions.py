@@ -131,9 +131,21 @@ def variance_of(
     return common.convert(variance, x.type.dtype), common.convert(mean, x.type.dtype)
 
 
+_SCALAR_TYPE_NAMES = {
+    torch.float64: "Double", torch.float32: "Float", torch.float16: "Half",
+    torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int", torch.int16: "Short",
+    torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
+}  # fmt: skip
+
+
+def scalar_type_name(dtype: torch.dtype) -> str:
+    """The name PyTorch's C++ errors give ``dtype``: ``Long``, ``Float``, ``BFloat16``..."""
+    return _SCALAR_TYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def require_float(x: Value, op: str, message: str | None = None) -> None:
     if not x.type.dtype.is_floating_point:
-        name = str(x.type.dtype).removeprefix("torch.")
+        name = scalar_type_name(x.type.dtype)
         raise RuntimeError(message or f"{op}: expected a floating point tensor, got {name}")
 
 
@@ -218,12 +230,12 @@ def mean(
     input: Value, dim: Dims = None, keepdim: bool = False, *, dtype: torch.dtype | None = None
 ) -> Value:
     x = common.convert(input, dtype) if dtype is not None else input
-    if not x.type.dtype.is_floating_point:
-        name = str(x.type.dtype).removeprefix("torch.").capitalize()
-        raise RuntimeError(
-            "mean(): could not infer output dtype. Input dtype must be either a floating point "
-            f"or complex dtype. Got: {'Long' if name == 'Int64' else name}"
-        )
+    require_float(
+        x,
+        "mean",
+        "mean(): could not infer output dtype. Input dtype must be either a floating point or "
+        f"complex dtype. Got: {scalar_type_name(x.type.dtype)}",
+    )
     return mean_of(x, reduction_dims(x, dim, "mean"), keepdim)
 
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kiln.ir.graph import Value
+from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.sampling import ALL
 from kiln.ops.translations.cases import Case, T, case_calls
@@ -37,10 +38,20 @@ from kiln.ops.translations.table import CallFn, FallbackToExtern, lookup, transl
 
 def shape_of(value: Value) -> tuple[int, ...]:
     """The concrete shape of ``value``; a symbolic dim sends the call to an extern node."""
-    shape = value.type.shape
-    if not all(isinstance(size, int) for size in shape):
+    shape = tuple(size for size in value.type.shape if isinstance(size, int))
+    if len(shape) != value.type.rank:
         raise FallbackToExtern
-    return tuple(int(size) for size in shape)  # type: ignore[call-overload]
+    return shape
+
+
+def numel_of(value: Value) -> int:
+    return math.prod(shape_of(value))
+
+
+def property_getter(name: str) -> Callable[..., Any]:
+    """The callable a property read ``x.name`` reaches ``__torch_function__`` as."""
+    getter: Callable[..., Any] = getattr(torch.Tensor, name).__get__
+    return getter
 
 
 def shape_args(args: Sequence[Any]) -> tuple[int, ...]:
@@ -71,7 +82,7 @@ def infer_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
     return result
 
 
-def reshape(value: Value, shape: Sequence[int]) -> Value:
+def reshape(value: Value, shape: Sequence[Dim]) -> Value:
     """``value`` under ``shape`` (same number of elements); no node when nothing changes."""
     if tuple(shape) == value.type.shape:
         return value
@@ -305,7 +316,7 @@ def t(input: Value) -> Value:
 
 
 @translation(
-    torch.Tensor.T.__get__,
+    property_getter("T"),
     samples=tensor_calls([*_MATRIX_CASES, case((3,), note="1-d"), case((2, 3, 4), note="3-d")]),
     dtypes=ALL,
     view=True,
@@ -315,8 +326,8 @@ def reversed_dims(input: Value) -> Value:
 
 
 @translation(
-    torch.Tensor.mT.__get__,
-    torch.Tensor.mH.__get__,
+    property_getter("mT"),
+    property_getter("mH"),
     torch.Tensor.adjoint,
     torch.adjoint,
     samples=tensor_calls([case((3, 4)), case((2, 3, 4), note="batch"), case((2, 0, 3))]),
@@ -333,7 +344,7 @@ def matrix_transpose(input: Value) -> Value:
 
 
 @translation(
-    torch.Tensor.H.__get__,
+    property_getter("H"),
     samples=tensor_calls(_MATRIX_CASES),
     dtypes=ALL,
     view=True,

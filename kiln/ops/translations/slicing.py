@@ -23,6 +23,7 @@ from kiln.ops.translations.cases import Case, T, case_calls
 from kiln.ops.translations.common import broadcast_to, normalize_dim
 from kiln.ops.translations.shape import (
     case,
+    numel_of,
     reorder,
     reshape,
     shape_args,
@@ -252,7 +253,7 @@ def roll(
             raise RuntimeError(
                 f"shifts and dimensions must align. shifts: {len(shift_list)}, dims:0"
             )
-        flat = reshape(input, (input.type.numel(),))  # type: ignore[arg-type]
+        flat = reshape(input, (numel_of(input),))
         return reshape(_roll_dim(flat, shift_list[0], 0), shape_of(input))
     dim_list = [dims] if isinstance(dims, int) else list(dims)
     if len(shift_list) != len(dim_list):
@@ -418,7 +419,7 @@ _EDGE_PAD_CASES = case_calls(
 )
 
 
-def _pad_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
+def _pad_samples(dtype: torch.dtype, device: torch.device) -> Sequence[Call]:
     # Eager has no bool kernels for reflect and replicate padding.
     edges = [] if dtype == torch.bool else list(_EDGE_PAD_CASES(dtype, device))
     return [*_CONSTANT_PAD_CASES(dtype, device), *edges]

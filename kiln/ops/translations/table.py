@@ -16,11 +16,10 @@ interpreted call with the eager call for every key and dtype.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import contextvars
 
 import torch
 
@@ -48,7 +47,9 @@ def collect_assignments() -> contextvars.Token[list[tuple[Value, Value]] | None]
     return _assignments.set([])
 
 
-def finish_assignments(token: contextvars.Token[list[tuple[Value, Value]] | None]) -> list[tuple[Value, Value]]:
+def finish_assignments(
+    token: contextvars.Token[list[tuple[Value, Value]] | None],
+) -> list[tuple[Value, Value]]:
     pending = _assignments.get() or []
     _assignments.reset(token)
     return pending
@@ -81,7 +82,12 @@ class Translation:
     random: bool = False  # results are random: the test compares statistics, not values
     autocast: str | None = None  # the autocast policy name, for the docs and explain
     tolerance: tuple[float, float] | None = None  # (rtol, atol) when decompositions round
-    view: bool = False  # the result aliases the first argument (view, transpose, slicing...)
+    # The result aliases the first argument (view, transpose, slicing...): True, or a predicate
+    # over the call's arguments when only some calls alias (basic vs advanced indexing).
+    view: bool | Callable[..., bool] = False
+
+    def is_view(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        return self.view(*args, **kwargs) if callable(self.view) else self.view
 
     @property
     def name(self) -> str:
@@ -104,7 +110,7 @@ def translation(
     inplace: bool = False,
     random: bool = False,
     tolerance: tuple[float, float] | None = None,
-    view: bool = False,
+    view: bool | Callable[..., bool] = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated function as the translation of every callable in ``keys``."""
 
@@ -114,7 +120,9 @@ def translation(
         )
         for key in keys:
             if _key(key) in _TABLE:
-                raise ValueError(f"{key} has two translations: {_TABLE[_key(key)].name}, {entry.name}")
+                raise ValueError(
+                    f"{key} has two translations: {_TABLE[_key(key)].name}, {entry.name}"
+                )
             _TABLE[_key(key)] = entry
         _ENTRIES.append(entry)
         return fn
@@ -144,6 +152,9 @@ def api_name(fn: Any) -> str:
     if owner is torch._C.TensorBase or owner is torch.Tensor:
         return f"torch.Tensor.{name}"
     qualname = getattr(fn, "__qualname__", "")
+    owner_name = getattr(owner, "__name__", None)
+    if name == "__get__" and owner_name:  # a property getter such as Tensor.T
+        return f"torch.Tensor.{owner_name}"
     if qualname.startswith("Tensor."):
         return f"torch.{qualname}"
     module = getattr(fn, "__module__", None)
