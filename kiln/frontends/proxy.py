@@ -50,7 +50,6 @@ _NATIVE_METHODS = {
     torch.Tensor.__len__,
     torch.Tensor.is_signed,
     torch.Tensor.storage_offset,
-    torch.Tensor.type,
     torch.is_floating_point,
     torch.is_complex,
     torch.numel,
@@ -181,7 +180,7 @@ def _describe(proxy: ProxyTensor) -> str:
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on proxies: answer metadata natively, translate everything else."""
-    if _native(func):
+    if _native(func) or (func is torch.Tensor.type and len(args) == 1 and not kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     if func in _DATA_ACCESS:

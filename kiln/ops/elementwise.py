@@ -309,7 +309,7 @@ register(
     OpDef(
         Op.CONVERT,
         meta=_convert_meta,
-        impl=lambda attrs, x: x.to(attrs.dtype),
+        impl=lambda attrs, x: x.to(attrs.dtype, copy=True),  # a node's result never aliases
         attrs=ConvertAttrs,
         tags=frozenset({Tag.ELEMENTWISE, Tag.UNARY}),
         dtypes=ALL,

@@ -91,8 +91,45 @@ def detach(self: Value) -> Value:
 
 
 def clone(self: Value, *, memory_format: Any = None) -> Value:
-    """A copy of an immutable value is the value itself."""
-    return self
+    """A copy: a same-dtype ``convert`` node, so the result never aliases ``self`` when it leaves
+    the graph (returning ``self`` would hand the caller its own input tensor back)."""
+    result = prims.convert(self, dtype=self.type.dtype)
+    assert isinstance(result, Value)
+    return result
+
+
+_TYPE_NAMES = {
+    f"torch.{name}": dtype
+    for name, dtype in (
+        ("FloatTensor", torch.float32),
+        ("DoubleTensor", torch.float64),
+        ("HalfTensor", torch.float16),
+        ("BFloat16Tensor", torch.bfloat16),
+        ("LongTensor", torch.int64),
+        ("IntTensor", torch.int32),
+        ("ShortTensor", torch.int16),
+        ("CharTensor", torch.int8),
+        ("ByteTensor", torch.uint8),
+        ("BoolTensor", torch.bool),
+    )
+}
+
+
+def type_(self: Value, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Value:
+    """``x.type(torch.float16)`` or ``x.type("torch.HalfTensor")``: a conversion. (``x.type()``
+    with no argument returns a string and is answered by the frontend.)"""
+    if isinstance(dtype, str):
+        if dtype not in _TYPE_NAMES:
+            raise FallbackToExtern(dtype)
+        dtype = _TYPE_NAMES[dtype]
+    if not isinstance(dtype, torch.dtype):
+        raise FallbackToExtern(dtype)
+    return _converted(self, dtype, None)
+
+
+def _type_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    x = make_tensor((3, 4), dtype, device)
+    return [Call((x, torch.float16)), Call((x, "torch.LongTensor")), Call((x, torch.bool))]
 
 
 def copy_(self: Value, src: Value, non_blocking: bool = False) -> Value:
@@ -170,4 +207,5 @@ translation(torch.Tensor.cpu, samples=_self_calls, dtypes=ALL)(cpu)
 translation(torch.detach, torch.Tensor.detach, samples=_self_calls, dtypes=ALL, view=True)(detach)
 translation(torch.Tensor.detach_, samples=_self_calls, dtypes=ALL, inplace=True)(detach)
 translation(torch.clone, torch.Tensor.clone, samples=_self_calls, dtypes=ALL)(clone)
+translation(torch.Tensor.type, samples=_type_calls, dtypes=ALL)(type_)
 translation(torch.Tensor.copy_, samples=_copy_calls, dtypes=ALL, inplace=True)(copy_)
