@@ -45,6 +45,10 @@ class OpTypeError(KilnError, TypeError):
     """An op was given an argument of a type or dtype it does not accept."""
 
 
+class OpNotImplementedError(KilnError, NotImplementedError):
+    """An op does not support a dtype (eager's "not implemented for 'Float'")."""
+
+
 class OpIndexError(KilnError, IndexError):
     """An op was given a dim or index out of range."""
 

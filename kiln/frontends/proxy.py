@@ -20,7 +20,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from kiln.errors import KilnError, OpError, OpIndexError, OpTypeError, OpValueError, TraceError
+from kiln.errors import (
+    KilnError,
+    OpError,
+    OpIndexError,
+    OpNotImplementedError,
+    OpTypeError,
+    OpValueError,
+    TraceError,
+)
 from kiln.frontends.source import user_location
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Origin, Value
@@ -254,6 +262,8 @@ def _user_error(api: str, error: Exception, location: Any) -> KilnError:
         return OpValueError(message, location)
     if isinstance(error, IndexError):
         return OpIndexError(message, location)
+    if isinstance(error, NotImplementedError):
+        return OpNotImplementedError(message, location)
     return OpError(message, location)
 
 

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from kiln.errors import KilnError, OpError, OpIndexError, OpTypeError, OpValueError, SourceLocation
+from kiln.errors import (
+    KilnError,
+    OpError,
+    OpIndexError,
+    OpNotImplementedError,
+    OpTypeError,
+    OpValueError,
+    SourceLocation,
+)
 from kiln.ir.graph import Graph, InputKind, Operand, Origin, Value
 from kiln.ir.op import Op, Tag, op_def
 from kiln.ir.types import TensorType
@@ -111,6 +119,8 @@ def _op_error(op: Op, error: Exception, origin: Origin) -> KilnError:
         return OpValueError(message, location)
     if isinstance(error, IndexError):
         return OpIndexError(message, location)
+    if isinstance(error, NotImplementedError):
+        return OpNotImplementedError(message, location)
     return OpError(message, location)
 
 

@@ -28,8 +28,8 @@ def _name(dtype: torch.dtype) -> str:
 def _check_dtype(op: Op, dtype: torch.dtype, allowed: frozenset[torch.dtype]) -> None:
     if dtype not in allowed and not (dtype == torch.float64 and allowed & FLOATS):
         kinds = sorted(_name(d) for d in allowed)
-        raise TypeError(
-            f"{op.printed_name} does not support {_name(dtype)} (takes {', '.join(kinds)})"
+        raise NotImplementedError(  # eager: "... not implemented for 'Float'"
+            f"{op.printed_name} not implemented for {_name(dtype)} (takes {', '.join(kinds)})"
         )
 
 

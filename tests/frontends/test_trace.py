@@ -154,3 +154,29 @@ def test_autocast_inside_the_traced_function() -> None:
     expected = mixed(x, w)
     assert out.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected)
+
+
+BAD_INPUTS = {
+    "float_bitwise_and": lambda x: x & x,
+    "float_shift": lambda x: x << 2,
+    "broadcast_mismatch": lambda x: x + x[:2],
+    "dim_out_of_range": lambda x: x.sum(dim=5),
+    "bad_view": lambda x: x.view(7),
+    "cat_rank_mismatch": lambda x: torch.cat([x, x.view(1, -1)]),
+    "string_operand": lambda x: x + "a",
+    "matmul_shapes": lambda x: x.view(3, 1) @ x.view(3, 1),
+    "softmax_dim": lambda x: torch.softmax(x, 3),
+    "gather_float_index": lambda x: torch.gather(x, 0, torch.tensor([0.5])),
+    "embedding_float_ids": lambda x: nn.functional.embedding(x, torch.randn(4, 2)),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_raises_eagers_exception_type(name: str) -> None:
+    program = BAD_INPUTS[name]
+    x = torch.randn(3)
+    with pytest.raises(Exception) as eager:
+        program(x.clone())
+    with pytest.raises(Exception) as traced:
+        kiln.trace(program, x.clone())
+    assert isinstance(traced.value, type(eager.value)), (traced.value, eager.value)
