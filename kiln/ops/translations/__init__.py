@@ -2,8 +2,36 @@
 
 Importing this package registers every translation. ``lookup(fn)`` finds one; a callable with
 no translation becomes an ``extern`` node (see ``kiln.ops.externs``), never an error.
+One module per family of torch APIs; ``common`` holds PyTorch's implicit rules (promotion,
+broadcasting, autocast) and ``table`` the registry.
 """
 
+# Registration happens on import; the order does not matter.
+from kiln.ops.translations import (  # noqa: F401
+    activations,
+    adaptive_pooling,
+    attention,
+    conversions,
+    convolution,
+    creation,
+    einsum,
+    gathering,
+    indexing,
+    joining,
+    linalg,
+    losses,
+    math,
+    nn,
+    normalization,
+    norms,
+    pooling,
+    reductions,
+    shape,
+    slicing,
+    sorting,
+    ternary,
+    unary,
+)
 from kiln.ops.translations.table import (
     Call,
     FallbackToExtern,
@@ -11,19 +39,21 @@ from kiln.ops.translations.table import (
     api_name,
     assign_input,
     collect_assignments,
-    finish_assignments,
     entries,
+    finish_assignments,
     lookup,
     translation,
 )
 
-__all__ = ["Call", "FallbackToExtern", "Translation", "api_name", "assign_input", "collect_assignments", "finish_assignments", "entries", "lookup", "translation"]
-from kiln.ops.translations import reductions, norms, sorting, normalization, losses  # noqa: F401
-from kiln.ops.translations import attention, convolution, einsum, linalg, nn  # noqa: F401
-from kiln.ops.translations import adaptive_pooling, pooling  # noqa: F401
-from kiln.ops.translations import math, unary  # noqa: F401
-from kiln.ops.translations import gathering, indexing, joining, shape, slicing  # noqa: F401
-from kiln.ops.translations import ternary  # noqa: F401
-from kiln.ops.translations import activations  # noqa: F401
-from kiln.ops.translations import creation  # noqa: F401
-from kiln.ops.translations import conversions  # noqa: F401
+__all__ = [
+    "Call",
+    "FallbackToExtern",
+    "Translation",
+    "api_name",
+    "assign_input",
+    "collect_assignments",
+    "entries",
+    "finish_assignments",
+    "lookup",
+    "translation",
+]

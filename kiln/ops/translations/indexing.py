@@ -284,7 +284,9 @@ def _is_basic_key(self: Value, key: Any) -> bool:
     """Whether ``self[key]`` is a view in eager: only ints, slices, None and Ellipsis."""
     items = key if isinstance(key, tuple) else (key,)
     return all(
-        item is None or item is Ellipsis or isinstance(item, slice)
+        item is None
+        or item is Ellipsis
+        or isinstance(item, slice)
         or (isinstance(item, int) and not isinstance(item, bool))
         for item in items
     )

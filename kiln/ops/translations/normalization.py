@@ -292,23 +292,43 @@ def _update_running(running: Value, statistic: Value, momentum: float) -> None:
     assign_input(running, common.convert(new, running.type.dtype))
 
 
-def _batch_statistics(
+def _statistics_dtype(
+    input: Value, running_mean: Value | None, weight: Value | None
+) -> torch.dtype:
+    """The dtype eager keeps batch statistics in: the parameters' (float32 in mixed precision),
+    else the input's."""
+    for parameter in (running_mean, weight):
+        if parameter is not None:
+            return parameter.type.dtype
+    return input.type.dtype
+
+
+def _batch_normalizers(
     wide: Value,
-    dims: tuple[int, ...],
     running_mean: Value | None,
     running_var: Value | None,
     momentum: float,
+    eps: float,
+    statistics_dtype: torch.dtype,
 ) -> tuple[Value, Value]:
-    """(mean, biased variance) over ``dims`` as 1-d channel vectors; updates the running
-    statistics with the mean and the unbiased variance."""
+    """(mean, 1 / sqrt(biased variance + eps)) per channel, rounded to ``statistics_dtype`` as
+    eager's saved statistics are; updates the running statistics with the mean and the unbiased
+    variance."""
+    dims = tuple(d for d in range(wide.type.rank) if d != 1)
     mean, squares = moments(wide, dims)
     count = reduced_count(wide, dims)
-    mean, squares = (prims.reshape(v, shape=(static(wide.type.shape[1]),)) for v in (mean, squares))
+    channels = (static(wide.type.shape[1]),)
+    mean, squares = (prims.reshape(v, shape=channels) for v in (mean, squares))
     if running_mean is not None:
         _update_running(running_mean, mean, momentum)
     if running_var is not None:
         _update_running(running_var, prims.div(squares, float(count - 1)), momentum)
-    return mean, prims.div(squares, float(count))
+    inverse = prims.rsqrt(prims.add(prims.div(squares, float(count)), eps))
+
+    def rounded(value: Value) -> Value:
+        return common.convert(common.convert(value, statistics_dtype), wide.type.dtype)
+
+    return rounded(mean), rounded(inverse)
 
 
 @translation(
@@ -345,19 +365,19 @@ def batch_norm(
     if input.type.rank < 2:
         raise ValueError(f"batch_norm: expected 2D or more input (got {input.type.rank}D input)")
     wide = common.convert(input, compute_dtype(input.type.dtype))
-    dims = tuple(d for d in range(wide.type.rank) if d != 1)
+    shape = wide.type.shape
     if training or running_mean is None or running_var is None:
-        mean, variance = _batch_statistics(
+        mean, inverse = _batch_normalizers(
             wide,
-            dims,
             running_mean if training else None,
             running_var if training else None,
             momentum,
+            eps,
+            _statistics_dtype(input, running_mean, weight),
         )
     else:
-        mean, variance = (common.convert(v, wide.type.dtype) for v in (running_mean, running_var))
-    shape = wide.type.shape
-    inverse = prims.rsqrt(prims.add(variance, eps))
+        mean = common.convert(running_mean, wide.type.dtype)
+        inverse = prims.rsqrt(prims.add(common.convert(running_var, wide.type.dtype), eps))
     centered = prims.sub(wide, prims.broadcast(mean, shape=shape, dims=(1,)))
     normalized = prims.mul(centered, prims.broadcast(inverse, shape=shape, dims=(1,)))
     return common.convert(_affine(normalized, weight, bias, (1,)), input.type.dtype)
