@@ -28,3 +28,16 @@ def golden(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
         )
 
     return check
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request: pytest.FixtureRequest) -> None:
+    """Random inputs are fresh per test but reproducible: the seed comes from the test's id,
+    so a failure seen in CI reruns identically here (``KILN_TEST_SEED`` shifts every seed)."""
+    import os
+    import zlib
+
+    import torch
+
+    base = int(os.environ.get("KILN_TEST_SEED", "0"))
+    torch.manual_seed(base + zlib.crc32(request.node.nodeid.encode()))

@@ -319,16 +319,32 @@ def _batch_normalizers(
     count = reduced_count(wide, dims)
     channels = (static(wide.type.shape[1]),)
     mean, squares = (prims.reshape(v, shape=channels) for v in (mean, squares))
+
+    def rounded(value: Value) -> Value:
+        return common.convert(common.convert(value, statistics_dtype), wide.type.dtype)
+
+    if statistics_dtype == torch.bfloat16:  # eager's CPU kernel keeps this sum in bf16 too
+        squares = rounded(squares)
     if running_mean is not None:
         _update_running(running_mean, mean, momentum)
     if running_var is not None:
         _update_running(running_var, prims.div(squares, float(count - 1)), momentum)
     inverse = prims.rsqrt(prims.add(prims.div(squares, float(count)), eps))
-
-    def rounded(value: Value) -> Value:
-        return common.convert(common.convert(value, statistics_dtype), wide.type.dtype)
-
     return rounded(mean), rounded(inverse)
+
+
+def _scale_shift(
+    mean: Value, inverse: Value, weight: Value | None, bias: Value | None
+) -> tuple[Value, Value]:
+    """Per channel ``scale = inverse * weight`` and ``shift = bias - mean * scale``, so that
+    ``x * scale + shift`` normalizes; eager's kernels apply batch norm in this form."""
+    scale = inverse
+    if weight is not None:
+        scale = prims.mul(scale, common.convert(weight, inverse.type.dtype))
+    shift = prims.neg(prims.mul(mean, scale))
+    if bias is not None:
+        shift = prims.add(shift, common.convert(bias, inverse.type.dtype))
+    return scale, shift
 
 
 @translation(
@@ -378,9 +394,10 @@ def batch_norm(
     else:
         mean = common.convert(running_mean, wide.type.dtype)
         inverse = prims.rsqrt(prims.add(common.convert(running_var, wide.type.dtype), eps))
-    centered = prims.sub(wide, prims.broadcast(mean, shape=shape, dims=(1,)))
-    normalized = prims.mul(centered, prims.broadcast(inverse, shape=shape, dims=(1,)))
-    return common.convert(_affine(normalized, weight, bias, (1,)), input.type.dtype)
+    scale, shift = _scale_shift(mean, inverse, weight, bias)
+    scaled = prims.mul(wide, prims.broadcast(scale, shape=shape, dims=(1,)))
+    shifted = prims.add(scaled, prims.broadcast(shift, shape=shape, dims=(1,)))
+    return common.convert(shifted, input.type.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
