@@ -63,3 +63,17 @@ class VerificationError(KilnError):
 
 class BackendError(KilnError):
     """A backend failed to compile or run a graph."""
+
+
+def op_error(message: str, error: Exception, location: SourceLocation | None) -> KilnError:
+    """The Kiln error for an op that failed with ``error``: the same builtin type eager raises
+    (``RuntimeError``, ``TypeError``, ``IndexError``...), with ``message`` and the user's line."""
+    for builtin, kind in (
+        (NotImplementedError, OpNotImplementedError),
+        (IndexError, OpIndexError),
+        (TypeError, OpTypeError),
+        (ValueError, OpValueError),
+    ):
+        if isinstance(error, builtin):
+            return kind(message, location)
+    return OpError(message, location)

@@ -20,15 +20,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from kiln.errors import (
-    KilnError,
-    OpError,
-    OpIndexError,
-    OpNotImplementedError,
-    OpTypeError,
-    OpValueError,
-    TraceError,
-)
+from kiln.errors import KilnError, OpError, TraceError, op_error
 from kiln.frontends.source import user_location
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Origin, Value
@@ -224,7 +216,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 error.args = (f"{error.message}\n  at {location}",)
             raise
         except (TypeError, ValueError, RuntimeError, IndexError, NotImplementedError) as error:
-            raise _user_error(origin.api, error, location) from error
+            raise op_error(f"{origin.api}: {error}", error, location) from error
         finally:
             assignments = finish_assignments(token)
         for target, new in assignments:
@@ -252,19 +244,6 @@ def _extern(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     from kiln.ops.externs import extern_call
 
     return extern_call(func, args, kwargs)
-
-
-def _user_error(api: str, error: Exception, location: Any) -> KilnError:
-    message = f"{api}: {error}"
-    if isinstance(error, TypeError):
-        return OpTypeError(message, location)
-    if isinstance(error, ValueError):
-        return OpValueError(message, location)
-    if isinstance(error, IndexError):
-        return OpIndexError(message, location)
-    if isinstance(error, NotImplementedError):
-        return OpNotImplementedError(message, location)
-    return OpError(message, location)
 
 
 def _unwrap(item: Any, seen: dict[Value, ProxyTensor] | None = None) -> Any:

@@ -15,15 +15,7 @@ from typing import Any
 
 import torch
 
-from kiln.errors import (
-    KilnError,
-    OpError,
-    OpIndexError,
-    OpNotImplementedError,
-    OpTypeError,
-    OpValueError,
-    SourceLocation,
-)
+from kiln.errors import KilnError, SourceLocation, op_error
 from kiln.ir.graph import Graph, InputKind, Operand, Origin, Value
 from kiln.ir.op import Op, Tag, op_def
 from kiln.ir.types import TensorType
@@ -112,16 +104,7 @@ def _op_error(op: Op, error: Exception, origin: Origin) -> KilnError:
     location = SourceLocation(origin.file, origin.line) if origin.file else None
     api = f" (from {origin.api})" if origin.api else ""
     text = str(error).removeprefix(f"{op.printed_name}: ")
-    message = f"{op.printed_name}{api}: {text}"
-    if isinstance(error, TypeError):
-        return OpTypeError(message, location)
-    if isinstance(error, ValueError):
-        return OpValueError(message, location)
-    if isinstance(error, IndexError):
-        return OpIndexError(message, location)
-    if isinstance(error, NotImplementedError):
-        return OpNotImplementedError(message, location)
-    return OpError(message, location)
+    return op_error(f"{op.printed_name}{api}: {text}", error, location)
 
 
 def active_builder() -> GraphBuilder | None:
