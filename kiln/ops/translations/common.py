@@ -163,36 +163,24 @@ def constant(tensor: torch.Tensor) -> Value:
 
 # Autocast policies, by device type, keyed by the names translations pass (see autocast()).
 # From PyTorch's autocast op lists (torch/csrc/autograd/autocast_mode.cpp and the AMP docs).
-_LOWER = {
-    "cuda": {
+# The lower-precision list is the same on CPU and CUDA.
+_LOWER_PRECISION = frozenset(
+    {
         "mm",
         "bmm",
         "addmm",
         "baddbmm",
+        "addbmm",
         "matmul",
         "linear",
         "conv",
         "conv_transpose",
         "sdpa",
         "einsum",
-        "addbmm",
         "prelu",
-    },
-    "cpu": {
-        "mm",
-        "bmm",
-        "addmm",
-        "baddbmm",
-        "matmul",
-        "linear",
-        "conv",
-        "conv_transpose",
-        "sdpa",
-        "addbmm",
-        "prelu",
-        "einsum",
-    },
-}
+    }
+)
+_LOWER = {"cuda": _LOWER_PRECISION, "cpu": _LOWER_PRECISION}
 _FP32 = {
     "cuda": {
         "pow",
