@@ -13,10 +13,35 @@ from kiln import (
     backends,  # noqa: F401  (registers the built-in backends)
     ops,  # noqa: F401  (registers every op row and translation)
 )
+from kiln.api import (
+    BreakReason,
+    CompiledModule,
+    SkipReason,
+    compile,
+    counters,
+    explain,
+    graph_break,
+    reset,
+)
 from kiln.errors import KilnError, TraceError
 from kiln.frontends import run_traced, trace
 from kiln.ir import Graph
 
 __version__ = "0.1.0"
 
-__all__ = ["Graph", "KilnError", "TraceError", "__version__", "run_traced", "trace"]
+__all__ = [
+    "BreakReason",
+    "CompiledModule",
+    "Graph",
+    "KilnError",
+    "SkipReason",
+    "TraceError",
+    "__version__",
+    "compile",
+    "counters",
+    "explain",
+    "graph_break",
+    "reset",
+    "run_traced",
+    "trace",
+]

@@ -20,8 +20,22 @@ def is_internal(filename: str) -> bool:
     return filename.startswith(_INTERNAL) or filename.startswith("<frozen")
 
 
+# Set by bytecode capture, whose user frames are interpreted, not real Python frames.
+_current: list[SourceLocation | None] = [None]
+
+
+def set_user_location(location: SourceLocation | None) -> SourceLocation | None:
+    """Make ``user_location()`` answer ``location`` (None: look at Python frames again); returns
+    the previous setting so callers can restore it."""
+    previous = _current[0]
+    _current[0] = location
+    return previous
+
+
 def user_location() -> SourceLocation | None:
     """Where the user's code is now: file, line and the line's text; None if only internals run."""
+    if _current[0] is not None:
+        return _current[0]
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename

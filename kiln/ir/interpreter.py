@@ -44,7 +44,11 @@ def _run_nodes(graph: Graph, env: dict[Value, Any]) -> None:
         operands = [env[i] if isinstance(i, Value) else i for i in node.inputs]
         result = op_def(node.op).impl(node.attrs, *operands)
         results = result if isinstance(result, tuple) else (result,)
-        env.update(zip(node.outputs, results, strict=True))
+        for value, tensor in zip(node.outputs, results, strict=True):
+            # Nodes captured under no_grad say so in their type; eager would not record them.
+            if not value.type.requires_grad and getattr(tensor, "requires_grad", False):
+                tensor = tensor.detach()
+            env[value] = tensor
 
 
 def run(graph: Graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

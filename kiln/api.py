@@ -1,0 +1,130 @@
+"""The public entry points: ``kiln.compile``, ``kiln.explain``, ``kiln.reset``.
+
+``compile`` wraps a function (or a module's call) in a guarded, cached dispatcher
+(``kiln/capture/cache.py``); the first call with new inputs captures the frame's bytecode
+into graphs (``kiln/capture``), which the chosen backend compiles.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kiln.capture.breaks import BreakReason, SkipReason
+from kiln.capture.builtins import graph_break
+from kiln.capture.cache import Options, compiled_function, counters, reset
+from kiln.capture.explain import ExplainReport
+from kiln.capture.explain import explain as _explain
+
+__all__ = [
+    "BreakReason",
+    "CompiledModule",
+    "SkipReason",
+    "compile",
+    "counters",
+    "explain",
+    "graph_break",
+    "reset",
+]
+
+_MODES = (None, "default", "reduce-overhead", "max-autotune")
+
+
+def compile(
+    fn_or_module: Any = None,
+    *,
+    backend: str = "kiln",
+    mode: str | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    options: dict[str, Any] | None = None,
+) -> Any:
+    """Compile a function or ``nn.Module``; usable as ``@kiln.compile`` or
+    ``@kiln.compile(fullgraph=True)``. The result computes what the original does, faster."""
+    if mode not in _MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {_MODES[1:]}")
+    extra = dict(options or {})
+    settings = Options(
+        backend=backend,
+        mode=mode,
+        fullgraph=fullgraph,
+        dynamic=dynamic,
+        recompile_limit=int(extra.pop("recompile_limit", 8)),
+        strict=bool(extra.pop("strict", False)),
+    )
+    if extra:
+        raise ValueError(f"unknown options: {sorted(extra)}")
+    from kiln.backends import get_backend
+
+    get_backend("eager" if backend == "kiln" else backend)  # unknown names fail here
+    if fn_or_module is None:
+        return functools.partial(_compile, settings=settings)
+    return _compile(fn_or_module, settings)
+
+
+def _compile(target: Any, settings: Options) -> Any:
+    if isinstance(target, torch.nn.Module):
+        return CompiledModule(target, settings)
+    if isinstance(target, types.MethodType) and isinstance(target.__func__, types.FunctionType):
+        return types.MethodType(compiled_function(target.__func__, settings), target.__self__)
+    if isinstance(target, types.FunctionType):
+        wrapper = compiled_function(target, settings)
+        functools.update_wrapper(wrapper, target)
+        return wrapper
+    call = type(target).__dict__.get("__call__") if callable(target) else None
+    if isinstance(call, types.FunctionType):
+        return types.MethodType(compiled_function(call, settings), target)
+    raise TypeError(f"kiln.compile expects a function or nn.Module, got {type(target).__name__}")
+
+
+def _module_caller() -> types.FunctionType:
+    """A fresh ``lambda self, *args, **kwargs: self(*args, **kwargs)`` (its own code object,
+    so each compiled module has its own cache)."""
+    scope: dict[str, Any] = {}
+    source = "def __call__(self, *args, **kwargs):\n    return self(*args, **kwargs)\n"
+    exec(builtins.compile(source, "<kiln module call>", "exec"), scope)
+    return scope["__call__"]
+
+
+class CompiledModule(torch.nn.Module):
+    """A module whose calls run compiled; it shares parameters and buffers with the original
+    (registered as ``_orig_mod``, like ``torch.compile``'s wrapper)."""
+
+    def __init__(self, module: torch.nn.Module, settings: Options) -> None:
+        super().__init__()
+        self._orig_mod = module
+        self._kiln_call = compiled_function(_module_caller(), settings)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kiln_call(self._orig_mod, *args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._kiln_call(self._orig_mod, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_orig_mod", "_kiln_call") or name.startswith("_"):
+            return super().__getattr__(name)
+        return getattr(self._modules["_orig_mod"], name)
+
+
+def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExplainReport:
+    """Run ``fn(*args, **kwargs)`` compiled, from fresh caches, and report what capture did:
+    graphs, graph breaks (reason, file, line, source text), frames run uncompiled, externs
+    and guards. ``fn`` may be plain or already compiled."""
+    return _explain(lambda: compile(_original(fn)), *args, **kwargs)
+
+
+def _original(fn: Any) -> Any:
+    """The uncompiled function or module behind a compiled one."""
+    if isinstance(fn, CompiledModule):
+        return fn._orig_mod
+    if isinstance(fn, types.MethodType) and hasattr(fn.__func__, "_kiln_cache"):
+        return types.MethodType(getattr(fn.__func__, "__wrapped__"), fn.__self__)  # noqa: B009
+    if hasattr(fn, "_kiln_cache"):
+        return fn.__wrapped__
+    return fn

@@ -1,0 +1,371 @@
+"""Models of Python builtins whose native versions would hide work from capture.
+
+A builtin that calls back into Python (``map``, ``sorted(key=)``, ``min(key=)``), iterates
+(``zip``, ``enumerate``, ``list``), reads attributes (``getattr``, ``hasattr``) or needs a
+tensor's data (``print``, ``str`` of a tensor) is modelled here; iteration is unrolled over
+materialized items, callbacks are inlined. Pure builtins not listed run natively.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import itertools
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kiln.capture.breaks import BreakReason, GraphBreak
+from kiln.capture.frame import Frame
+from kiln.capture.iteration import SymbolicIterator
+
+Model = Callable[..., Any]
+MODELS: dict[Any, Model] = {}
+
+
+def model(*fns: Any) -> Callable[[Model], Model]:
+    def register(implementation: Model) -> Model:
+        for fn in fns:
+            MODELS[fn] = implementation
+        return implementation
+
+    return register
+
+
+def _items(frame: Frame, value: Any) -> list[Any]:
+    from kiln.capture.ops_data import _items
+
+    return _items(frame, value)
+
+
+def _call(frame: Frame, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    from kiln.capture.calls import call_function
+
+    return call_function(frame, fn, args, kwargs)
+
+
+def no_tensor(value: Any, what: str) -> None:
+    if isinstance(value, torch.Tensor):
+        raise GraphBreak(BreakReason.DATA_DEPENDENT, f"{what} of a tensor needs its values")
+
+
+# --- I/O and explicit breaks ------------------------------------------------------------
+def graph_break() -> None:
+    """Mark a place where compiled code must end its graph (runs as a no-op otherwise)."""
+
+
+@model(builtins.print, builtins.input, builtins.open)
+def _io(frame: Frame, *args: Any, **kwargs: Any) -> Any:
+    raise GraphBreak(BreakReason.IO, "print/input/open/logging")
+
+
+@model(graph_break)
+def _explicit(frame: Frame, *args: Any, **kwargs: Any) -> Any:
+    raise GraphBreak(BreakReason.EXPLICIT, "kiln.graph_break()")
+
+
+for _name in ("debug", "info", "warning", "error", "exception", "critical", "log"):
+    MODELS[getattr(logging, _name)] = _io
+    MODELS[getattr(logging.Logger, _name)] = _io
+MODELS[warnings.warn] = _io
+
+
+# --- attribute builtins -----------------------------------------------------------------
+_MISSING = object()
+
+
+@model(builtins.getattr)
+def _getattr(frame: Frame, obj: Any, name: str, default: Any = _MISSING) -> Any:
+    from kiln.capture.ops_names import get_attribute
+
+    try:
+        return get_attribute(frame, obj, name)
+    except AttributeError:
+        if default is _MISSING:
+            raise
+        _guard_hasattr(frame, obj, name, present=False)
+        return default
+
+
+@model(builtins.hasattr)
+def _hasattr(frame: Frame, obj: Any, name: str) -> bool:
+    from kiln.capture.ops_names import get_attribute
+
+    try:
+        get_attribute(frame, obj, name)
+    except AttributeError:
+        _guard_hasattr(frame, obj, name, present=False)
+        return False
+    _guard_hasattr(frame, obj, name, present=True)
+    return True
+
+
+def _guard_hasattr(frame: Frame, obj: Any, name: str, *, present: bool) -> None:
+    from kiln.capture.guards import HasAttr
+
+    source = frame.session.source_of(obj)
+    if source is not None and not frame.session.is_new(obj):
+        frame.session.add_guard(HasAttr(source, "hasattr", name, present))
+
+
+@model(builtins.setattr)
+def _setattr(frame: Frame, obj: Any, name: str, value: Any) -> None:
+    from kiln.capture.ops_names import set_attribute
+
+    set_attribute(frame, obj, name, value)
+
+
+@model(builtins.delattr)
+def _delattr(frame: Frame, obj: Any, name: str) -> None:
+    frame.session.set_attribute(obj, name, None, delete=True)
+
+
+@model(builtins.super)
+def _super(frame: Frame, *args: Any) -> Any:
+    from kiln.capture.ops_names import zero_arg_super
+
+    return zero_arg_super(frame) if not args else super(*args)
+
+
+@model(builtins.type)
+def _type(frame: Frame, *args: Any) -> Any:
+    if len(args) != 1:
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "type() with 3 arguments")
+    from kiln.frontends.proxy import ProxyTensor
+
+    value = args[0]
+    if isinstance(value, ProxyTensor):
+        return _proxy_type(frame, value)
+    return type(value)
+
+
+def _proxy_type(frame: Frame, proxy: Any) -> type:
+    from kiln.capture.guards import TensorMatch
+
+    source = frame.session.source_of(proxy)
+    for guard in frame.session.guards:
+        if isinstance(guard, TensorMatch) and guard.source == source and source is not None:
+            return guard.kind
+    return torch.Tensor
+
+
+# --- iteration --------------------------------------------------------------------------
+@model(builtins.iter)
+def _iter(frame: Frame, value: Any, *sentinel: Any) -> Any:
+    if sentinel:
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "iter(callable, sentinel)")
+    from kiln.capture.ops_data import make_iterator
+
+    return make_iterator(frame, value)
+
+
+@model(builtins.next)
+def _next(frame: Frame, iterator: Any, *default: Any) -> Any:
+    from kiln.capture.calls import python_dunder
+
+    step = python_dunder(iterator, "__next__")
+    try:
+        return _call(frame, step, iterator) if step is not None else next(iterator)
+    except StopIteration:
+        if default:
+            return default[0]
+        raise
+
+
+def _new_iterator(frame: Frame, items: list[Any]) -> SymbolicIterator:
+    return frame.session.new(SymbolicIterator(items))
+
+
+@model(builtins.enumerate)
+def _enumerate(frame: Frame, value: Any, start: int = 0) -> Any:
+    items = _items(frame, value)
+    return _new_iterator(
+        frame, [frame.session.new((start + i, item)) for i, item in enumerate(items)]
+    )
+
+
+@model(builtins.zip)
+def _zip(frame: Frame, *values: Any, strict: bool = False) -> Any:
+    lists = [_items(frame, value) for value in values]
+    if strict and len({len(items) for items in lists}) > 1:
+        raise ValueError("zip() arguments have different lengths")
+    return _new_iterator(frame, [frame.session.new(group) for group in zip(*lists, strict=False)])
+
+
+@model(builtins.reversed)
+def _reversed(frame: Frame, value: Any) -> Any:
+    return _new_iterator(frame, list(reversed(_items(frame, value))))
+
+
+@model(builtins.map)
+def _map(frame: Frame, fn: Any, *values: Any) -> Any:
+    lists = [_items(frame, value) for value in values]
+    return _new_iterator(frame, [_call(frame, fn, *group) for group in zip(*lists, strict=False)])
+
+
+@model(builtins.filter)
+def _filter(frame: Frame, fn: Any, value: Any) -> Any:
+    items = _items(frame, value)
+    keep = [item for item in items if (bool(item) if fn is None else bool(_call(frame, fn, item)))]
+    return _new_iterator(frame, keep)
+
+
+@model(builtins.list)
+def _list(frame: Frame, *value: Any) -> Any:
+    return frame.session.new(list(_items(frame, value[0])) if value else [])
+
+
+@model(builtins.tuple)
+def _tuple(frame: Frame, *value: Any) -> Any:
+    return frame.session.new(tuple(_items(frame, value[0])) if value else ())
+
+
+@model(builtins.set)
+def _set(frame: Frame, *value: Any) -> Any:
+    return frame.session.new(set(_items(frame, value[0])) if value else set())
+
+
+@model(builtins.frozenset)
+def _frozenset(frame: Frame, *value: Any) -> Any:
+    return frozenset(_items(frame, value[0])) if value else frozenset()
+
+
+@model(builtins.dict)
+def _dict(frame: Frame, *value: Any, **kwargs: Any) -> Any:
+    from kiln.capture.ops_data import _dict_items
+
+    result: dict[Any, Any] = {}
+    if value:
+        source = value[0]
+        if isinstance(source, dict):
+            result.update(_dict_items(frame, source))
+        else:
+            result.update(_items(frame, source))
+    result.update(kwargs)
+    return frame.session.new(result)
+
+
+@model(builtins.sorted)
+def _sorted(frame: Frame, value: Any, *, key: Any = None, reverse: bool = False) -> Any:
+    items = _items(frame, value)
+    if key is None:
+        return frame.session.new(sorted(items, reverse=reverse))
+    keys = [_call(frame, key, item) for item in items]
+    order = sorted(range(len(items)), key=lambda i: keys[i], reverse=reverse)
+    return frame.session.new([items[i] for i in order])
+
+
+def _reduce_builtin(native: Callable[..., Any]) -> Model:
+    def reduce(frame: Frame, *args: Any, key: Any = None, **kwargs: Any) -> Any:
+        items = _items(frame, args[0]) if len(args) == 1 else list(args)
+        for item in items:
+            no_tensor(item, native.__name__)
+        if key is None:
+            return native(items, **kwargs)
+        keys = [_call(frame, key, item) for item in items]
+        if not items and "default" in kwargs:
+            return kwargs["default"]
+        best = native(range(len(items)), key=lambda i: keys[i])
+        return items[best]
+
+    return reduce
+
+
+MODELS[builtins.min] = _reduce_builtin(builtins.min)
+MODELS[builtins.max] = _reduce_builtin(builtins.max)
+
+
+@model(builtins.sum)
+def _sum(frame: Frame, value: Any, start: Any = 0) -> Any:
+    total = start
+    for item in _items(frame, value):
+        total = total + item
+    return total
+
+
+@model(builtins.any)
+def _any(frame: Frame, value: Any) -> bool:
+    return any(bool(item) for item in _items(frame, value))
+
+
+@model(builtins.all)
+def _all(frame: Frame, value: Any) -> bool:
+    return all(bool(item) for item in _items(frame, value))
+
+
+@model(builtins.len)
+def _len(frame: Frame, value: Any) -> int:
+    from kiln.capture.calls import python_dunder
+
+    method = python_dunder(value, "__len__")
+    if method is not None:
+        return int(_call(frame, method, value))
+    return len(value)
+
+
+def _text_model(native: Callable[..., Any]) -> Model:
+    def text(frame: Frame, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            no_tensor(args[0], native.__name__ + "()")
+        return native(*args, **kwargs)
+
+    return text
+
+
+for _native in (builtins.str, builtins.repr, builtins.format, builtins.ascii):
+    MODELS[_native] = _text_model(_native)
+
+
+@model(builtins.isinstance)
+def _isinstance(frame: Frame, value: Any, kinds: Any) -> bool:
+    return isinstance(value, kinds)
+
+
+@model(builtins.callable)
+def _callable(frame: Frame, value: Any) -> bool:
+    return callable(value)
+
+
+@model(builtins.vars, builtins.locals, builtins.globals, builtins.eval, builtins.exec)
+def _introspection(frame: Frame, *args: Any, **kwargs: Any) -> Any:
+    raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "vars/locals/globals/eval/exec")
+
+
+@model(functools.reduce)
+def _functools_reduce(frame: Frame, fn: Any, value: Any, *initial: Any) -> Any:
+    items = _items(frame, value)
+    if initial:
+        items = [initial[0], *items]
+    if not items:
+        raise TypeError("reduce() of empty iterable with no initial value")
+    total = items[0]
+    for item in items[1:]:
+        total = _call(frame, fn, total, item)
+    return total
+
+
+@model(itertools.chain)
+def _chain(frame: Frame, *values: Any) -> Any:
+    return _new_iterator(frame, [item for value in values for item in _items(frame, value)])
+
+
+@model(itertools.product)
+def _product(frame: Frame, *values: Any, repeat: int = 1) -> Any:
+    lists = [_items(frame, value) for value in values]
+    return _new_iterator(
+        frame, [frame.session.new(group) for group in itertools.product(*lists, repeat=repeat)]
+    )
+
+
+@model(itertools.islice)
+def _islice(frame: Frame, value: Any, *args: Any) -> Any:
+    return _new_iterator(frame, list(itertools.islice(_items(frame, value), *args)))
+
+
+@model(torch.Tensor.__format__)
+def _tensor_format(frame: Frame, tensor: Any, spec: str) -> Any:
+    no_tensor(tensor, "format()")
+    return format(tensor, spec)

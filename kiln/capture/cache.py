@@ -1,0 +1,342 @@
+"""Compiled wrappers and the per-code cache: the guarded fast path of every compiled function.
+
+``compiled_function(fn)`` returns a generated function with ``fn``'s exact signature, so
+CPython binds the arguments. It walks the cache entries of ``fn.__code__`` (newest first) and
+runs the head of the first whose guard function passes::
+
+    def forward(self, x, mask=___d0):
+        for ___e in ___entries:
+            if ___e.guard(___f, self, x, mask):
+                ___e.hits += 1
+                return ___e.head(___f, self, x, mask)
+        return ___miss(self, x, mask)
+
+A miss captures the frame (``kiln/capture/convert.py``). Past the recompile limit for one code
+object (counted per module instance for methods), or when capture cannot handle the frame,
+the code runs as its original function, with the reason logged and kept for ``explain``.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.capture.breaks import BreakRecord, FullGraphError, SkipReason
+from kiln.capture.convert import Capture, Skip, arg_names, capture_frame
+from kiln.capture.guards import compile_guards
+from kiln.config import config, logger
+
+_log_breaks = logger("graph_breaks")
+_log_recompiles = logger("recompiles")
+_log_guards = logger("guards")
+_log_graph = logger("graph")
+
+
+@dataclass
+class Options:
+    backend: str = "kiln"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    recompile_limit: int = 8
+    strict: bool = False
+
+
+@dataclass
+class Entry:
+    capture: Capture
+    guard: Callable[..., bool]
+    guard_source: str
+    first_failure: Callable[..., str | None]
+    owner: int | None  # id of the module instance for methods (recompile accounting)
+    head: Callable[..., Any] = field(init=False)
+    hits: int = 0
+
+    def __post_init__(self) -> None:
+        self.head = self.capture.head
+
+
+@dataclass
+class Counters:
+    """Process-wide statistics, readable from Python (``kiln.counters``)."""
+
+    captures: int = 0
+    recompiles: list[tuple[str, str]] = field(default_factory=list)
+    graph_breaks: list[BreakRecord] = field(default_factory=list)
+    fallbacks: list[BreakRecord] = field(default_factory=list)
+    graphs: int = 0
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(entry.hits for _, cache in _CACHES.values() for entry in cache.entries)
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
+counters = Counters()
+
+
+@dataclass
+class CodeCache:
+    entries: list[Entry] = field(default_factory=list)
+    skip: BreakRecord | None = None
+    routed: types.CodeType | None = None  # the original code with calls routed (for skips)
+
+
+# Keyed by the code object's identity (code objects compare equal by value).
+_CACHES: dict[int, tuple[types.CodeType, CodeCache]] = {}
+_WRAPPERS: dict[Any, Any] = {}
+_LOCK = threading.RLock()
+# Captures made while a recorder is installed (kiln.explain).
+_RECORDERS: list[list[tuple[str, Capture | BreakRecord]]] = []
+
+
+def reset() -> None:
+    """Forget every cache entry, compiled wrapper and counter."""
+    with _LOCK:
+        _CACHES.clear()
+        _WRAPPERS.clear()
+        counters.reset()
+
+
+def cache_of(code: types.CodeType) -> CodeCache:
+    known = _CACHES.get(id(code))
+    if known is None or known[0] is not code:
+        known = _CACHES[id(code)] = (code, CodeCache())
+    return known[1]
+
+
+def compiled_function(fn: types.FunctionType, options: Options | None = None) -> Any:
+    """The compiled wrapper of ``fn`` (one per function object and options)."""
+    options = options or Options()
+    key = (fn, options.backend, options.fullgraph)
+    wrapper = _WRAPPERS.get(key)
+    if wrapper is None:
+        wrapper = _make_wrapper(fn, options)
+        _WRAPPERS[key] = wrapper
+    return wrapper
+
+
+def _signature(fn: types.FunctionType, binder: dict[str, Any]) -> str:
+    code = fn.__code__
+    names = code.co_varnames
+    positional = code.co_argcount
+    keyword = code.co_kwonlyargcount
+    defaults = fn.__defaults__ or ()
+    first_default = positional - len(defaults)
+    parts: list[str] = []
+    for i, name in enumerate(names[:positional]):
+        if i >= first_default:
+            binder[f"___d{i}"] = defaults[i - first_default]
+            parts.append(f"{name}=___d{i}")
+        else:
+            parts.append(name)
+        if code.co_posonlyargcount and i + 1 == code.co_posonlyargcount:
+            parts.append("/")
+    index = positional + keyword
+    if code.co_flags & 0x04:
+        parts.append(f"*{names[index]}")
+        index += 1
+    elif keyword:
+        parts.append("*")
+    kwdefaults = fn.__kwdefaults__ or {}
+    for name in names[positional : positional + keyword]:
+        if name in kwdefaults:
+            binder[f"___k_{name}"] = kwdefaults[name]
+            parts.append(f"{name}=___k_{name}")
+        else:
+            parts.append(name)
+    if code.co_flags & 0x08:
+        parts.append(f"**{names[index]}")
+    return ", ".join(parts)
+
+
+def _make_wrapper(fn: types.FunctionType, options: Options) -> Any:
+    code = fn.__code__
+    cache = cache_of(code)
+    scope: dict[str, Any] = {"___entries": cache.entries, "___f": fn}
+    signature = _signature(fn, scope)
+    args = ", ".join(arg_names(code))
+    call_args = ", ".join(["___f", *arg_names(code)])
+    source = (
+        f"def {_identifier(code.co_name)}({signature}):\n"
+        f"    for ___e in ___entries:\n"
+        f"        if ___e.guard({call_args}):\n"
+        f"            ___e.hits += 1\n"
+        f"            return ___e.head({call_args})\n"
+        f"    return ___miss(({args}{',' if args else ''}))\n"
+    )
+    scope["___miss"] = lambda values: _miss(fn, cache, values, options)
+    exec(compile(source, f"<kiln wrapper of {code.co_qualname}>", "exec"), scope)
+    wrapper = scope[_identifier(code.co_name)]
+    wrapper.__qualname__ = fn.__qualname__
+    wrapper.__doc__ = fn.__doc__
+    wrapper.__module__ = fn.__module__
+    wrapper.__wrapped__ = fn
+    wrapper._kiln_cache = cache
+    return wrapper
+
+
+def _identifier(name: str) -> str:
+    cleaned = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
+    return cleaned if cleaned.isidentifier() else "compiled"
+
+
+# Skips after which the frame runs with its calls routed through compiled wrappers.
+_ROUTED_SKIPS = frozenset(
+    {
+        SkipReason.BREAK_IN_TRY,
+        SkipReason.BREAK_IN_LOOP,
+        SkipReason.BREAK_IN_WITH,
+        SkipReason.GENERATOR,
+        SkipReason.RECOMPILE_LIMIT,
+        SkipReason.UNRECONSTRUCTIBLE,
+    }
+)
+
+
+def run_uncompiled(fn: types.FunctionType, cache: CodeCache, values: tuple[Any, ...]) -> Any:
+    """Run a skipped frame: its original code, with calls routed through compiled wrappers
+    where the skip reason allows (so callees are still compiled)."""
+    if cache.skip is None or cache.skip.reason not in _ROUTED_SKIPS:
+        return run_original(fn, values)
+    if cache.routed is None:
+        from kiln.capture.resume import route_callee
+        from kiln.capture.rewrite import route_calls
+
+        try:
+            cache.routed = route_calls(fn.__code__, route_callee)
+        except Exception:  # routing is an optimization: the original code is always right
+            cache.routed = fn.__code__
+    routed = types.FunctionType(
+        cache.routed, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    routed.__kwdefaults__ = fn.__kwdefaults__
+    return run_original(routed, values)
+
+
+def run_original(fn: types.FunctionType, values: tuple[Any, ...]) -> Any:
+    """Call ``fn`` natively with its argument locals ``values``."""
+    code = fn.__code__
+    positional = code.co_argcount
+    keyword = code.co_kwonlyargcount
+    args = list(values[:positional])
+    kwargs = dict(
+        zip(code.co_varnames[positional : positional + keyword], values[positional:], strict=False)
+    )
+    index = positional + keyword
+    if code.co_flags & 0x04:
+        args += list(values[index])
+        index += 1
+    if code.co_flags & 0x08:
+        kwargs.update(values[index])
+    return fn(*args, **kwargs)
+
+
+def _owner(values: tuple[Any, ...]) -> int | None:
+    return id(values[0]) if values and isinstance(values[0], torch.nn.Module) else None
+
+
+def _miss(
+    fn: types.FunctionType, cache: CodeCache, values: tuple[Any, ...], options: Options
+) -> Any:
+    with _LOCK:
+        if cache.skip is not None:
+            return run_uncompiled(fn, cache, values)
+        owner = _owner(values)
+        mine = [entry for entry in cache.entries if entry.owner == owner]
+        if mine:
+            reason = mine[0].first_failure(fn, *values) or "no guard failed (concurrent change)"
+            counters.recompiles.append((fn.__qualname__, reason))
+            _log_recompiles.info("recompiling %s: %s", fn.__qualname__, reason)
+            if len(mine) >= options.recompile_limit:
+                record = BreakRecord(
+                    SkipReason.RECOMPILE_LIMIT,
+                    f"{len(mine)} entries; last guard failure: {reason}",
+                    None,
+                    fn.__qualname__,
+                )
+                _skip(cache, record, options, permanent=False)
+                return run_uncompiled(fn, cache, values)
+        try:
+            capture = capture_frame(fn, values, _graph_compiler(options), options.fullgraph)
+        except Skip as skip:
+            record = BreakRecord(skip.reason, skip.detail, skip.location, fn.__qualname__)
+            if options.fullgraph:
+                raise FullGraphError(f"fullgraph=True: {record}", skip.location) from skip
+            _skip(cache, record, options, permanent=True)
+            return run_uncompiled(fn, cache, values)
+        except FullGraphError:
+            raise
+        except Exception as error:
+            return _capture_failed(fn, cache, values, options, error)
+        entry = _install(fn, cache, capture, owner)
+    return entry.head(fn, *values)
+
+
+def _install(
+    fn: types.FunctionType, cache: CodeCache, capture: Capture, owner: int | None
+) -> Entry:
+    params = arg_names(fn.__code__)
+    guard, source, first_failure = compile_guards(capture.guards, params)
+    entry = Entry(capture, guard, source, first_failure, owner)
+    cache.entries.insert(0, entry)
+    counters.captures += 1
+    counters.graphs += capture.graph is not None
+    for record in capture.breaks:
+        counters.graph_breaks.append(record)
+        _log_breaks.info("graph break: %s", record)
+    if capture.graph is not None:
+        from kiln.ir.printer import format_graph
+
+        _log_graph.info("graph of %s:\n%s", fn.__qualname__, format_graph(capture.graph))
+    _log_guards.info(
+        "guards of %s:\n%s", fn.__qualname__, "\n".join(f"  {g}" for g in capture.guards)
+    )
+    for recorder in _RECORDERS:
+        recorder.append((fn.__qualname__, capture))
+    return entry
+
+
+def _skip(cache: CodeCache, record: BreakRecord, options: Options, *, permanent: bool) -> None:
+    counters.fallbacks.append(record)
+    _log_breaks.info("running %s uncompiled: %s", record.function, record)
+    if permanent or record.reason is SkipReason.RECOMPILE_LIMIT:
+        cache.skip = record
+    for recorder in _RECORDERS:
+        recorder.append((record.function, record))
+
+
+def _capture_failed(
+    fn: types.FunctionType,
+    cache: CodeCache,
+    values: tuple[Any, ...],
+    options: Options,
+    error: Exception,
+) -> Any:
+    """Capture raised: if eager raises too, that is the user's error (re-raised as eager's);
+    if eager succeeds, it was Kiln's: warn, skip the frame, never return a wrong result."""
+    result = run_original(fn, values)
+    if options.strict or config.strict:
+        raise error
+    record = BreakRecord(
+        SkipReason.INTERNAL_ERROR, f"{type(error).__name__}: {error}", None, fn.__qualname__
+    )
+    warnings.warn(f"kiln: {fn.__qualname__} runs uncompiled: {record.detail}", stacklevel=3)
+    _skip(cache, record, options, permanent=True)
+    return result
+
+
+def _graph_compiler(options: Options) -> Callable[[Any], Any]:
+    from kiln.backends import get_backend
+
+    name = "eager" if options.backend == "kiln" else options.backend
+    backend = get_backend(name)
+    return backend.compile

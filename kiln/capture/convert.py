@@ -1,0 +1,331 @@
+"""Capturing one frame: run it symbolically, then generate the code that replaces it.
+
+``capture_frame`` executes the function's bytecode on its real arguments (tensors as proxies)
+and ends in one of two ways:
+
+* the frame returns: the head function runs the graph, replays side effects and rebuilds the
+  return value;
+* the frame hits a graph break: capture restarts from scratch with the break placed at the
+  root-frame instruction that was running (``Session.break_at``), stops just before it, and
+  the head runs the graph so far, replays side effects, performs that instruction natively (a
+  call through a compiled wrapper of the callee, a branch on a tensor, ``bool()``) and
+  continues in a resume function, which is compiled in its turn.
+
+The generated head function for ``def f(x, y): return torch.relu(x) + y`` reads::
+
+    def ___head(___f, x, y):
+        ___out = ___graph(x, y)
+        return ___out[0]
+"""
+
+from __future__ import annotations
+
+import dis
+import linecache
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.capture.breaks import BreakRecord, FullGraphError, GraphBreak, SkipReason
+from kiln.capture.calls import CO_ASYNC, CO_GENERATOR
+from kiln.capture.frame import NULL, BreakHere, Frame
+from kiln.capture.guards import Guard
+from kiln.capture.ops_flow import is_known_context
+from kiln.capture.reconstruct import Reconstructor, Unreconstructible
+from kiln.capture.session import Session
+from kiln.capture.sources import Binder, Local
+from kiln.config import config
+from kiln.errors import SourceLocation
+from kiln.frontends.proxy import TraceMode
+from kiln.frontends.source import set_user_location
+from kiln.frontends.trace import _compiling
+from kiln.ir.graph import Graph, InputKind
+from kiln.ir.verify import verify
+
+MAX_RESTARTS = 8
+
+
+class Skip(Exception):
+    """The frame must run as its original code."""
+
+    def __init__(self, reason: SkipReason, detail: str, location: Any = None) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.location = location
+
+
+class Restart(Exception):
+    def __init__(self, offset: int, error: GraphBreak) -> None:
+        super().__init__(str(error))
+        self.offset = offset
+        self.error = error
+
+
+@dataclass
+class Capture:
+    """What one capture produced: the head function and everything explain() reports."""
+
+    head: Any
+    head_source: str
+    guards: list[Guard]
+    graph: Graph | None
+    breaks: list[BreakRecord] = field(default_factory=list)
+    resumes: list[Any] = field(default_factory=list)
+
+
+def arg_names(code: types.CodeType) -> tuple[str, ...]:
+    """The argument locals of ``code``, in ``co_varnames`` order (the generated functions'
+    parameters)."""
+    count = code.co_argcount + code.co_kwonlyargcount
+    count += bool(code.co_flags & 0x04) + bool(code.co_flags & 0x08)
+    return code.co_varnames[:count]
+
+
+def capture_frame(
+    fn: types.FunctionType, values: tuple[Any, ...], compile_graph: Any, fullgraph: bool = False
+) -> Capture:
+    """Capture ``fn`` called with argument locals ``values``; raise :class:`Skip` when the
+    frame must run uncompiled, :class:`FullGraphError` when ``fullgraph`` and a break is needed."""
+    break_at: int | None = None
+    first_break: GraphBreak | None = None
+    for _ in range(MAX_RESTARTS):
+        try:
+            return _capture_once(fn, values, break_at, first_break, compile_graph)
+        except Restart as restart:
+            if fullgraph:
+                error = restart.error
+                where = f" at {error.location}" if error.location else ""
+                raise FullGraphError(
+                    f"fullgraph=True, but {fn.__qualname__} needs a graph break{where}: "
+                    f"{error.reason.name} ({error.reason.value}): {error.detail}",
+                    error.location,
+                ) from error
+            if break_at is not None and restart.offset >= break_at:
+                raise Skip(
+                    SkipReason.INTERNAL_ERROR, f"capture restarted twice at {restart.offset}"
+                ) from restart
+            break_at = restart.offset
+            first_break = restart.error
+    raise Skip(SkipReason.INTERNAL_ERROR, "too many capture restarts")
+
+
+def _capture_once(
+    fn: types.FunctionType,
+    values: tuple[Any, ...],
+    break_at: int | None,
+    first_break: GraphBreak | None,
+    compile_graph: Any,
+) -> Capture:
+    code = fn.__code__
+    if code.co_flags & (CO_GENERATOR | CO_ASYNC):
+        raise Skip(SkipReason.GENERATOR, f"{code.co_qualname} is a generator or coroutine")
+    session = Session(_graph_name(code), break_at)
+    names = arg_names(code)
+    binder = Binder()
+    with _capturing(session):
+        try:
+            set_user_location(_definition(code))  # guards on arguments cite the def line
+            local_values = {
+                n: session.wrap(v, Local(n)) for n, v in zip(names, values, strict=True)
+            }
+            cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=True))
+            root = Frame(session, code, fn.__globals__, local_values, function=fn, cells=cells)
+            plan: _ReturnPlan | _BreakPlan
+            try:
+                plan = _ReturnPlan(root.run())
+            except BreakHere:
+                assert first_break is not None
+                plan = _break_plan(root, first_break)
+            except GraphBreak as error:
+                offset = root.current.offset if root.current is not None else 0
+                raise Restart(offset, error) from error
+            rebuild = Reconstructor(session, binder)
+            try:
+                body = plan.lines(rebuild, fn)
+            except Unreconstructible as error:
+                raise Skip(SkipReason.UNRECONSTRUCTIBLE, str(error)) from error
+            for proxy in session.input_proxies.values():
+                if proxy._mutations:  # in-place updates of inputs, written back after the graph
+                    session.graph.mutations.append((proxy._initial, proxy.current()))
+        finally:
+            session.undo()
+            set_user_location(None)
+    graph = session.graph
+    graph.outputs = list(rebuild.outputs)
+    graph.output_spec = None
+    session.guard_distinct_mutated_inputs()
+    runner = None
+    if graph.nodes or graph.outputs or graph.mutations:
+        verify(graph)
+        try:
+            compiled = compile_graph(graph)
+        except Exception as error:
+            if config.strict:
+                raise
+            raise Skip(SkipReason.BACKEND_ERROR, f"{type(error).__name__}: {error}") from error
+        runner = GraphRunner(graph, compiled)
+        call = f"___out = {binder.bind(runner, 'graph')}({_input_list(session, binder)})"
+        body = [call, *body]
+    source = _head_source(names, body)
+    scope = dict(binder.names)
+    exec(compile(source, f"<kiln head of {code.co_qualname}>", "exec"), scope)
+    return Capture(
+        head=scope["___head"],
+        head_source=source,
+        guards=list(session.guards),
+        graph=graph if runner is not None else None,
+        breaks=plan.breaks,
+        resumes=plan.resumes,
+    )
+
+
+class _capturing:
+    """The capture's global setup: builder, proxies' torch-function mode, is_compiling()."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.stack: list[Any] = []
+
+    def __enter__(self) -> None:
+        for ctx in (self.session.builder, _compiling(), TraceMode()):
+            ctx.__enter__()
+            self.stack.append(ctx)
+
+    def __exit__(self, *exc: Any) -> None:
+        while self.stack:
+            self.stack.pop().__exit__(None, None, None)
+
+
+def _definition(code: types.CodeType) -> SourceLocation:
+    line = code.co_firstlineno
+    return SourceLocation(code.co_filename, line, linecache.getline(code.co_filename, line).strip())
+
+
+def _graph_name(code: types.CodeType) -> str:
+    name = "".join(ch if ch.isalnum() else "_" for ch in code.co_name).strip("_")
+    return name or "graph"
+
+
+def _head_source(names: tuple[str, ...], body: list[str]) -> str:
+    params = ", ".join(["___f", *names])
+    lines = "".join(f"    {line}\n" for statement in body for line in statement.split("\n"))
+    return f"def ___head({params}):\n{lines or '    pass'}\n"
+
+
+def _input_list(session: Session, binder: Binder) -> str:
+    sources = dict(session.inputs)
+    items = []
+    for value in session.graph.inputs:
+        if value.kind is InputKind.CONSTANT:
+            items.append(binder.bind(session.graph.constants[value.name], "const"))
+        elif value.kind is InputKind.RNG_SEED:
+            items.append(f"{binder.bind(_seed, 'seed')}()")
+        else:
+            items.append(sources[value].expr(binder))
+    return "[" + ", ".join(items) + "]"
+
+
+def _seed() -> torch.Tensor:
+    return torch.randint(0, 2**62, (), dtype=torch.int64)
+
+
+class GraphRunner:
+    """Calls a compiled graph and writes mutated inputs back, as eager's in-place ops would."""
+
+    def __init__(self, graph: Graph, compiled: Any) -> None:
+        self.graph = graph
+        self.compiled = compiled
+        self.count = len(graph.outputs)
+        position = {value: i for i, value in enumerate(graph.inputs)}
+        self.mutated = [position[target] for target, _ in graph.mutations]
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        results = self.compiled(inputs)
+        if self.mutated:
+            with torch.no_grad():
+                for index, new in zip(self.mutated, results[self.count :], strict=True):
+                    inputs[index].copy_(new)
+        return results
+
+
+# --- plans: how the head ends -------------------------------------------------------------
+@dataclass
+class _ReturnPlan:
+    value: Any
+    breaks: list[BreakRecord] = field(default_factory=list)
+    resumes: list[Any] = field(default_factory=list)
+
+    def lines(self, rebuild: Reconstructor, fn: types.FunctionType) -> list[str]:
+        result = rebuild.value(self.value)
+        rebuild.effects()
+        return [*rebuild.lines, f"return {result}"]
+
+
+@dataclass
+class _BreakPlan:
+    frame: Frame
+    kind: str  # "call", "branch", "bool", "native"
+    error: GraphBreak
+    breaks: list[BreakRecord] = field(default_factory=list)
+    resumes: list[Any] = field(default_factory=list)
+
+    def lines(self, rebuild: Reconstructor, fn: types.FunctionType) -> list[str]:
+        from kiln.capture.resume import emit_break
+
+        rebuild.effects()
+        return emit_break(self, rebuild, fn)
+
+
+def _break_plan(root: Frame, error: GraphBreak) -> _BreakPlan:
+    inst = root.current
+    assert inst is not None
+    record = BreakRecord(error.reason, error.detail, error.location, root.code.co_qualname)
+    _check_breakable(root, inst, f"{error.reason.name}: {error.detail}")
+    kind = _break_kind(inst)
+    return _BreakPlan(root, kind, error, breaks=[record])
+
+
+def _break_kind(inst: dis.Instruction) -> str:
+    if inst.opname in ("CALL", "CALL_KW", "CALL_FUNCTION_EX", "PRECALL"):
+        return "call"
+    if "JUMP" in inst.opname and ("IF_TRUE" in inst.opname or "IF_FALSE" in inst.opname):
+        return "branch"
+    if inst.opname == "TO_BOOL":
+        return "bool"
+    return "native"
+
+
+def _check_breakable(root: Frame, inst: dis.Instruction, why: str) -> None:
+    location = root.location
+    for other in root.instructions:
+        if (
+            other.opname.startswith("JUMP_BACKWARD") or "BACKWARD_IF" in other.opname
+        ) and other.offset > inst.offset >= other.argval:
+            raise Skip(SkipReason.BREAK_IN_LOOP, why, location)
+    if _in_try(root, inst.offset):
+        raise Skip(SkipReason.BREAK_IN_TRY, why, location)
+    for item in root.stack:
+        exit_method = isinstance(item, types.MethodType) and item.__name__ == "__exit__"
+        if exit_method and not is_known_context(root.entered.get(id(item))):
+            raise Skip(SkipReason.BREAK_IN_WITH, why, location)
+
+
+def _in_try(root: Frame, offset: int) -> bool:
+    entry = root.covering_entry(offset)
+    while entry is not None:
+        handler = root.instructions[root.index[entry.target] : root.index[entry.target] + 2]
+        if [i.opname for i in handler] != ["PUSH_EXC_INFO", "WITH_EXCEPT_START"]:
+            return True
+        cleanup = root.covering_entry(entry.target)
+        entry = root.covering_entry(cleanup.target) if cleanup is not None else None
+    return False
+
+
+def is_null(value: Any) -> bool:
+    return value is NULL
+
+
+__all__ = ["Capture", "GraphRunner", "Restart", "Skip", "arg_names", "capture_frame"]

@@ -1,0 +1,103 @@
+"""``kiln.explain``: what capture made of one call, as data and as a readable summary."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.capture import cache
+from kiln.capture.breaks import BreakRecord
+from kiln.capture.convert import Capture
+from kiln.ir.graph import Graph
+from kiln.ir.op import Op
+
+
+@dataclass
+class ExplainReport:
+    """Graphs, graph breaks, frames run uncompiled, externs and guards of one call."""
+
+    graphs: list[Graph] = field(default_factory=list)
+    breaks: list[BreakRecord] = field(default_factory=list)
+    skips: list[BreakRecord] = field(default_factory=list)
+    externs: list[str] = field(default_factory=list)
+    guards: list[str] = field(default_factory=list)
+    captures: list[tuple[str, Capture]] = field(default_factory=list)
+
+    @property
+    def graph_count(self) -> int:
+        return len(self.graphs)
+
+    @property
+    def break_reasons(self) -> list[Any]:
+        return [record.reason for record in self.breaks]
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.graph_count} graph(s), {len(self.breaks)} graph break(s), "
+            f"{len(self.skips)} frame(s) run uncompiled"
+        ]
+        for index, graph in enumerate(self.graphs):
+            lines.append(f"  graph {index}: {graph.name}, {len(graph.nodes)} nodes")
+        if self.breaks:
+            lines.append("graph breaks:")
+            lines += [f"  {record}" for record in self.breaks]
+        if self.skips:
+            lines.append("run uncompiled:")
+            lines += [f"  {record}" for record in self.skips]
+        if self.externs:
+            lines.append("externs (torch functions run as opaque calls):")
+            lines += [f"  {name}" for name in self.externs]
+        lines.append(f"guards ({len(self.guards)}):")
+        lines += [f"  {guard}" for guard in self.guards]
+        return "\n".join(lines)
+
+
+@contextmanager
+def recording(fresh: bool = True) -> Iterator[list[tuple[str, Capture | BreakRecord]]]:
+    """Collect the captures and skips made inside the block (from fresh caches, unless
+    ``fresh`` is False: then only what actually compiles inside the block is seen)."""
+    saved_caches = dict(cache._CACHES)
+    saved_wrappers = dict(cache._WRAPPERS)
+    if fresh:
+        cache._CACHES.clear()
+        cache._WRAPPERS.clear()
+    log: list[tuple[str, Capture | BreakRecord]] = []
+    cache._RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        cache._RECORDERS.remove(log)
+        if fresh:
+            cache._CACHES.clear()
+            cache._CACHES.update(saved_caches)
+            cache._WRAPPERS.clear()
+            cache._WRAPPERS.update(saved_wrappers)
+
+
+def explain(make: Callable[[], Any], *args: Any, **kwargs: Any) -> ExplainReport:
+    """Compile (``make()``) and call once, from fresh caches; report what was captured."""
+    with recording() as log:
+        make()(*args, **kwargs)
+    return report_of(log)
+
+
+def report_of(log: list[tuple[str, Capture | BreakRecord]]) -> ExplainReport:
+    """The report of a :func:`recording` log."""
+    report = ExplainReport()
+    for name, item in log:
+        if isinstance(item, BreakRecord):
+            report.skips.append(item)
+            continue
+        report.captures.append((name, item))
+        report.breaks += item.breaks
+        if item.graph is not None:
+            report.graphs.append(item.graph)
+            for node in item.graph.nodes:
+                if node.op is Op.EXTERN:
+                    report.externs.append(
+                        f"{node.origin.api} ({node.origin.file}:{node.origin.line})"
+                    )
+        report.guards += [f"[{name}] {guard}" for guard in item.guards]
+    return report

@@ -1,0 +1,302 @@
+"""Guards: the facts a capture relied on, checked before its code is reused.
+
+Each guard is a small frozen dataclass that prints as the Python expression it checks and
+carries why it exists (the user line that read the value). One cache entry's guards compile to
+a single generated function, a straight ``and`` chain, cheapest checks first::
+
+    def ___guard(___f, x, y):
+        try:
+            return (type(x) is ___Tensor0 and x.dtype is ___dtype1 and x.shape == (8, 8) and ...)
+        except Exception:
+            return False
+
+On a miss the guards are re-checked one by one to name the first that failed (the recompile
+reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.capture.sources import Binder, Source
+from kiln.ir.types import CPU
+
+
+@dataclass(frozen=True)
+class Guard:
+    source: Source | None
+    reason: str = field(default="", compare=False)
+
+    # Lower ranks are checked first (cheap identity checks before tensor metadata).
+    rank = 5
+
+    def check(self, binder: Binder) -> str:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        why = f"  # {self.reason}" if self.reason else ""
+        return f"{self.describe()}{why}"
+
+
+@dataclass(frozen=True)
+class TensorMatch(Guard):
+    """Type, dtype, device, shape, strides and requires_grad of a tensor."""
+
+    kind: type = torch.Tensor
+    dtype: torch.dtype = torch.float32
+    device: torch.device = CPU
+    shape: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    requires_grad: bool = False
+
+    rank = 3
+
+    @staticmethod
+    def of(source: Source, tensor: torch.Tensor, reason: str = "") -> TensorMatch:
+        return TensorMatch(
+            source,
+            reason,
+            type(tensor),
+            tensor.dtype,
+            tensor.device,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.requires_grad,
+        )
+
+    def check(self, binder: Binder) -> str:
+        assert self.source is not None
+        v = binder.fresh("t")
+        return (
+            f"type({v} := {self.source.expr(binder)}) is {binder.bind(self.kind, 'T')} "
+            f"and {v}.dtype is {binder.bind(self.dtype, 'dtype')} "
+            f"and {v}.device == {binder.bind(self.device, 'device')} "
+            f"and {v}.shape == {self.shape!r} and {v}.stride() == {self.stride!r} "
+            f"and {v}.requires_grad is {self.requires_grad}"
+        )
+
+    def describe(self) -> str:
+        grad = ", requires_grad" if self.requires_grad else ""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{self.source}: {self.kind.__name__}[{dtype}, {list(self.shape)}, "
+            f"stride={list(self.stride)}, {self.device}{grad}]"
+        )
+
+
+@dataclass(frozen=True)
+class Equals(Guard):
+    """A constant the capture specialized on (an int, string, bool, None, dtype, ...)."""
+
+    value: Any = None
+
+    rank = 1
+
+    def check(self, binder: Binder) -> str:
+        assert self.source is not None
+        # The type check keeps True from matching 1 and 1.0 from matching 1.
+        return (
+            f"type({self.source.expr(binder)}) is {binder.bind(type(self.value), 'type')} "
+            f"and {self.source.expr(binder)} == {binder.literal(self.value)}"
+        )
+
+    def describe(self) -> str:
+        return f"{self.source} == {self.value!r}"
+
+
+@dataclass(frozen=True, eq=False)
+class Identity(Guard):
+    """The same object as at capture: modules, functions, classes, globals."""
+
+    obj: Any = None
+
+    rank = 0
+
+    def check(self, binder: Binder) -> str:
+        assert self.source is not None
+        return f"{self.source.expr(binder)} is {binder.bind(self.obj, _hint(self.obj))}"
+
+    def describe(self) -> str:
+        return f"{self.source} is {_hint(self.obj)}@{id(self.obj):#x}"
+
+    def __hash__(self) -> int:
+        return hash((self.source, id(self.obj)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Identity) and (other.source, other.obj) == (
+            self.source,
+            self.obj,
+        )
+
+
+@dataclass(frozen=True)
+class TypeIs(Guard):
+    kind: type = object
+
+    rank = 0
+
+    def check(self, binder: Binder) -> str:
+        assert self.source is not None
+        return f"type({self.source.expr(binder)}) is {binder.bind(self.kind, self.kind.__name__)}"
+
+    def describe(self) -> str:
+        return f"type({self.source}) is {self.kind.__qualname__}"
+
+
+@dataclass(frozen=True)
+class LengthIs(Guard):
+    length: int = 0
+
+    rank = 1
+
+    def check(self, binder: Binder) -> str:
+        assert self.source is not None
+        return f"len({self.source.expr(binder)}) == {self.length}"
+
+    def describe(self) -> str:
+        return f"len({self.source}) == {self.length}"
+
+
+@dataclass(frozen=True)
+class KeysAre(Guard):
+    """A dict's keys, in order (iteration over it was unrolled)."""
+
+    keys: tuple[Any, ...] = ()
+
+    rank = 1
+
+    def check(self, binder: Binder) -> str:
+        assert self.source is not None
+        return f"tuple({self.source.expr(binder)}) == {binder.literal(self.keys)}"
+
+    def describe(self) -> str:
+        return f"tuple({self.source}) == {self.keys!r}"
+
+
+@dataclass(frozen=True)
+class HasAttr(Guard):
+    """Whether an object has an attribute (the capture read it, or asked ``hasattr``)."""
+
+    attr: str = ""
+    present: bool = True
+
+    rank = 1
+
+    def check(self, binder: Binder) -> str:
+        assert self.source is not None
+        test = f"hasattr({self.source.expr(binder)}, {self.attr!r})"
+        return test if self.present else f"not {test}"
+
+    def describe(self) -> str:
+        return f"{'' if self.present else 'not '}hasattr({self.source}, {self.attr!r})"
+
+
+@dataclass(frozen=True)
+class Aliasing(Guard):
+    """Two tensor inputs are (or are not) the same object."""
+
+    other: Source | None = None
+    same: bool = False
+
+    rank = 4
+
+    def check(self, binder: Binder) -> str:
+        assert self.source is not None and self.other is not None
+        op = "is" if self.same else "is not"
+        return f"{self.source.expr(binder)} {op} {self.other.expr(binder)}"
+
+    def describe(self) -> str:
+        return f"{self.source} {'is' if self.same else 'is not'} {self.other}"
+
+
+def global_state() -> tuple[Any, ...]:
+    """The torch state every capture depends on: grad mode, autocast, default dtype."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
+        torch.get_default_dtype(),
+    )
+
+
+@dataclass(frozen=True)
+class GlobalState(Guard):
+    state: tuple[Any, ...] = ()
+
+    rank = 0
+
+    def check(self, binder: Binder) -> str:
+        return f"{binder.bind(global_state, 'global_state')}() == {binder.literal(self.state)}"
+
+    def describe(self) -> str:
+        grad, inference, cpu, cpu_dtype, cuda, cuda_dtype, default = self.state
+        parts = [f"grad_enabled={grad}", f"default_dtype={default}"]
+        if inference:
+            parts.append("inference_mode")
+        if cpu:
+            parts.append(f"autocast(cpu, {cpu_dtype})")
+        if cuda:
+            parts.append(f"autocast(cuda, {cuda_dtype})")
+        return "torch state: " + ", ".join(parts)
+
+
+def _hint(obj: Any) -> str:
+    return getattr(obj, "__name__", None) or type(obj).__name__
+
+
+GuardFunction = Callable[..., bool]
+
+
+def compile_guards(
+    guards: Sequence[Guard], params: Sequence[str]
+) -> tuple[GuardFunction, str, Callable[..., str | None]]:
+    """The guard function of one cache entry, its source, and a function naming the first
+    failing guard (for recompile reasons; slow, used only on a miss)."""
+    ordered = sorted(guards, key=lambda guard: guard.rank)
+    binder = Binder()
+    checks = [guard.check(binder) for guard in ordered]
+    body = "\n            and ".join(f"({check})" for check in checks) or "True"
+    signature = ", ".join(["___f", *params])
+    source = (
+        f"def ___guard({signature}):\n"
+        f"    try:\n"
+        f"        return bool(\n            {body}\n        )\n"
+        f"    except Exception:\n"
+        f"        return False\n"
+    )
+    scope = dict(binder.names)
+    exec(compile(source, "<kiln guard>", "exec"), scope)
+    function = scope["___guard"]
+
+    singles: list[tuple[Guard, Callable[..., bool]]] = []
+
+    def compile_singles() -> None:
+        # Only on a miss: one small function per guard, to name the first that fails.
+        for guard, check in zip(ordered, checks, strict=True):
+            code = f"def ___one({signature}):\n    return bool({check})\n"
+            one_scope = dict(binder.names)
+            exec(compile(code, "<kiln guard>", "exec"), one_scope)
+            singles.append((guard, one_scope["___one"]))
+
+    def first_failure(*args: Any) -> str | None:
+        if not singles:
+            compile_singles()
+        for guard, one in singles:
+            try:
+                if not one(*args):
+                    return guard.describe()
+            except Exception as error:
+                return f"{guard.describe()} ({type(error).__name__}: {error})"
+        return None
+
+    return function, source, first_failure

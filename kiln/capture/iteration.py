@@ -1,0 +1,95 @@
+"""Iterating symbolic values: the items of containers, modules and tensors, with their sources.
+
+Loops over Python values are unrolled during capture. When the container was read from outside
+the frame, each item is read through :meth:`Session.wrap` with an ``Item`` source, so that a
+tensor in an argument list becomes a graph input and a module in a ``ModuleList`` is guarded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from kiln.capture.session import Session
+from kiln.capture.sources import Attr, Item
+
+# At most this many items are materialized from an iterator of unknown length.
+MAX_ITEMS = 100_000
+
+
+class SymbolicIterator:
+    """An iterator over items the capture already materialized (and wrapped)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self.position = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if self.position >= len(self.items):
+            raise StopIteration
+        item = self.items[self.position]
+        self.position += 1
+        return item
+
+    def __length_hint__(self) -> int:
+        return len(self.items) - self.position
+
+
+def module_items(session: Session, module: torch.nn.Module) -> list[Any] | None:
+    """The submodules a container module iterates over, each guarded through ``_modules``."""
+    source = session.source_of(module)
+    if isinstance(module, torch.nn.ModuleDict | torch.nn.ParameterDict):
+        return list(module.keys())
+    if isinstance(module, torch.nn.ModuleList | torch.nn.Sequential):
+        values = list(module._modules.items())
+        if source is None:
+            return [value for _, value in values]
+        modules = Attr(source, "_modules")
+        return [session.wrap(value, Item(modules, key)) for key, value in values]
+    if isinstance(module, torch.nn.ParameterList):
+        params = list(module._parameters.items())
+        if source is None:
+            return [value for _, value in params]
+        table = Attr(source, "_parameters")
+        return [session.wrap(value, Item(table, key)) for key, value in params]
+    return None
+
+
+def items_of(session: Session, value: Any) -> list[Any] | None:
+    """The items iterating ``value`` yields, or None when the capture cannot list them here
+    (the caller then iterates natively or inlines ``__iter__``)."""
+    if isinstance(value, SymbolicIterator):
+        items = value.items[value.position :]
+        value.position = len(value.items)
+        return items
+    source = session.source_of(value)
+    if isinstance(value, list | tuple):
+        if source is None or session.is_new(value):
+            return list(value)
+        return [session.wrap(item, Item(source, i)) for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        return list(value)
+    if isinstance(value, range | str | bytes | set | frozenset):
+        return list(value)
+    if isinstance(value, torch.Tensor):
+        return list(value.unbind(0))
+    if isinstance(value, torch.nn.Module):
+        return module_items(session, value)
+    if type(value).__name__ in ("dict_keys", "dict_values", "dict_items", "odict_keys"):
+        return list(value)
+    return None
+
+
+def collect(iterator: Iterator[Any]) -> list[Any]:
+    """Exhaust a native iterator (bounded), e.g. ``zip`` of materialized lists."""
+    items: list[Any] = []
+    for item in iterator:
+        items.append(item)
+        if len(items) > MAX_ITEMS:
+            raise ValueError("iterator too long to unroll")
+    return items

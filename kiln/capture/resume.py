@@ -1,0 +1,241 @@
+"""The end of a head function that stops at a graph break: the native step and the resume call.
+
+At a break the root frame's state (stack and live locals, just before the instruction that
+broke) is rebuilt from the graph's outputs; then, depending on the instruction:
+
+* a call: ``___r = ___route(callee)(args...)`` -- Python callees go through a compiled wrapper
+  of their own, so nested frames are still compiled -- then the resume function continues
+  after the call with ``___r`` on the stack;
+* a branch on a tensor: ``if cond: return resume_at_target(...) else: return resume_next(...)``;
+* ``TO_BOOL`` (3.13): ``bool(cond)`` natively, then resume;
+* anything else: the original code resumes *at* the instruction, uncompiled.
+
+Resume functions are the original code with a prologue that rebuilds the stack (re-entering
+known context managers) and jumps to the offset (``kiln/capture/rewrite.py``); they are
+created once per (code, offset, stack layout, live locals) and compiled like any function.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from kiln.capture.frame import NULL, PY, Frame
+from kiln.capture.ops_flow import is_known_context
+from kiln.capture.reconstruct import Reconstructor
+from kiln.capture.rewrite import StackSlot, live_locals, resume_code
+
+_RESUME_CODES: dict[tuple[Any, ...], types.CodeType] = {}
+_BASE_NAMES: dict[int, str] = {}  # id(resume code) -> name of the function it continues
+
+
+def emit_break(plan: Any, rebuild: Reconstructor, fn: types.FunctionType) -> list[str]:
+    frame: Frame = plan.frame
+    inst = frame.current
+    assert inst is not None
+    stack = list(frame.stack)
+    contexts = [frame.entered[id(item)] for item in stack if _is_context_exit(frame, item)]
+    after = frame.instructions[frame.index[inst.offset] + 1].offset
+    lines = list(rebuild.lines)
+    rebuild.lines.clear()
+    if plan.kind == "call":
+        entered = [rebuild.value(ctx) for ctx in contexts]
+        pre = _take(rebuild)
+        call, stack = _native_call(frame, inst, stack, rebuild)
+        step = [*_take(rebuild), f"___r = {call}"]
+        for ctx in reversed(entered):
+            step = [f"with {ctx}:", *("    " + line for line in step)]
+        resume = _resume(plan, rebuild, fn, after, [*stack, _RESULT])
+        return [*lines, *pre, *step, *_take(rebuild), f"return {resume}"]
+    if plan.kind == "branch":
+        condition = stack.pop()
+        name = inst.opname
+        keep = "OR_POP" in name  # JUMP_IF_*_OR_POP keeps the value when it jumps
+        jump_when = "TRUE" in name
+        cond = rebuild.value(condition)
+        jumped = _resume(plan, rebuild, fn, inst.argval, [*stack, condition] if keep else stack)
+        fallthrough = _resume(plan, rebuild, fn, after, stack)
+        test = cond if jump_when else f"not {cond}"
+        return [
+            *lines,
+            *rebuild.lines,
+            f"if {test}:",
+            f"    return {jumped}",
+            f"return {fallthrough}",
+        ]
+    if plan.kind == "bool":
+        condition = stack.pop()
+        cond = rebuild.value(condition)
+        resume = _resume(plan, rebuild, fn, after, [*stack, _RESULT])
+        return [*lines, *rebuild.lines, f"___r = bool({cond})", f"return {resume}"]
+    resume = _resume(plan, rebuild, fn, inst.offset, stack, compiled=False)
+    return [*lines, *rebuild.lines, f"return {resume}"]
+
+
+def _take(rebuild: Reconstructor) -> list[str]:
+    lines = list(rebuild.lines)
+    rebuild.lines.clear()
+    return lines
+
+
+class _Result:
+    """Marks the stack slot that holds the native step's result (``___r``)."""
+
+
+_RESULT = _Result()
+
+
+def _is_context_exit(frame: Frame, item: Any) -> bool:
+    return (
+        isinstance(item, types.MethodType)
+        and id(item) in frame.entered
+        and is_known_context(frame.entered[id(item)])
+    )
+
+
+def _native_call(
+    frame: Frame, inst: Any, stack: list[Any], rebuild: Reconstructor
+) -> tuple[str, list[Any]]:
+    """The call expression for the CALL instruction at ``inst``, and the stack below it."""
+    if inst.opname == "CALL_FUNCTION_EX":
+        kwargs = stack.pop() if (inst.arg or 0) & 1 else {}
+        args = list(stack.pop())
+        names: tuple[str, ...] = tuple(kwargs)
+        values = [*args, *kwargs.values()]
+        count = len(args)
+    else:
+        names = tuple(stack.pop()) if inst.opname == "CALL_KW" else frame.kw_names
+        total = inst.arg or 0
+        values = stack[len(stack) - total :] if total else []
+        del stack[len(stack) - total :]
+        count = total - len(names)
+    upper = stack.pop()
+    lower = stack.pop()
+    if PY >= (3, 13):
+        callee, self_ = lower, upper
+    else:
+        callee, self_ = (upper, NULL) if lower is NULL else (lower, upper)
+    if self_ is not NULL:
+        values = [self_, *values]
+        count += 1
+    args = [rebuild.value(v) for v in values[:count]]
+    args += [f"{name}={rebuild.value(v)}" for name, v in zip(names, values[count:], strict=True)]
+    route = rebuild.binder.bind(route_callee, "route")
+    return f"{route}({rebuild.value(callee)})({', '.join(args)})", stack
+
+
+def _resume(
+    plan: Any,
+    rebuild: Reconstructor,
+    fn: types.FunctionType,
+    offset: int,
+    stack: list[Any],
+    compiled: bool = True,
+) -> str:
+    """A call of the resume function at ``offset`` with ``stack`` and the live locals."""
+    frame: Frame = plan.frame
+    slots: list[StackSlot] = []
+    args: list[str] = []
+    for item in stack:
+        if item is NULL:
+            slots.append(StackSlot.NULL)
+        elif item is _RESULT:
+            slots.append(StackSlot.VALUE)
+            args.append("___r")
+        elif _is_context_exit(frame, item):
+            slots.append(StackSlot.CONTEXT)
+            args.append(rebuild.value(frame.entered[id(item)]))
+        else:
+            slots.append(StackSlot.VALUE)
+            args.append(rebuild.value(item))
+    code = frame.code
+    live = sorted(
+        name
+        for name in live_locals(code, offset)
+        if name in frame.locals or (name in code.co_cellvars and name in frame.cells)
+    )
+    for name in live:
+        if name in code.co_cellvars and name in frame.cells:
+            args.append(rebuild.value(frame.cells[name].cell_contents))
+        else:
+            args.append(rebuild.value(frame.locals[name]))
+    key = (code, offset, tuple(slots), tuple(live))
+    resume = _RESUME_CODES.get(key)
+    if resume is None:
+        base = _BASE_NAMES.get(id(code), code.co_name)
+        name = f"<kiln resume in {base} at line {_line_at(frame, offset)}>"
+        resume = resume_code(code, offset, slots, live, name=name)
+        _RESUME_CODES[key] = resume
+        _BASE_NAMES[id(resume)] = base
+    target = ResumeTarget(resume, compiled)
+    plan.resumes.append(target)
+    return f"{rebuild.binder.bind(target, 'resume')}(___f)({', '.join(args)})"
+
+
+def _line_at(frame: Frame, offset: int) -> int:
+    for inst in reversed(frame.instructions[: frame.index[offset] + 1]):
+        if inst.positions is not None and inst.positions.lineno is not None:
+            return inst.positions.lineno
+    return frame.code.co_firstlineno
+
+
+class ResumeTarget:
+    """The resume function for the calling function's closure (compiled, or raw)."""
+
+    def __init__(self, code: types.CodeType, compiled: bool) -> None:
+        self.code = code
+        self.compiled = compiled
+        self._by_closure: dict[int, tuple[Any, Any]] = {}
+
+    def __call__(self, fn: types.FunctionType) -> Any:
+        closure = fn.__closure__
+        known = self._by_closure.get(id(closure))
+        if known is not None and known[0] is closure:
+            return known[1]
+        resume = types.FunctionType(self.code, fn.__globals__, self.code.co_name, None, closure)
+        resume.__qualname__ = self.code.co_qualname
+        target: Any = resume
+        if self.compiled:
+            from kiln.capture.cache import compiled_function
+
+            target = compiled_function(resume)
+        self._by_closure[id(closure)] = (closure, target)
+        return target
+
+
+def route_callee(callee: Any) -> Any:
+    """The callable a compiled frame calls in place of ``callee``: Python functions and methods
+    go through their compiled wrappers, so the callee's own frame is compiled too."""
+    from kiln.capture.cache import compiled_function
+    from kiln.capture.calls import _runs_natively
+
+    if isinstance(callee, types.FunctionType) and not _runs_natively(callee):
+        return compiled_function(callee)
+    method = getattr(callee, "__func__", None) if isinstance(callee, types.MethodType) else None
+    if isinstance(method, types.FunctionType) and not _runs_natively(method):
+        return types.MethodType(compiled_function(method), callee.__self__)
+    if isinstance(callee, torch.nn.Module) and _plain_call(callee):
+        forward = getattr(callee.forward, "__func__", None)
+        if isinstance(forward, types.FunctionType) and not _runs_natively(forward):
+            return types.MethodType(compiled_function(forward), callee)
+    return callee
+
+
+def _plain_call(module: torch.nn.Module) -> bool:
+    from torch.nn.modules import module as module_globals
+
+    if type(module).__call__ is not torch.nn.Module.__call__:
+        return False
+    hooks = (
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        module._backward_pre_hooks,
+        module_globals._global_forward_hooks,
+        module_globals._global_forward_pre_hooks,
+        module_globals._global_backward_hooks,
+        module_globals._global_backward_pre_hooks,
+    )
+    return not any(hooks)

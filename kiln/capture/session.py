@@ -1,0 +1,338 @@
+"""The state of one capture: the graph being built, the guards, the sources of values read from
+the frame's world, new objects, and the side effects to replay.
+
+Values on the symbolic stack are real Python objects; tensors are
+:class:`~kiln.frontends.proxy.ProxyTensor`s. Everything read from outside the frame (arguments,
+globals, closure cells, attributes and items of those) goes through :meth:`Session.wrap`, which
+installs the guard the read relies on and remembers the value's source.
+
+Mutation of objects that existed before the call (lists, dicts, attributes, globals, cells) is
+applied for real during capture, so later reads see it, and journalled: :meth:`Session.undo`
+restores the old state when capture ends, and the generated code replays the final state after
+the graph on every call.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.capture.guards import (
+    Aliasing,
+    Equals,
+    GlobalState,
+    Guard,
+    Identity,
+    KeysAre,
+    LengthIs,
+    TensorMatch,
+    TypeIs,
+    global_state,
+)
+from kiln.capture.sources import Source
+from kiln.frontends.proxy import ProxyTensor
+from kiln.frontends.source import user_location
+from kiln.ir.builder import GraphBuilder
+from kiln.ir.graph import Graph, InputKind, Value
+from kiln.ir.types import TensorType
+
+# Values guarded by equality and used as constants.
+CONSTANT_TYPES = (
+    int,
+    float,
+    bool,
+    str,
+    bytes,
+    type(None),
+    complex,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    type(Ellipsis),
+    type(NotImplemented),
+    torch.memory_format,
+    torch.layout,
+)
+# Values guarded by identity.
+IDENTITY_TYPES = (
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.BuiltinMethodType,
+    types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+    type,
+    torch.nn.Module,
+    enum.Enum,
+)
+
+
+def is_constant(value: Any) -> bool:
+    if isinstance(value, CONSTANT_TYPES):
+        return True
+    if type(value) in (tuple, frozenset):
+        return all(is_constant(item) for item in value)
+    return isinstance(value, slice) and all(
+        is_constant(x) for x in (value.start, value.stop, value.step)
+    )
+
+
+class EffectKind(enum.Enum):
+    CONTAINER = "container"  # a list, dict or set's contents
+    ATTRIBUTE = "attribute"
+    GLOBAL = "global"
+    CELL = "cell"
+
+
+@dataclass
+class Effect:
+    """A mutation of a pre-existing object, replayed (final state) after the graph."""
+
+    kind: EffectKind
+    target: Any  # the object (or globals dict, or cell)
+    key: str = ""  # attribute or global name
+
+
+@dataclass
+class Recipe:
+    """How to re-create an object the capture constructed natively: ``fn(*args, **kwargs)``."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    attributes: dict[str, Any] = field(default_factory=dict)  # set after construction
+
+
+_ABSENT = object()
+
+
+class Session:
+    """One capture of one frame (restarted from scratch at each graph break it discovers)."""
+
+    def __init__(self, name: str, break_at: int | None = None) -> None:
+        self.graph = Graph(name=name)
+        self.builder = GraphBuilder(self.graph)
+        self.guards: dict[Guard, None] = {}
+        self.sources: dict[int, Source] = {}
+        self.inputs: list[tuple[Value, Source]] = []
+        self.input_proxies: dict[int, ProxyTensor] = {}
+        self.new_objects: dict[int, Any] = {}
+        self.recipes: dict[int, Recipe] = {}
+        self.effects: dict[tuple[Any, ...], Effect] = {}
+        self.journal: list[Callable[[], None]] = []
+        self.keepalive: list[Any] = []
+        self.break_at = break_at
+        self.inline_depth = 0
+        self.contexts: list[Any] = []  # context managers entered natively, innermost last
+        self.add_guard(GlobalState(None, "torch state at the call", global_state()))
+
+    # --- guards and sources -------------------------------------------------------------
+    def add_guard(self, guard: Guard) -> None:
+        self.guards.setdefault(guard, None)
+
+    def source_of(self, value: Any) -> Source | None:
+        return self.sources.get(id(value))
+
+    def wrap(self, value: Any, source: Source) -> Any:
+        """``value`` read through ``source``: guard what the capture relies on, track it."""
+        reason = _reason()
+        if isinstance(value, ProxyTensor):
+            return value
+        if isinstance(value, torch.Tensor):
+            return self.tensor_input(value, source, reason)
+        if is_constant(value) and not isinstance(value, enum.Enum):
+            self.add_guard(Equals(source, reason, value))
+            return value
+        if isinstance(value, IDENTITY_TYPES):
+            self.add_guard(Identity(source, reason, value))
+        elif isinstance(value, types.MethodType):
+            self.add_guard(Identity(_attr(source, "__func__"), reason, value.__func__))
+        elif type(value) in (list, tuple):
+            self.add_guard(TypeIs(source, reason, type(value)))
+            self.add_guard(LengthIs(source, reason, len(value)))
+        elif isinstance(value, dict):
+            self.add_guard(TypeIs(source, reason, type(value)))
+            self.add_guard(KeysAre(source, reason, tuple(value)))
+        else:
+            self.add_guard(TypeIs(source, reason, type(value)))
+        self.remember(value, source)
+        return value
+
+    def remember(self, value: Any, source: Source) -> None:
+        if id(value) not in self.sources:
+            self.sources[id(value)] = source
+            self.keepalive.append(value)
+
+    def tensor_input(self, tensor: torch.Tensor, source: Source, reason: str = "") -> ProxyTensor:
+        """The proxy of a tensor read from outside the frame: one graph input per tensor."""
+        known = self.input_proxies.get(id(tensor))
+        if known is not None:
+            first = self.sources[id(tensor)]
+            if first != source:
+                self.add_guard(Aliasing(source, reason, first, same=True))
+            return known
+        self.add_guard(TensorMatch.of(source, tensor, reason))
+        kind = InputKind.PARAMETER if isinstance(tensor, torch.nn.Parameter) else InputKind.USER
+        if kind is InputKind.USER and "_buffers" in str(source):
+            kind = InputKind.BUFFER
+        value = self.graph.add_input(
+            TensorType.of(tensor), name=_input_name(source), kind=kind, source=str(source)
+        )
+        proxy = ProxyTensor(value)
+        self.input_proxies[id(tensor)] = proxy
+        self.remember(tensor, source)
+        self.inputs.append((value, source))
+        return proxy
+
+    def guard_distinct_mutated_inputs(self) -> None:
+        """Inputs the graph writes to must not alias other inputs (as at capture)."""
+        mutated = {target for target, _ in self.graph.mutations}
+        by_value = dict(self.inputs)
+        for target in mutated:
+            for value, source in self.inputs:
+                if value is not target and target in by_value:
+                    self.add_guard(Aliasing(by_value[target], "mutated input", source))
+
+    # --- new objects ---------------------------------------------------------------------
+    def new(self, obj: Any, recipe: Recipe | None = None) -> Any:
+        """Mark ``obj`` as created by the captured code (free to mutate, re-created after)."""
+        self.new_objects[id(obj)] = obj
+        if recipe is not None:
+            self.recipes[id(obj)] = recipe
+        return obj
+
+    def is_new(self, obj: Any) -> bool:
+        return id(obj) in self.new_objects
+
+    # --- side effects on pre-existing objects -------------------------------------------
+    def touch_container(self, obj: Any) -> None:
+        """About to mutate list/dict/set ``obj``: journal its contents if it pre-exists."""
+        if self.is_new(obj):
+            return
+        key = ("container", id(obj))
+        if key in self.effects:
+            return
+        snapshot = obj.copy()
+        if isinstance(obj, list):
+            self.journal.append(lambda: obj.__setitem__(slice(None), snapshot))
+        else:
+            self.journal.append(lambda: _refill(obj, snapshot))
+        self.effects[key] = Effect(EffectKind.CONTAINER, obj)
+        self.keepalive.append(obj)
+
+    def set_attribute(self, obj: Any, name: str, value: Any, delete: bool = False) -> None:
+        """``obj.name = value`` (or ``del obj.name``), journalled if ``obj`` pre-exists."""
+        if self.is_new(obj):
+            recipe = self.recipes.get(id(obj))
+            if recipe is not None:
+                recipe.attributes[name] = _ABSENT if delete else value
+        else:
+            key = ("attribute", id(obj), name)
+            if key not in self.effects:
+                old = obj.__dict__.get(name, _ABSENT) if hasattr(obj, "__dict__") else _ABSENT
+                if old is _ABSENT and hasattr(obj, name) and not callable(getattr(obj, name)):
+                    old = getattr(obj, name)
+                self.journal.append(lambda: _restore_attribute(obj, name, old))
+                self.effects[key] = Effect(EffectKind.ATTRIBUTE, obj, name)
+                self.keepalive.append(obj)
+        if delete:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, value)
+
+    def set_global(
+        self, scope: dict[str, Any], name: str, value: Any, delete: bool = False
+    ) -> None:
+        key = ("global", id(scope), name)
+        if key not in self.effects:
+            old = scope.get(name, _ABSENT)
+            self.journal.append(lambda: _restore_item(scope, name, old))
+            self.effects[key] = Effect(EffectKind.GLOBAL, scope, name)
+        if delete:
+            del scope[name]
+        else:
+            scope[name] = value
+
+    def set_cell(self, cell: Any, value: Any) -> None:
+        if not self.is_new(cell):
+            key = ("cell", id(cell))
+            if key not in self.effects:
+                try:
+                    old = cell.cell_contents
+                except ValueError:
+                    old = _ABSENT
+                self.journal.append(lambda: _restore_cell(cell, old))
+                self.effects[key] = Effect(EffectKind.CELL, cell)
+                self.keepalive.append(cell)
+        cell.cell_contents = value
+
+    def enter_context(self, ctx: Any) -> None:
+        """``ctx`` (a known torch context manager) was entered natively."""
+        self.contexts.append(ctx)
+
+    def exit_context(self, ctx: Any, *exc: Any) -> Any:
+        """Leave ``ctx`` natively (the captured code's ``with`` block ended)."""
+        for i in range(len(self.contexts) - 1, -1, -1):
+            if self.contexts[i] is ctx:
+                del self.contexts[i]
+                break
+        return ctx.__exit__(*exc)
+
+    def undo(self) -> None:
+        """Leave contexts still entered, put every pre-existing object back as it was."""
+        while self.contexts:
+            self.contexts.pop().__exit__(None, None, None)
+        while self.journal:
+            self.journal.pop()()
+
+
+def _refill(obj: Any, contents: Any) -> None:
+    obj.clear()
+    obj.update(contents)
+
+
+def _restore_attribute(obj: Any, name: str, old: Any) -> None:
+    if old is _ABSENT:
+        if hasattr(obj, name):
+            delattr(obj, name)
+    else:
+        setattr(obj, name, old)
+
+
+def _restore_item(scope: dict[str, Any], name: str, old: Any) -> None:
+    if old is _ABSENT:
+        scope.pop(name, None)
+    else:
+        scope[name] = old
+
+
+def _restore_cell(cell: Any, old: Any) -> None:
+    if old is _ABSENT:
+        del cell.cell_contents
+    else:
+        cell.cell_contents = old
+
+
+def _attr(source: Source, name: str) -> Source:
+    from kiln.capture.sources import Attr
+
+    return Attr(source, name)
+
+
+def _input_name(source: Source) -> str:
+    name = source.name().removeprefix("self.")
+    name = "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")
+    return name or "input"
+
+
+def _reason() -> str:
+    location = user_location()
+    return f"{location.file.rsplit('/', 1)[-1]}:{location.line}" if location else ""
+
+
+ABSENT = _ABSENT
