@@ -32,6 +32,7 @@ class SkipReason(enum.Enum):
     UNRECONSTRUCTIBLE = "a live value cannot be re-created after the graph"
     INTERNAL_ERROR = "internal capture error"
     BACKEND_ERROR = "backend failed to compile the graph"
+    ALIASED_MUTATION = "an input written in place shares memory with another input"
 
 
 @dataclass(frozen=True)

@@ -143,13 +143,9 @@ def _type(frame: Frame, *args: Any) -> Any:
 
 
 def _proxy_type(frame: Frame, proxy: Any) -> type:
-    from kiln.capture.guards import TensorMatch
-
-    source = frame.session.source_of(proxy)
-    for guard in frame.session.guards:
-        if isinstance(guard, TensorMatch) and guard.source == source and source is not None:
-            return guard.kind
-    return torch.Tensor
+    """An input's own type (e.g. ``Parameter``, guarded); computed tensors are Tensors."""
+    kind = getattr(proxy, "_input_type", torch.Tensor)
+    return kind if isinstance(kind, type) else torch.Tensor
 
 
 # --- iteration --------------------------------------------------------------------------
@@ -303,6 +299,7 @@ def _len(frame: Frame, value: Any) -> int:
     method = python_dunder(value, "__len__")
     if method is not None:
         return int(_call(frame, method, value))
+    frame.session.guard_contents(value)
     return len(value)
 
 

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from kiln.capture.breaks import BreakRecord, FullGraphError, SkipReason
-from kiln.capture.convert import Capture, Skip, arg_names, capture_frame
+from kiln.capture.convert import Capture, Skip, capture_frame, param_names
 from kiln.capture.guards import compile_guards
+from kiln.capture.sources import safe_name
 from kiln.config import config, logger
 
 _log_breaks = logger("graph_breaks")
@@ -101,7 +102,10 @@ _RECORDERS: list[list[tuple[str, Capture | BreakRecord]]] = []
 def reset() -> None:
     """Forget every cache entry, compiled wrapper and counter."""
     with _LOCK:
-        _CACHES.clear()
+        for _, cache in _CACHES.values():  # emptied in place: live wrappers hold them
+            cache.entries.clear()
+            cache.skip = None
+            cache.routed = None
         _WRAPPERS.clear()
         counters.reset()
 
@@ -126,7 +130,7 @@ def compiled_function(fn: types.FunctionType, options: Options | None = None) ->
 
 def _signature(fn: types.FunctionType, binder: dict[str, Any]) -> str:
     code = fn.__code__
-    names = code.co_varnames
+    names = tuple(safe_name(name) for name in code.co_varnames)
     positional = code.co_argcount
     keyword = code.co_kwonlyargcount
     defaults = fn.__defaults__ or ()
@@ -163,8 +167,8 @@ def _make_wrapper(fn: types.FunctionType, options: Options) -> Any:
     cache = cache_of(code)
     scope: dict[str, Any] = {"___entries": cache.entries, "___f": fn}
     signature = _signature(fn, scope)
-    args = ", ".join(arg_names(code))
-    call_args = ", ".join(["___f", *arg_names(code)])
+    args = ", ".join(param_names(code))
+    call_args = ", ".join(["___f", *param_names(code)])
     source = (
         f"def {_identifier(code.co_name)}({signature}):\n"
         f"    for ___e in ___entries:\n"
@@ -284,7 +288,7 @@ def _miss(
 def _install(
     fn: types.FunctionType, cache: CodeCache, capture: Capture, owner: int | None
 ) -> Entry:
-    params = arg_names(fn.__code__)
+    params = param_names(fn.__code__)
     guard, source, first_failure = compile_guards(capture.guards, params)
     entry = Entry(capture, guard, source, first_failure, owner)
     cache.entries.insert(0, entry)

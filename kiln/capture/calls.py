@@ -68,6 +68,7 @@ _MUTATING = frozenset(
     }
 )
 _IMMUTABLE = (str, bytes, int, float, complex, bool, tuple, frozenset, range, slice, type(None))
+_TENSOR_OR_IMMUTABLE = (torch.Tensor, *_IMMUTABLE)
 
 
 def python_dunder(obj: Any, name: str) -> types.FunctionType | None:
@@ -128,7 +129,7 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
         return call_function(frame, fn.__func__, (fn.__self__, *args), kwargs)
     if isinstance(fn, types.FunctionType):
         if _runs_natively(fn):
-            return fn(*args, **kwargs)
+            return native(frame, fn, args, kwargs)
         return inline(frame, fn, args, kwargs)
     if isinstance(fn, torch.nn.Module):
         from kiln.capture.modules import call_module
@@ -145,14 +146,14 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
         if args and isinstance(args[0], list | dict | set) and fn.__name__ in _MUTATING:
             frame.session.touch_container(args[0])
         if issubclass(owner, torch._C.TensorBase) or owner in (*_IMMUTABLE, list, dict, set):
-            return fn(*args, **kwargs)
+            return native(frame, fn, args, kwargs)
     if isinstance(fn, types.MethodWrapperType):
         return _call_builtin(frame, fn, args, kwargs)
     call = python_dunder(fn, "__call__")
     if call is not None:
         return inline(frame, call, (fn, *args), kwargs)
     if getattr(type(fn), "__module__", "").startswith("torch"):
-        return fn(*args, **kwargs)
+        return native(frame, fn, args, kwargs)
     raise GraphBreak(_reason_for(fn), f"call to {_describe(fn)}")
 
 
@@ -163,6 +164,35 @@ def _reason_for(fn: Any) -> BreakReason:
     if "logging" in module or "warnings" in module or name.startswith(("warn", "log", "print")):
         return BreakReason.IO
     return BreakReason.UNSUPPORTED_CALL
+
+
+def native(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``fn`` natively; containers read from outside the frame are passed as new
+    containers of their guarded items (so ``torch.cat(xs)`` sees proxies, not the caller's
+    tensors)."""
+    session = frame.session
+    args = tuple(materialize(session, arg) for arg in args)
+    kwargs = {key: materialize(session, value) for key, value in kwargs.items()}
+    return fn(*args, **kwargs)
+
+
+def materialize(session: Any, value: Any) -> Any:
+    if type(value) not in (list, tuple, dict) or session.source_of(value) is None:
+        return value
+    if session.is_new(value):
+        return value
+    if isinstance(value, dict):
+        return session.new(_dict_items_of(session, value))
+    items = items_of(session, value) or []
+    return session.new(type(value)(materialize(session, item) for item in items))
+
+
+def _dict_items_of(session: Any, mapping: dict[Any, Any]) -> dict[Any, Any]:
+    from kiln.capture.sources import Item
+
+    source = session.source_of(mapping)
+    session.guard_contents(mapping)
+    return {k: materialize(session, session.wrap(mapping[k], Item(source, k))) for k in mapping}
 
 
 def _key(fn: Any) -> Any:
@@ -177,17 +207,17 @@ def _call_builtin(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
     owner = getattr(fn, "__self__", None)
     name = getattr(fn, "__name__", "")
     if owner is not None and not isinstance(owner, types.ModuleType):
-        if isinstance(owner, torch.Tensor | _IMMUTABLE):
-            return fn(*args, **kwargs)
+        if isinstance(owner, _TENSOR_OR_IMMUTABLE):
+            return native(frame, fn, args, kwargs)
         if isinstance(owner, list | dict | set) or type(owner).__name__ in ("deque", "OrderedDict"):
             return _container_method(frame, owner, name, fn, args, kwargs)
         if isinstance(owner, SymbolicIterator | type):
-            return fn(*args, **kwargs)
+            return native(frame, fn, args, kwargs)
         if getattr(type(owner), "__module__", "").startswith("torch"):
-            return fn(*args, **kwargs)
+            return native(frame, fn, args, kwargs)
     module = getattr(fn, "__module__", None) or getattr(owner, "__name__", "") or ""
     if module.split(".")[0] in _NATIVE_MODULES:
-        return fn(*args, **kwargs)
+        return native(frame, fn, args, kwargs)
     raise GraphBreak(_reason_for(fn), f"call to {_describe(fn)}")
 
 
@@ -200,15 +230,18 @@ def _container_method(
     kwargs: dict[str, Any],
 ) -> Any:
     session = frame.session
+    source = session.source_of(owner)
+    existing = source is not None and not session.is_new(owner)
     if name in _MUTATING:
         session.touch_container(owner)
-        if name in ("extend", "update") and args:
-            items = items_of(session, args[0])
-            if items is not None and isinstance(owner, list):
-                return fn(items)
+        if existing and name not in _BLIND_WRITES:
+            _wrap_contents(session, owner)  # the method reads the items: trace them
+        args = tuple(materialize(session, arg) for arg in args)
         return fn(*args, **kwargs)
-    source = session.source_of(owner)
-    if source is None or session.is_new(owner) or not isinstance(owner, dict):
+    if source is None or not existing or not isinstance(owner, dict):
+        if existing:
+            _wrap_contents(session, owner)
+            fn = getattr(owner, name)
         result = fn(*args, **kwargs)
         if name in ("copy", "keys", "values", "items") and isinstance(result, list | dict):
             session.new(result)
@@ -223,10 +256,29 @@ def _container_method(
     if name == "__getitem__":
         return session.wrap(owner[args[0]], Item(source, args[0]))
     if name == "values":
-        return SymbolicIterator([session.wrap(owner[k], Item(source, k)) for k in owner])
+        return session.new(
+            SymbolicIterator([session.wrap(owner[k], Item(source, k)) for k in owner])
+        )
     if name == "items":
-        return SymbolicIterator([(k, session.wrap(owner[k], Item(source, k))) for k in owner])
+        pairs = [session.new((k, session.wrap(owner[k], Item(source, k)))) for k in owner]
+        return session.new(SymbolicIterator(pairs))
     return fn(*args, **kwargs)
+
+
+# Mutating methods that do not read a container's existing items.
+_BLIND_WRITES = frozenset({"append", "extend", "add", "update", "clear", "appendleft"})
+
+
+def _wrap_contents(session: Any, owner: Any) -> None:
+    """Swap a pre-existing list's items for their traced (guarded) versions, in place: the
+    container is journalled, so capture's undo restores the caller's objects."""
+    if isinstance(owner, list):
+        items = items_of(session, owner) or []
+        session.touch_container(owner)
+        owner[:] = items
+    elif isinstance(owner, dict):
+        session.touch_container(owner)
+        owner.update(_dict_items_of(session, owner))
 
 
 def inline(
@@ -326,11 +378,22 @@ _VALUE_CLASSES: tuple[type, ...] = (
 )
 
 
+_CONTAINER_MODULES = (
+    torch.nn.ModuleList,
+    torch.nn.Sequential,
+    torch.nn.ModuleDict,
+    torch.nn.ParameterList,
+    torch.nn.ParameterDict,
+)
+
+
 def construct(frame: Frame, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``cls(*args, **kwargs)`` during capture."""
     session = frame.session
-    if issubclass(cls, BaseException) or cls in (object,):
-        return cls(*args, **kwargs)
+    if issubclass(cls, BaseException) or cls in (object, int, float, bool, complex, bytes):
+        return cls(*args, **kwargs)  # a proxy argument raises: a data-dependent break
+    if cls in _CONTAINER_MODULES:  # e.g. ModuleList slicing builds a new container
+        return session.new(cls(*args, **kwargs), Recipe(cls, args, kwargs))
     if issubclass(cls, torch.nn.Module) or issubclass(cls, torch.Tensor):
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"constructing {cls.__qualname__}")
     if _native_constructor(cls):

@@ -35,14 +35,16 @@ from kiln.capture.guards import Guard
 from kiln.capture.ops_flow import is_known_context
 from kiln.capture.reconstruct import Reconstructor, Unreconstructible
 from kiln.capture.session import Session
-from kiln.capture.sources import Binder, Local
+from kiln.capture.sources import Binder, Local, safe_name
 from kiln.config import config
 from kiln.errors import SourceLocation
 from kiln.frontends.proxy import TraceMode
 from kiln.frontends.source import set_user_location
 from kiln.frontends.trace import _compiling
-from kiln.ir.graph import Graph, InputKind
+from kiln.ir.graph import Graph, InputKind, Value
+from kiln.ir.op import Op
 from kiln.ir.verify import verify
+from kiln.ops import prims
 
 MAX_RESTARTS = 8
 
@@ -82,6 +84,11 @@ def arg_names(code: types.CodeType) -> tuple[str, ...]:
     count = code.co_argcount + code.co_kwonlyargcount
     count += bool(code.co_flags & 0x04) + bool(code.co_flags & 0x08)
     return code.co_varnames[:count]
+
+
+def param_names(code: types.CodeType) -> tuple[str, ...]:
+    """:func:`arg_names` spelled as identifiers, for generated code."""
+    return tuple(safe_name(name) for name in arg_names(code))
 
 
 def capture_frame(
@@ -132,6 +139,7 @@ def _capture_once(
                 n: session.wrap(v, Local(n)) for n, v in zip(names, values, strict=True)
             }
             cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=True))
+            cells.update(_passed_cells(code, local_values))
             root = Frame(session, code, fn.__globals__, local_values, function=fn, cells=cells)
             plan: _ReturnPlan | _BreakPlan
             try:
@@ -143,6 +151,7 @@ def _capture_once(
                 offset = root.current.offset if root.current is not None else 0
                 raise Restart(offset, error) from error
             rebuild = Reconstructor(session, binder)
+            rebuild.closure_cells = {id(c): i for i, c in enumerate(fn.__closure__ or ())}
             try:
                 body = plan.lines(rebuild, fn)
             except Unreconstructible as error:
@@ -150,13 +159,15 @@ def _capture_once(
             for proxy in session.input_proxies.values():
                 if proxy._mutations:  # in-place updates of inputs, written back after the graph
                     session.graph.mutations.append((proxy._initial, proxy.current()))
+            rebuild.outputs[:] = [_unaliased(session.graph, value) for value in rebuild.outputs]
         finally:
             session.undo()
             set_user_location(None)
     graph = session.graph
     graph.outputs = list(rebuild.outputs)
     graph.output_spec = None
-    session.guard_distinct_mutated_inputs()
+    if not session.guard_distinct_mutated_inputs():
+        raise Skip(SkipReason.ALIASED_MUTATION, "an input written in place shares memory")
     runner = None
     if graph.nodes or graph.outputs or graph.mutations:
         verify(graph)
@@ -169,7 +180,7 @@ def _capture_once(
         runner = GraphRunner(graph, compiled)
         call = f"___out = {binder.bind(runner, 'graph')}({_input_list(session, binder)})"
         body = [call, *body]
-    source = _head_source(names, body)
+    source = _head_source(param_names(code), body)
     scope = dict(binder.names)
     exec(compile(source, f"<kiln head of {code.co_qualname}>", "exec"), scope)
     return Capture(
@@ -199,9 +210,41 @@ class _capturing:
             self.stack.pop().__exit__(None, None, None)
 
 
+# Prims whose reference implementation returns a view of its operand.
+_VIEW_OPS = frozenset(
+    {Op.RESHAPE, Op.PERMUTE, Op.BROADCAST, Op.EXPAND, Op.SLICE, Op.SQUEEZE, Op.UNSQUEEZE}
+)
+
+
+def _unaliased(graph: Graph, value: Value) -> Value:
+    """``value``, copied if it is a view of a graph input: outputs that eager returns as views
+    are re-created from the caller's tensor (``reconstruct``), so every graph output must be
+    fresh memory (``x.t().contiguous()`` copies in eager)."""
+    producers = {out: node for node in graph.nodes for out in node.outputs}
+    current = value
+    while current in producers and producers[current].op in _VIEW_OPS:
+        current = producers[current].inputs[0]  # type: ignore[assignment]
+    if current not in graph.inputs:
+        return value
+    copied = prims.convert(value, dtype=value.type.dtype)
+    assert isinstance(copied, Value)
+    return copied
+
+
 def _definition(code: types.CodeType) -> SourceLocation:
     line = code.co_firstlineno
     return SourceLocation(code.co_filename, line, linecache.getline(code.co_filename, line).strip())
+
+
+def _passed_cells(code: types.CodeType, local_values: dict[str, Any]) -> dict[str, Any]:
+    """Cell variables a resume function receives as cell objects (it has no MAKE_CELL for
+    them): they live in the frame's cells, not its locals."""
+    made = {i.argval for i in dis.get_instructions(code) if i.opname == "MAKE_CELL"}
+    passed = {}
+    for name in code.co_cellvars:
+        if name not in made and isinstance(local_values.get(name), types.CellType):
+            passed[name] = local_values.pop(name)
+    return passed
 
 
 def _graph_name(code: types.CodeType) -> str:
@@ -328,4 +371,12 @@ def is_null(value: Any) -> bool:
     return value is NULL
 
 
-__all__ = ["Capture", "GraphRunner", "Restart", "Skip", "arg_names", "capture_frame"]
+__all__ = [
+    "Capture",
+    "GraphRunner",
+    "Restart",
+    "Skip",
+    "arg_names",
+    "capture_frame",
+    "param_names",
+]

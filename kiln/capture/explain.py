@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ def recording(fresh: bool = True) -> Iterator[list[tuple[str, Capture | BreakRec
     ``fresh`` is False: then only what actually compiles inside the block is seen)."""
     saved_caches = dict(cache._CACHES)
     saved_wrappers = dict(cache._WRAPPERS)
+    saved_counters = copy.deepcopy(vars(cache.counters))
     if fresh:
         cache._CACHES.clear()
         cache._WRAPPERS.clear()
@@ -69,7 +71,8 @@ def recording(fresh: bool = True) -> Iterator[list[tuple[str, Capture | BreakRec
         yield log
     finally:
         cache._RECORDERS.remove(log)
-        if fresh:
+        if fresh:  # explain() leaves no trace: caches and counters as before
+            vars(cache.counters).update(saved_counters)
             cache._CACHES.clear()
             cache._CACHES.update(saved_caches)
             cache._WRAPPERS.clear()

@@ -216,6 +216,25 @@ class Aliasing(Guard):
         return f"{self.source} {'is' if self.same else 'is not'} {self.other}"
 
 
+@dataclass(frozen=True)
+class SeparateMemory(Guard):
+    """A tensor the graph writes to shares no storage with another input (as at capture)."""
+
+    other: Source | None = None
+
+    rank = 4
+
+    def check(self, binder: Binder) -> str:
+        assert self.source is not None and self.other is not None
+        return (
+            f"{self.source.expr(binder)}.untyped_storage().data_ptr() != "
+            f"{self.other.expr(binder)}.untyped_storage().data_ptr()"
+        )
+
+    def describe(self) -> str:
+        return f"{self.source} and {self.other} do not share memory"
+
+
 def global_state() -> tuple[Any, ...]:
     """The torch state every capture depends on: grad mode, autocast, default dtype."""
     return (
@@ -240,14 +259,12 @@ class GlobalState(Guard):
 
     def describe(self) -> str:
         grad, inference, cpu, cpu_dtype, cuda, cuda_dtype, default = self.state
-        parts = [f"grad_enabled={grad}", f"default_dtype={default}"]
-        if inference:
-            parts.append("inference_mode")
-        if cpu:
-            parts.append(f"autocast(cpu, {cpu_dtype})")
-        if cuda:
-            parts.append(f"autocast(cuda, {cuda_dtype})")
-        return "torch state: " + ", ".join(parts)
+        cpu_autocast = f"autocast(cpu, {cpu_dtype})" if cpu else "no cpu autocast"
+        cuda_autocast = f"autocast(cuda, {cuda_dtype})" if cuda else "no cuda autocast"
+        return (
+            f"torch state: grad_enabled={grad}, inference_mode={inference}, {cpu_autocast}, "
+            f"{cuda_autocast}, default_dtype={default}"
+        )
 
 
 def _hint(obj: Any) -> str:

@@ -71,8 +71,10 @@ def items_of(session: Session, value: Any) -> list[Any] | None:
     if isinstance(value, list | tuple):
         if source is None or session.is_new(value):
             return list(value)
+        session.guard_contents(value)
         return [session.wrap(item, Item(source, i)) for i, item in enumerate(value)]
     if isinstance(value, dict):
+        session.guard_contents(value)
         return list(value)
     if isinstance(value, range | str | bytes | set | frozenset):
         return list(value)

@@ -7,6 +7,7 @@ the call is journalled through the session first (see ``kiln/capture/session.py`
 
 from __future__ import annotations
 
+import collections.abc
 import dis
 import operator
 from typing import Any
@@ -203,6 +204,9 @@ def to_bool(frame: Frame, inst: dis.Instruction) -> None:
 def compare_op(frame: Frame, inst: dis.Instruction) -> None:
     right = frame.pop()
     left = frame.pop()
+    from kiln.capture.calls import materialize
+
+    left, right = materialize(frame.session, left), materialize(frame.session, right)
     arg = inst.arg or 0
     shift = {(3, 11): 0, (3, 12): 4}.get(_version(), 5)
     result = _COMPARE[arg >> shift](left, right)
@@ -228,6 +232,10 @@ def is_op(frame: Frame, inst: dis.Instruction) -> None:
 def contains_op(frame: Frame, inst: dis.Instruction) -> None:
     container = frame.pop()
     item = frame.pop()
+    if isinstance(container, list | tuple | dict):
+        frame.session.guard_contents(container)
+        if not isinstance(container, dict):
+            container = _items(frame, container)  # guards each item the test compares
     result = item in container
     frame.push((not result) if inst.arg else result)
 
@@ -336,6 +344,7 @@ def _dict_items(frame: Frame, mapping: Any) -> dict[Any, Any]:
     source = session.source_of(mapping)
     if source is None or session.is_new(mapping):
         return dict(mapping)
+    session.guard_contents(mapping)
     return {key: session.wrap(mapping[key], Item(source, key)) for key in mapping}
 
 
@@ -419,6 +428,8 @@ def subscript(frame: Frame, container: Any, key: Any) -> Any:
     method = python_dunder(container, "__getitem__")
     if method is not None and not isinstance(container, torch.Tensor):
         return call_function(frame, method, (container, key), {})
+    if isinstance(container, list) and source is not None:
+        session.guard_contents(container)  # IndexError (or not) depends on the length
     result = container[key]
     if (
         source is not None
@@ -458,6 +469,8 @@ def store_item(frame: Frame, container: Any, key: Any, value: Any) -> None:
         return
     if isinstance(container, list | dict | set):
         frame.session.touch_container(container)
+        if isinstance(container, list):
+            frame.session.guard_contents(container)  # IndexError depends on the length
     elif not isinstance(container, torch.Tensor) and not frame.session.is_new(container):
         from kiln.capture.breaks import BreakReason, GraphBreak
 
@@ -473,7 +486,11 @@ def delete_subscr(frame: Frame, inst: dis.Instruction) -> None:
     key = frame.pop()
     container = frame.pop()
     if isinstance(container, list | dict | set):
+        from kiln.capture.calls import _wrap_contents
+
         frame.session.touch_container(container)
+        if isinstance(container, list) and frame.session.source_of(container) is not None:
+            _wrap_contents(frame.session, container)
     del container[key]
 
 
@@ -537,4 +554,69 @@ def make_iterator(frame: Frame, value: Any) -> Any:
         from kiln.capture.calls import iterate
 
         items = iterate(frame, value)
-    return SymbolicIterator(items)
+    return frame.session.new(SymbolicIterator(items))
+
+
+# --- match statements -------------------------------------------------------------------
+_SELF_MATCHING = (bool, bytearray, bytes, dict, float, frozenset, int, list, set, str, tuple)
+
+
+@handles("MATCH_MAPPING")
+def match_mapping(frame: Frame, inst: dis.Instruction) -> None:
+    frame.push(isinstance(frame.top(), collections.abc.Mapping))
+
+
+@handles("MATCH_SEQUENCE")
+def match_sequence(frame: Frame, inst: dis.Instruction) -> None:
+    subject = frame.top()
+    frame.push(
+        isinstance(subject, collections.abc.Sequence)
+        and not isinstance(subject, str | bytes | bytearray)
+    )
+
+
+@handles("MATCH_KEYS")
+def match_keys(frame: Frame, inst: dis.Instruction) -> None:
+    keys = frame.top()
+    subject = frame.top(2)
+    if all(key in subject for key in keys):
+        frame.push(tuple(subject[key] for key in keys))
+    else:
+        frame.push(None)
+
+
+@handles("COPY_DICT_WITHOUT_KEYS")
+def copy_dict_without_keys(frame: Frame, inst: dis.Instruction) -> None:
+    keys = frame.pop()
+    rest = {k: v for k, v in frame.top().items() if k not in keys}
+    frame.push(keys)
+    frame.push(frame.session.new(rest))
+
+
+@handles("MATCH_CLASS")
+def match_class(frame: Frame, inst: dis.Instruction) -> None:
+    from kiln.capture.ops_names import get_attribute
+
+    names = frame.pop()
+    cls = frame.pop()
+    subject = frame.pop()
+    if not isinstance(subject, cls):
+        frame.push(None)
+        return
+    count = inst.arg or 0
+    if count and issubclass(cls, _SELF_MATCHING) and not hasattr(cls, "__match_args__"):
+        if count > 1:
+            raise TypeError(f"{cls.__name__}() accepts 1 positional sub-pattern ({count} given)")
+        positional: list[str] = []
+        values = [subject]
+    else:
+        positional = list(getattr(cls, "__match_args__", ()))[:count]
+        if len(positional) < count:
+            raise TypeError(f"{cls.__name__}() accepts {len(positional)} positional sub-patterns")
+        values = []
+    try:
+        values += [get_attribute(frame, subject, name) for name in (*positional, *names)]
+    except AttributeError:
+        frame.push(None)
+        return
+    frame.push(frame.session.new(tuple(values)))

@@ -41,13 +41,13 @@ def jump(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("POP_JUMP_IF_TRUE", "POP_JUMP_FORWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_TRUE")
 def pop_jump_if_true(frame: Frame, inst: dis.Instruction) -> None:
-    if truth(frame.pop()):
+    if truth(frame.pop(), frame):
         frame.jump(inst.argval)
 
 
 @handles("POP_JUMP_IF_FALSE", "POP_JUMP_FORWARD_IF_FALSE", "POP_JUMP_BACKWARD_IF_FALSE")
 def pop_jump_if_false(frame: Frame, inst: dis.Instruction) -> None:
-    if not truth(frame.pop()):
+    if not truth(frame.pop(), frame):
         frame.jump(inst.argval)
 
 
@@ -65,7 +65,7 @@ def pop_jump_if_not_none(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("JUMP_IF_TRUE_OR_POP")
 def jump_if_true_or_pop(frame: Frame, inst: dis.Instruction) -> None:
-    if truth(frame.top()):
+    if truth(frame.top(), frame):
         frame.jump(inst.argval)
     else:
         frame.pop()
@@ -73,14 +73,16 @@ def jump_if_true_or_pop(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("JUMP_IF_FALSE_OR_POP")
 def jump_if_false_or_pop(frame: Frame, inst: dis.Instruction) -> None:
-    if not truth(frame.top()):
+    if not truth(frame.top(), frame):
         frame.jump(inst.argval)
     else:
         frame.pop()
 
 
-def truth(value: Any) -> bool:
+def truth(value: Any, frame: Frame | None = None) -> bool:
     """``bool(value)``; a proxy raises (data-dependent), Python objects answer natively."""
+    if frame is not None and isinstance(value, list | dict):
+        frame.session.guard_contents(value)
     return bool(value)
 
 

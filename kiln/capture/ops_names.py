@@ -125,6 +125,8 @@ def get_attribute(frame: Frame, obj: Any, name: str) -> Any:
 
     session = frame.session
     if isinstance(obj, torch.Tensor):
+        if name in _AUTOGRAD_STATE:
+            return _autograd_state(frame, obj, name)
         return getattr(obj, name)
     source = session.source_of(obj)
     if isinstance(obj, types.ModuleType):
@@ -150,6 +152,27 @@ def get_attribute(frame: Frame, obj: Any, name: str) -> Any:
     if isinstance(value, types.BuiltinMethodType) and getattr(value, "__self__", None) is obj:
         return value
     return session.wrap(value, Attr(source, name))
+
+
+# Tensor attributes that belong to autograd rather than to the value.
+_AUTOGRAD_STATE = frozenset({"grad", "grad_fn", "is_leaf", "_base", "data"})
+
+
+def _autograd_state(frame: Frame, proxy: Any, name: str) -> Any:
+    """``x.grad`` and friends: read off the caller's tensor for inputs (guarded); for computed
+    tensors, what eager would say (no ``.grad``, not a leaf when it requires grad)."""
+    session = frame.session
+    source = session.source_of(proxy) if hasattr(proxy, "_input_type") else None
+    real = next((t for v, t in session.input_tensors.items() if v is proxy._initial), None)
+    if name == "data":
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "tensor.data")
+    if real is not None and source is not None and proxy._mutations == 0:
+        return session.wrap(getattr(real, name), Attr(source, name))
+    if name == "grad":
+        return None
+    if name == "is_leaf":
+        return not proxy.requires_grad
+    raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"tensor.{name} of a computed tensor")
 
 
 def _class_attribute(obj: Any, name: str) -> Any:
@@ -239,7 +262,8 @@ def load_deref(frame: Frame, inst: dis.Instruction) -> None:
 def _cell_source(frame: Frame, name: str, cell: Any) -> Source:
     if frame.is_root and name in frame.code.co_freevars:
         return Closure(frame.code.co_freevars.index(name), name)
-    return Attr(Constant(cell), "cell_contents")
+    known = frame.session.source_of(cell)  # e.g. a cell passed to a resume function
+    return Attr(known if known is not None else Constant(cell), "cell_contents")
 
 
 @handles("STORE_DEREF")

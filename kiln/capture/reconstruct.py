@@ -16,6 +16,7 @@ Anything else (a closure created in the frame, a generator) cannot be re-created
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ class Reconstructor:
         self.outputs: list[Value] = []
         self._output_index: dict[Value, int] = {}
         self._memo: dict[int, str] = {}
+        self.closure_cells: dict[int, int] = {}  # id(cell of the frame's closure) -> index
         self._input_sources = {value: source for value, source in session.inputs}
         self._identity = {
             id(guard.obj)
@@ -55,16 +57,25 @@ class Reconstructor:
             return self._memo[key]
         if isinstance(obj, ProxyTensor):
             return self._tensor(obj)
+        if _is_bound_method(obj):  # e.g. ``x.item`` of a proxy: re-read it off the new value
+            return f"getattr({self.value(obj.__self__)}, {obj.__name__!r})"
         if is_constant(obj):
             return self._constant(obj)
         session = self.session
         source = session.source_of(obj)
         if source is not None and not session.is_new(obj):
             return self._existing(obj, source)
-        if session.is_new(obj):
-            return self._new(obj)
+        if (
+            session.is_new(obj)
+            or type(obj) in (tuple, list, dict, set)
+            or _is_namedtuple(obj)
+            or _is_structseq(obj)
+        ):
+            return self._new(obj)  # (containers from native calls are rebuilt too)
         if isinstance(obj, torch.Tensor):
             return f"{self.binder.bind(obj, 'tensor')}.clone()"
+        if any(isinstance(v, ProxyTensor) for v in getattr(obj, "__dict__", {}).values()):
+            raise Unreconstructible(f"a {type(obj).__name__} holding traced tensors")
         return self.binder.bind(obj, type(obj).__name__)
 
     def _tensor(self, proxy: ProxyTensor) -> str:
@@ -72,10 +83,34 @@ class Reconstructor:
         source = self._input_sources.get(proxy._initial)
         if source is not None and proxy._root is None:
             return self._source(source)  # the caller's tensor (mutations are written back)
+        view = self._view_of_input(proxy)
+        if view is not None:
+            return view
         if current not in self._output_index:
             self._output_index[current] = len(self.outputs)
             self.outputs.append(current)
         return f"___out[{self._output_index[current]}]"
+
+    def _view_of_input(self, proxy: ProxyTensor) -> str | None:
+        """A view of an input tensor, re-created from the caller's tensor by the same torch call,
+        so it aliases it as eager's does; None when ``proxy`` is not such a view."""
+        root = proxy._root
+        call = proxy._view_call
+        if root is None or call is None or root._root is not None:
+            return None
+        if self._input_sources.get(root._initial) is None:
+            return None
+        func, args, kwargs, index = call
+        rest = [*args[1:], *kwargs.values()]
+        if not isinstance(args[0], ProxyTensor) or any(_holds_proxy(item) for item in rest):
+            return None
+        base = self._tensor(args[0])
+        if base.startswith("___out["):
+            return None  # args[0] is not itself re-created from the input
+        items = [base, *(self.value(a) for a in args[1:])]
+        items += [f"{key}={self.value(v)}" for key, v in kwargs.items()]
+        expr = f"{self.binder.bind(func, getattr(func, '__name__', 'view'))}({', '.join(items)})"
+        return expr if index is None else f"{expr}[{index}]"
 
     def _constant(self, obj: Any) -> str:
         if type(obj) is tuple:
@@ -108,6 +143,24 @@ class Reconstructor:
         elif type(obj) is set:
             items = ", ".join(self.value(item) for item in obj)
             self.lines.append(f"{name} = {{{items}}}" if obj else f"{name} = set()")
+        elif isinstance(obj, types.CellType):
+            self.lines.append(f"{name} = {self.binder.bind(types.CellType, 'CellType')}()")
+            try:
+                contents = obj.cell_contents
+            except ValueError:
+                pass  # an empty cell (a variable not yet assigned)
+            else:
+                self.lines.append(f"{name}.cell_contents = {self.value(contents)}")
+        elif isinstance(obj, types.FunctionType):
+            self._function(obj, name)
+        elif _is_structseq(obj):  # torch.return_types.max and friends
+            cls = self.binder.bind(type(obj), type(obj).__name__)
+            items = ", ".join(self.value(item) for item in obj)
+            self.lines.append(f"{name} = {cls}(({items},))")
+        elif _is_namedtuple(obj) and id(obj) not in self.session.recipes:
+            cls = self.binder.bind(type(obj), type(obj).__name__)
+            items = ", ".join(self.value(item) for item in obj)
+            self.lines.append(f"{name} = {cls}({items})")
         elif isinstance(obj, SymbolicIterator):
             rest = ", ".join(self.value(item) for item in obj.items[obj.position :])
             self.lines.append(f"{name} = iter([{rest}])")
@@ -117,6 +170,29 @@ class Reconstructor:
             del self._memo[id(obj)]
             raise Unreconstructible(f"a {type(obj).__name__} created in the compiled code")
         return name
+
+    def _function(self, fn: types.FunctionType, name: str) -> None:
+        """A function the code defined (a closure or lambda), over re-created cells."""
+        make = self.binder.bind(types.FunctionType, "FunctionType")
+        code = self.binder.bind(fn.__code__, "code")
+        scope = self.binder.bind(fn.__globals__, "G")
+        defaults = self.value(fn.__defaults__) if fn.__defaults__ else "None"
+        cells = "".join(f"{self._cell(cell)}, " for cell in fn.__closure__ or ())
+        closure = f"({cells})" if fn.__closure__ else "None"
+        self.lines.append(
+            f"{name} = {make}({code}, {scope}, {fn.__name__!r}, {defaults}, {closure})"
+        )
+        self.lines.append(f"{name}.__qualname__ = {fn.__qualname__!r}")
+        if fn.__kwdefaults__:
+            self.lines.append(f"{name}.__kwdefaults__ = {self.value(fn.__kwdefaults__)}")
+
+    def _cell(self, cell: Any) -> str:
+        """A cell of a re-created closure: a new one, or the running function's own."""
+        if id(cell) in self.closure_cells:
+            return f"___f.__closure__[{self.closure_cells[id(cell)]}]"
+        if self.session.is_new(cell):
+            return self.value(cell)
+        return self.binder.bind(cell, "cell")
 
     def _recipe(self, obj: Any, name: str) -> None:
         recipe = self.session.recipes[id(obj)]
@@ -147,25 +223,27 @@ class Reconstructor:
         for effect in self.session.effects.values():
             target = effect.target
             if effect.kind is EffectKind.CONTAINER:
-                expr = self._target(target)
+                name = self.binder.fresh("t")
+                self.lines.append(f"{name} = {self._target(target)}")
                 if isinstance(target, list):
-                    items = ", ".join(self.value(item) for item in target)
-                    self.lines.append(f"{expr}[:] = [{items}]")
+                    self._replay_list(name, target, effect.snapshot)
                 elif isinstance(target, dict):
-                    items = ", ".join(
-                        f"{self.value(k)}: {self.value(v)}" for k, v in target.items()
-                    )
-                    self.lines.append(f"___t = {expr}; ___t.clear(); ___t.update({{{items}}})")
+                    self._replay_dict(name, target, effect.snapshot)
                 else:
-                    items = ", ".join(self.value(item) for item in target)
-                    self.lines.append(f"___t = {expr}; ___t.clear(); ___t.update([{items}])")
+                    added = ", ".join(self.value(item) for item in target - effect.snapshot)
+                    gone = ", ".join(self.value(item) for item in effect.snapshot - target)
+                    self.lines.append(f"{name}.difference_update([{gone}])")
+                    self.lines.append(f"{name}.update([{added}])")
             elif effect.kind is EffectKind.ATTRIBUTE:
                 expr = self._target(target)
                 if _has_attribute(target, effect.key):
                     value = self.value(getattr(target, effect.key))
                     self.lines.append(f"setattr({expr}, {effect.key!r}, {value})")
-                else:
-                    self.lines.append(f"delattr({expr}, {effect.key!r})")
+                else:  # deleted (or set and deleted again): absent afterwards, as in eager
+                    key = repr(effect.key)
+                    self.lines.append(
+                        f"___t = {expr}\nif hasattr(___t, {key}): delattr(___t, {key})"
+                    )
             elif effect.kind is EffectKind.GLOBAL:
                 scope = self.binder.bind(target, "G")
                 if effect.key in target:
@@ -174,15 +252,70 @@ class Reconstructor:
                 else:
                     self.lines.append(f"{scope}.pop({effect.key!r}, None)")
             else:
-                cell = self.binder.bind(target, "cell")
+                cell = (
+                    self._cell(target) if id(target) in self.closure_cells else self._target(target)
+                )
                 value = self.value(target.cell_contents)
                 self.lines.append(f"{cell}.cell_contents = {value}")
+
+    def _replay_list(self, name: str, final: list[Any], before: list[Any]) -> None:
+        """Appends replay as ``extend`` (any length of caller's list); other changes rebuild
+        the list, reading unchanged items from it by index (its length is guarded)."""
+        traced = self.session.traced_version
+        origin = {id(traced(item)): i for i, item in enumerate(before)}
+        origin.update({id(item): i for i, item in enumerate(before)})
+        count = len(before)
+        if len(final) >= count and all(origin.get(id(final[i])) == i for i in range(count)):
+            if len(final) > count:
+                items = ", ".join(self.value(item) for item in final[count:])
+                self.lines.append(f"{name}.extend([{items}])")
+            return
+        self.session.guard_contents(final)
+        items = ", ".join(
+            f"{name}[{origin[id(item)]}]" if id(item) in origin else self.value(item)
+            for item in final
+        )
+        self.lines.append(f"{name}[:] = [{items}]")
+
+    def _replay_dict(self, name: str, final: dict[Any, Any], before: dict[Any, Any]) -> None:
+        """Only the keys the code set or removed are replayed."""
+        traced = self.session.traced_version
+        for key, value in final.items():
+            if key in before and (value is before[key] or value is traced(before[key])):
+                continue
+            self.lines.append(f"{name}[{self.value(key)}] = {self.value(value)}")
+        for key in before:
+            if key not in final:
+                self.lines.append(f"{name}.pop({self.value(key)}, None)")
 
     def _target(self, obj: Any) -> str:
         source = self.session.source_of(obj)
         if source is not None and id(obj) not in self._identity:
             return self._source(source)
         return self.binder.bind(obj, type(obj).__name__)
+
+
+def _holds_proxy(value: Any) -> bool:
+    if isinstance(value, ProxyTensor):
+        return True
+    if isinstance(value, list | tuple):
+        return any(_holds_proxy(item) for item in value)
+    return isinstance(value, dict) and any(_holds_proxy(v) for v in value.values())
+
+
+def _is_structseq(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "n_fields")
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
+def _is_bound_method(obj: Any) -> bool:
+    if not isinstance(obj, types.MethodType | types.BuiltinMethodType):
+        return False
+    owner = getattr(obj, "__self__", None)
+    return owner is not None and not isinstance(owner, types.ModuleType | type)
 
 
 def _has_attribute(obj: Any, name: str) -> bool:

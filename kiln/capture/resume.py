@@ -17,6 +17,7 @@ created once per (code, offset, stack layout, live locals) and compiled like any
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -156,17 +157,17 @@ def _resume(
         for name in live_locals(code, offset)
         if name in frame.locals or (name in code.co_cellvars and name in frame.cells)
     )
+    cells = tuple(name for name in live if name in code.co_cellvars and name in frame.cells)
     for name in live:
-        if name in code.co_cellvars and name in frame.cells:
-            args.append(rebuild.value(frame.cells[name].cell_contents))
-        else:
-            args.append(rebuild.value(frame.locals[name]))
-    key = (code, offset, tuple(slots), tuple(live))
+        # A cell variable travels as its cell: closures made before the break share it.
+        value = frame.cells[name] if name in cells else frame.locals[name]
+        args.append(rebuild.value(value))
+    key = (code, offset, tuple(slots), tuple(live), cells)
     resume = _RESUME_CODES.get(key)
     if resume is None:
         base = _BASE_NAMES.get(id(code), code.co_name)
         name = f"<kiln resume in {base} at line {_line_at(frame, offset)}>"
-        resume = resume_code(code, offset, slots, live, name=name)
+        resume = resume_code(code, offset, slots, live, name=name, cells=cells)
         _RESUME_CODES[key] = resume
         _BASE_NAMES[id(resume)] = base
     target = ResumeTarget(resume, compiled)
@@ -205,11 +206,18 @@ class ResumeTarget:
         return target
 
 
+def _runs_natively(fn: types.FunctionType) -> bool:
+    """Torch internals and the standard library are not worth compiling as separate frames."""
+    from kiln.capture.calls import _runs_natively as native
+
+    module = (fn.__module__ or "").split(".")[0]
+    return native(fn) or module in sys.stdlib_module_names or module == "kiln"
+
+
 def route_callee(callee: Any) -> Any:
     """The callable a compiled frame calls in place of ``callee``: Python functions and methods
     go through their compiled wrappers, so the callee's own frame is compiled too."""
     from kiln.capture.cache import compiled_function
-    from kiln.capture.calls import _runs_natively
 
     if isinstance(callee, types.FunctionType) and not _runs_natively(callee):
         return compiled_function(callee)

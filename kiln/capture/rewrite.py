@@ -177,13 +177,20 @@ def stack_depth_at(code: CodeType, offset: int) -> int:
 
 
 def resume_code(
-    code: CodeType, offset: int, stack: Sequence[StackSlot], live: Sequence[str], *, name: str
+    code: CodeType,
+    offset: int,
+    stack: Sequence[StackSlot],
+    live: Sequence[str],
+    *,
+    name: str,
+    cells: Sequence[str] = (),
 ) -> CodeType:
     """The code of a function that continues ``code`` at byte ``offset``.
 
     Positional parameters: ``__stack0, __stack1, ...`` for the VALUE/CONTEXT slots of ``stack``
     (bottom first), then the ``live`` locals; a cell's *contents* are passed and re-wrapped by
-    MAKE_CELL.  The freevars are the original's, so
+    MAKE_CELL, except for the cell variables named in ``cells``, whose cell objects themselves
+    are passed (so closures made before the break share them).  The freevars are the original's, so
     ``types.FunctionType(resume, f.__globals__, name, None, f.__closure__)`` runs it.  Every
     original instruction is kept, so exception handlers (a ``with`` block's ``__exit__`` call
     included) and positions behave as in the original.
@@ -209,8 +216,13 @@ def resume_code(
         body = _explicit_super(body, super_self in code.co_cellvars, super_self, new_names)
     prefix = _stack_prefix(stack, new_names, stack_names, insts[at])
     flags = code.co_flags & ~(inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
+    head = [
+        inst
+        for inst in body[:prologue]
+        if not (inst.opname == "MAKE_CELL" and inst.argval in cells)
+    ]
     return assemble(
-        body[:prologue] + prefix + body[prologue:],
+        head + prefix + body[prologue:],
         code,
         co_argcount=argcount,
         co_posonlyargcount=0,

@@ -30,6 +30,7 @@ from kiln.capture.guards import (
     Identity,
     KeysAre,
     LengthIs,
+    SeparateMemory,
     TensorMatch,
     TypeIs,
     global_state,
@@ -96,6 +97,7 @@ class Effect:
     kind: EffectKind
     target: Any  # the object (or globals dict, or cell)
     key: str = ""  # attribute or global name
+    snapshot: Any = None  # a container's contents before the first mutation
 
 
 @dataclass
@@ -121,6 +123,7 @@ class Session:
         self.sources: dict[int, Source] = {}
         self.inputs: list[tuple[Value, Source]] = []
         self.input_proxies: dict[int, ProxyTensor] = {}
+        self.input_tensors: dict[Value, torch.Tensor] = {}
         self.new_objects: dict[int, Any] = {}
         self.recipes: dict[int, Recipe] = {}
         self.effects: dict[tuple[Any, ...], Effect] = {}
@@ -152,16 +155,34 @@ class Session:
             self.add_guard(Identity(source, reason, value))
         elif isinstance(value, types.MethodType):
             self.add_guard(Identity(_attr(source, "__func__"), reason, value.__func__))
-        elif type(value) in (list, tuple):
+        elif type(value) is tuple:
             self.add_guard(TypeIs(source, reason, type(value)))
             self.add_guard(LengthIs(source, reason, len(value)))
-        elif isinstance(value, dict):
+        elif isinstance(value, list | dict):
+            # Length and keys are guarded when the code reads the contents (guard_contents):
+            # a list the code only appends to must not recompile on every call.
             self.add_guard(TypeIs(source, reason, type(value)))
-            self.add_guard(KeysAre(source, reason, tuple(value)))
         else:
             self.add_guard(TypeIs(source, reason, type(value)))
         self.remember(value, source)
         return value
+
+    def guard_contents(self, value: Any) -> None:
+        """The code reads what a list or dict argument holds: guard its length or keys (as
+        they were when the call began, if the code has mutated it since)."""
+        source = self.sources.get(id(value))
+        if source is None or self.is_new(value):
+            return
+        effect = self.effects.get(("container", id(value)))
+        before = effect.snapshot if effect is not None else value
+        if isinstance(value, list | tuple):
+            self.add_guard(LengthIs(source, _reason(), len(before)))
+        elif isinstance(value, dict):
+            self.add_guard(KeysAre(source, _reason(), tuple(before)))
+
+    def traced_version(self, obj: Any) -> Any:
+        """What the capture uses for a pre-existing object (a tensor's proxy, else itself)."""
+        return self.input_proxies.get(id(obj), obj)
 
     def remember(self, value: Any, source: Source) -> None:
         if id(value) not in self.sources:
@@ -184,19 +205,31 @@ class Session:
             TensorType.of(tensor), name=_input_name(source), kind=kind, source=str(source)
         )
         proxy = ProxyTensor(value)
+        proxy._input_type = type(tensor)  # type(x) answers this for the input itself
+        if isinstance(tensor, torch.nn.Parameter):
+            proxy._is_param = True  # isinstance(x, nn.Parameter) holds, as in eager
         self.input_proxies[id(tensor)] = proxy
+        self.input_tensors[value] = tensor
         self.remember(tensor, source)
+        self.sources[id(proxy)] = source  # the proxy reads back through the same path
+        self.keepalive.append(proxy)
         self.inputs.append((value, source))
         return proxy
 
-    def guard_distinct_mutated_inputs(self) -> None:
-        """Inputs the graph writes to must not alias other inputs (as at capture)."""
-        mutated = {target for target, _ in self.graph.mutations}
+    def guard_distinct_mutated_inputs(self) -> bool:
+        """Inputs the graph writes to must not share memory with other inputs (the graph
+        treats them as independent). False when they do at capture: then it cannot be used."""
         by_value = dict(self.inputs)
-        for target in mutated:
+        for target, _ in self.graph.mutations:
+            written = self.input_tensors[target]
             for value, source in self.inputs:
-                if value is not target and target in by_value:
-                    self.add_guard(Aliasing(by_value[target], "mutated input", source))
+                if value is target:
+                    continue
+                other = self.input_tensors[value]
+                if written.untyped_storage().data_ptr() == other.untyped_storage().data_ptr():
+                    return False
+                self.add_guard(SeparateMemory(by_value[target], "written input", source))
+        return True
 
     # --- new objects ---------------------------------------------------------------------
     def new(self, obj: Any, recipe: Recipe | None = None) -> Any:
@@ -222,7 +255,7 @@ class Session:
             self.journal.append(lambda: obj.__setitem__(slice(None), snapshot))
         else:
             self.journal.append(lambda: _refill(obj, snapshot))
-        self.effects[key] = Effect(EffectKind.CONTAINER, obj)
+        self.effects[key] = Effect(EffectKind.CONTAINER, obj, snapshot=snapshot)
         self.keepalive.append(obj)
 
     def set_attribute(self, obj: Any, name: str, value: Any, delete: bool = False) -> None:

@@ -65,6 +65,14 @@ class Source:
         raise NotImplementedError
 
 
+def safe_name(name: str) -> str:
+    """``name`` as a Python identifier: locals such as pytest's ``@py_assert1`` or a
+    comprehension's ``.0`` get a stable spelling for generated code."""
+    if name.isidentifier():
+        return name
+    return "___l_" + "".join(ch if ch.isalnum() else f"_{ord(ch)}_" for ch in name)
+
+
 @dataclass(frozen=True)
 class Local(Source):
     """An argument local of the frame (a parameter of every generated function)."""
@@ -72,7 +80,7 @@ class Local(Source):
     local: str
 
     def expr(self, binder: Binder) -> str:
-        return self.local
+        return safe_name(self.local)
 
     def name(self) -> str:
         return self.local

@@ -101,6 +101,10 @@ class ProxyTensor(torch.Tensor):
     _seen_version: int
     _mutations: int
     _initial: Value  # the value it had when tracing began (the graph input, for inputs)
+    # For views: (torch callable, args, kwargs, output index or None) that made this view.
+    _view_call: tuple[Any, tuple[Any, ...], dict[str, Any], int | None] | None
+    _input_type: type  # set by bytecode capture on proxies of its input tensors
+    _is_param: bool
 
     @staticmethod
     def __new__(cls, value: Value) -> ProxyTensor:
@@ -118,6 +122,7 @@ class ProxyTensor(torch.Tensor):
         proxy._replay = None
         proxy._seen_version = 0
         proxy._mutations = 0
+        proxy._view_call = None
         return proxy
 
     def current(self) -> Value:
@@ -236,7 +241,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         and entry.is_view(*values)
         and isinstance(wrapped, ProxyTensor | tuple | list)
     ):
-        _mark_views(wrapped, args, kwargs, entry.fn)
+        _mark_views(wrapped, args, kwargs, entry.fn, func)
     return wrapped
 
 
@@ -314,9 +319,15 @@ def _assign(target: ProxyTensor, result: Any, api: str) -> ProxyTensor:
 
 
 def _mark_views(
-    result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[..., Any]
+    result: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    fn: Callable[..., Any],
+    func: Any = None,
 ) -> None:
-    """Record that ``result`` views ``args[0]``, and how to recompute it from the root."""
+    """Record that ``result`` views ``args[0]``, how to recompute it from the root, and the
+    torch call that made it (``_view_call``: generated code re-creates views of inputs with it,
+    so they alias the caller's tensor as in eager)."""
     source = args[0]
     if not isinstance(source, ProxyTensor):
         return
@@ -337,3 +348,4 @@ def _mark_views(
         output._root = root
         output._replay = replay
         output._seen_version = root._mutations
+        output._view_call = (func, args, kwargs, index if len(outputs) > 1 else None)

@@ -79,6 +79,8 @@ def _run_abstractly(impl: ImplFn, attrs: Any, operands: Sequence[Any], *, fake: 
     A function that writes to an operand in place is rejected: a node must be pure.
     """
     with contextlib.ExitStack() as stack:
+        # Inference-mode stand-ins have no version counter, which the purity check reads.
+        stack.enter_context(torch.inference_mode(False))
         if fake:
             stack.enter_context(FakeTensorMode())
             stack.enter_context(torch._C._DisableAutocast())

@@ -217,6 +217,38 @@ def _new_tensor_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
 translation(torch.Tensor.new_tensor, samples=_new_tensor_calls, dtypes=NUMERIC)(new_tensor)
 
 
+def fill(self: Value, value: Scalar | Value) -> Value:
+    """``x.fill_(v)``/``torch.fill``: ``x``'s shape, dtype and device, every element ``v``."""
+    if isinstance(value, Value) and value.type.shape != ():
+        raise RuntimeError(
+            "fill_ only supports 0-dimension value tensor but got tensor with "
+            f"{len(value.type.shape)} dimensions."
+        )
+    return filled(self.type.shape, value, self.type.dtype, self.type.device)
+
+
+def zero(self: Value) -> Value:
+    return filled(self.type.shape, 0, self.type.dtype, self.type.device)
+
+
+def _fill_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    x = make_tensor((3, 4), dtype, device)
+    return [
+        Call((x, 2)),
+        Call((make_tensor((0, 2), dtype, device), 1), note="0-size"),
+        Call((x, make_tensor((), dtype, device)), note="0-d tensor value"),
+    ]
+
+
+def _zero_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    return [Call((make_tensor((3, 4), dtype, device),))]
+
+
+translation(torch.fill, samples=_fill_calls, dtypes=ALL)(fill)
+translation(torch.Tensor.fill_, torch.fill_, samples=_fill_calls, dtypes=ALL, inplace=True)(fill)
+translation(torch.Tensor.zero_, torch.zero_, samples=_zero_calls, dtypes=ALL, inplace=True)(zero)
+
+
 # ---------------------------------------------------------------------------------------------
 # random factories
 

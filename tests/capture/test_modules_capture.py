@@ -1,0 +1,207 @@
+"""Real models through ``kiln.compile(model, fullgraph=True)``: a ResNet-style CNN (BatchNorm in
+eval and train mode) and, when transformers is installed, tiny BERT and GPT-2 (eager and SDPA
+attention). Outputs, BatchNorm buffers and parameter gradients match eager.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from harness import assert_same
+from torch import nn
+
+import kiln
+
+try:
+    import transformers
+except ImportError:  # pragma: no cover - optional dependency
+    transformers = None
+
+needs_transformers = pytest.mark.skipif(transformers is None, reason="transformers not installed")
+
+ATOL = RTOL = 1e-4
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, channels: int, stride: int = 1) -> None:
+        super().__init__()
+        out = channels * stride
+        self.conv1 = nn.Conv2d(channels, out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out)
+        self.conv2 = nn.Conv2d(out, out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(channels, out, 1, stride, bias=False), nn.BatchNorm2d(out)
+            )
+
+    def forward(self, x):
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return self.relu(y + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True)
+        )
+        self.layers = nn.Sequential(BasicBlock(8), BasicBlock(8, stride=2))
+        self.pool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+
+
+def _randomize_batchnorm(model: nn.Module) -> nn.Module:
+    """Non-trivial running statistics, so eval-mode BatchNorm does real work."""
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return model
+
+
+def _compare_grads(model: nn.Module, reference: nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=RTOL, msg=f"grad of {name}")
+
+
+def _run(model: nn.Module, make_inputs: Any, *, backward: bool, calls: int = 2) -> None:
+    """Compile with fullgraph=True; outputs, buffers (and gradients) match eager each call."""
+    kiln.reset()
+    reference = copy.deepcopy(model)
+    compiled = kiln.compile(model, fullgraph=True)
+    for _ in range(calls):
+        args, kwargs = make_inputs()
+        expected = reference(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+        actual = compiled(*args, **kwargs)
+        assert_same(actual, expected, atol=ATOL, rtol=RTOL)
+        if backward:
+            _first_tensor(expected).sum().backward()
+            _first_tensor(actual).sum().backward()
+            _compare_grads(model, reference)
+            model.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+    for (name, buffer), ref in zip(model.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(buffer, ref, atol=ATOL, rtol=RTOL, msg=f"buffer {name}")
+    assert kiln.counters.fallbacks == [], kiln.counters.fallbacks
+    assert kiln.counters.graph_breaks == [], kiln.counters.graph_breaks
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits") and output.logits is not None:
+        return output.logits
+    return output[0]
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_resnet_style_cnn_forward(train: bool) -> None:
+    model = _randomize_batchnorm(SmallResNet()).train(train)
+    with torch.no_grad():
+        _run(model, lambda: ((torch.randn(2, 3, 16, 16),), {}), backward=False)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_resnet_style_cnn_gradients(train: bool) -> None:
+    model = _randomize_batchnorm(SmallResNet()).train(train)
+    _run(model, lambda: ((torch.randn(2, 3, 16, 16),), {}), backward=True)
+
+
+def test_resnet_style_cnn_one_graph() -> None:
+    model = SmallResNet().eval()
+    report = kiln.explain(model, torch.randn(1, 3, 8, 8))
+    assert report.graph_count == 1 and not report.breaks and not report.skips, str(report)
+
+
+def _bert() -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertModel(config).eval()
+
+
+def _gpt2(attention: str) -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=99,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation=attention,
+    )
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _token_inputs(with_mask: bool) -> Any:
+    ids = torch.randint(0, 99, (2, 7))
+    kwargs: dict[str, Any] = {}
+    if with_mask:
+        mask = torch.ones(2, 7, dtype=torch.long)
+        mask[1, 5:] = 0
+        kwargs["attention_mask"] = mask
+    return (ids,), kwargs
+
+
+@needs_transformers
+@pytest.mark.parametrize("with_mask", [False, True], ids=["ids", "ids_mask"])
+def test_tiny_bert(with_mask: bool) -> None:
+    with torch.no_grad():
+        _run(_bert(), lambda: _token_inputs(with_mask), backward=False)
+
+
+@needs_transformers
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_tiny_gpt2_forward(attention: str) -> None:
+    with torch.no_grad():
+        _run(_gpt2(attention), lambda: _token_inputs(False), backward=False)
+
+
+@needs_transformers
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_tiny_gpt2_gradients(attention: str) -> None:
+    model = _gpt2(attention).train()
+    _run(model, lambda: _token_inputs(False), backward=True)
+
+
+@needs_transformers
+def test_tiny_gpt2_with_labels_loss() -> None:
+    """The loss path (shifted cross-entropy inside the model) matches, with its gradients.
+    transformers logs a warning on this path (a needed IO break), so no fullgraph here."""
+    model = _gpt2("sdpa").train()
+
+    def inputs() -> Any:
+        ids = torch.randint(0, 99, (2, 7))
+        return (ids,), {"labels": ids}
+
+    kiln.reset()
+    reference = copy.deepcopy(model)
+    compiled = kiln.compile(model)
+    args, kwargs = inputs()
+    expected = reference(*args, **kwargs)
+    actual = compiled(*args, **kwargs)
+    torch.testing.assert_close(actual.loss, expected.loss, atol=ATOL, rtol=RTOL)
+    expected.loss.backward()
+    actual.loss.backward()
+    _compare_grads(model, reference)
