@@ -75,6 +75,8 @@ def make_function(frame: Frame, inst: dis.Instruction) -> None:
     annotations = frame.pop() if flags & 0x04 else None
     kwdefaults = frame.pop() if flags & 0x02 else None
     defaults = frame.pop() if flags & 0x01 else None
+    if closure is None and code.co_freevars:  # 3.13 sets it next (SET_FUNCTION_ATTRIBUTE)
+        closure = tuple(types.CellType() for _ in code.co_freevars)
     fn = types.FunctionType(code, frame.globals, code.co_name, defaults, closure)
     fn.__qualname__ = code.co_qualname
     if kwdefaults:

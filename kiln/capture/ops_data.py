@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections.abc
 import dis
 import operator
+from types import CellType
 from typing import Any
 
 import torch
@@ -119,16 +120,27 @@ def load_fast(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("LOAD_FAST_AND_CLEAR")
 def load_fast_and_clear(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(frame.locals.pop(inst.argval, UNBOUND))
+    # 3.12+ inlined comprehensions save the outer variable (a cell, for a cell variable).
+    name = inst.argval
+    if name in frame.cells and name in frame.code.co_cellvars:
+        frame.push(frame.cells.pop(name))
+    else:
+        frame.push(frame.locals.pop(name, UNBOUND))
 
 
 @handles("STORE_FAST")
 def store_fast(frame: Frame, inst: dis.Instruction) -> None:
     value = frame.pop()
+    name = inst.argval
+    if name in frame.code.co_cellvars and (name in frame.cells or isinstance(value, CellType)):
+        frame.cells.pop(name, None)  # restoring a cell variable's slot after a comprehension
+        if isinstance(value, CellType):
+            frame.cells[name] = value
+            return
     if value is UNBOUND:
-        frame.locals.pop(inst.argval, None)
+        frame.locals.pop(name, None)
     else:
-        frame.locals[inst.argval] = value
+        frame.locals[name] = value
 
 
 @handles("DELETE_FAST")
@@ -210,7 +222,9 @@ def compare_op(frame: Frame, inst: dis.Instruction) -> None:
     arg = inst.arg or 0
     shift = {(3, 11): 0, (3, 12): 4}.get(_version(), 5)
     result = _COMPARE[arg >> shift](left, right)
-    if _version() >= (3, 13) and arg & 16:
+    if _version() >= (3, 13) and arg & 16 and not isinstance(result, torch.Tensor):
+        # 3.13's "coerce to bool" form feeds a branch; a tensor result stays a tensor, so
+        # the branch (not this comparison) is where a data-dependent break happens.
         result = bool(result)
     frame.push(result)
 

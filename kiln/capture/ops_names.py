@@ -59,6 +59,10 @@ def load_global(frame: Frame, inst: dis.Instruction) -> None:
 
 def load_global_value(frame: Frame, name: str) -> Any:
     session = frame.session
+    if ("global", id(frame.globals), name) in session.effects:
+        if name not in frame.globals:
+            raise NameError(f"name '{name}' is not defined")
+        return frame.globals[name]  # written by this frame: its own value, no guard
     if name in frame.globals:
         return session.wrap(frame.globals[name], _global_source(frame, name))
     if name in frame.builtins:
@@ -145,8 +149,8 @@ def get_attribute(frame: Frame, obj: Any, name: str) -> Any:
     if isinstance(obj, torch.nn.Module):
         return _module_attribute(frame, obj, name, source)
     value = getattr(obj, name)
-    if source is None or session.is_new(obj):
-        return value
+    if source is None or session.is_new(obj) or ("attribute", id(obj), name) in session.effects:
+        return value  # (an attribute this frame wrote holds the frame's own value: no guard)
     if isinstance(value, types.MethodType) and value.__self__ is obj:
         return value  # a method of obj's (guarded) class
     if isinstance(value, types.BuiltinMethodType) and getattr(value, "__self__", None) is obj:
@@ -195,7 +199,11 @@ def _module_attribute(
                 return value
             return session.wrap(value, Item(Attr(source, slot), name))
     value = getattr(module, name)
-    if source is None or session.is_new(module):
+    if (
+        source is None
+        or session.is_new(module)
+        or ("attribute", id(module), name) in session.effects
+    ):
         return value
     if isinstance(value, types.MethodType) and value.__self__ is module and name not in state:
         return value
@@ -253,7 +261,7 @@ def load_deref(frame: Frame, inst: dis.Instruction) -> None:
             f"cannot access free variable '{name}' where it is not associated with a value"
         ) from None
     session = frame.session
-    if session.is_new(cell):
+    if session.is_new(cell) or ("cell", id(cell)) in session.effects:
         frame.push(value)
         return
     frame.push(session.wrap(value, _cell_source(frame, name, cell)))

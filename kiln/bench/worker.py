@@ -1,0 +1,254 @@
+"""One measurement: one model, one mode, one compiler, in the process that runs it.
+
+``kiln bench`` starts ``python -m kiln.bench.worker JOB`` once per compiler and row, so the
+caches, the compiler's imports and the memory peak of one measurement never leak into
+another. The worker talks back on stdout, one line per event::
+
+    kiln-bench-phase compiling + first call
+    kiln-bench-result {"compiler": "kiln", "first_call_s": 1.2, ...}
+
+The eager worker runs first and saves its results (outputs per input set, or the loss and
+every gradient of one training step) to ``Job.reference``; the compiled workers compare
+theirs with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.bench.compare import max_relative_error, passes
+from kiln.bench.models import MODELS, primary_output, training_loss
+from kiln.bench.timing import PeakMemory, median_seconds, timed
+
+PHASE = "kiln-bench-phase "
+RESULT = "kiln-bench-result "
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPILERS = ("eager", "torch", "kiln")
+COMPILER_TITLES = {"eager": "eager", "torch": "torch.compile", "kiln": "kiln.compile"}
+
+
+@dataclass
+class Job:
+    """What one worker measures. ``warm_start``: only the first call, in a second process that
+    finds the disk caches the first one filled."""
+
+    model: str
+    mode: str
+    compiler: str
+    device: str
+    dtype: str
+    batch: int
+    reference: str
+    compile_mode: str | None = None
+    warm_start: bool = False
+    input_sets: int = 3
+    budget_s: float = 2.0
+    threads: int | None = None
+
+
+@dataclass
+class Measurement:
+    """What one worker measured; ``error`` is set when the compiler (or the model) failed."""
+
+    compiler: str
+    warm_start: bool = False
+    first_call_s: float | None = None
+    median_ms: float | None = None
+    samples: int = 0
+    peak_mib: float | None = None
+    max_rel_error: float | None = None
+    ok: bool = True
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measurement:
+        return cls(**data)
+
+
+Report = Callable[[str], None]
+
+
+def measure(job: Job, report: Report) -> Measurement:
+    """Run ``job``; failures become ``Measurement.error`` (the table shows them)."""
+    result = Measurement(job.compiler, job.warm_start)
+    try:
+        _measure(job, report, result)
+    except Exception as error:
+        traceback.print_exc()  # the table shows one line; the log keeps the whole story
+        result.ok = False
+        result.error = _one_line(error)
+    return result
+
+
+def _measure(job: Job, report: Report, result: Measurement) -> None:
+    device = torch.device(job.device)
+    dtype = DTYPES[job.dtype]
+    if job.threads is not None:
+        torch.set_num_threads(job.threads)
+    memory = PeakMemory(device)
+    memory.start()
+    report("building model")
+    torch.manual_seed(0)
+    workload = MODELS[job.model].build(job.batch)
+    model = workload.model.to(device).train(job.mode == "train")
+    inputs = [_input_set(workload.make_input, index, device) for index in range(job.input_sets)]
+    step = _step(job.mode, device, dtype, list(model.parameters()))
+    report("first call" if job.compiler == "eager" else "compiling + first call")
+    with _compiler_context(job.compiler):
+        runner, result.first_call_s = timed(lambda: _first_call(job, model, step, inputs), device)
+        report("saving reference results" if job.compiler == "eager" else "checking against eager")
+        _check(job, model, runner, step, inputs, result, dtype)
+        if not job.warm_start:
+            report("timing")
+            seconds, result.samples = median_seconds(
+                lambda x: step(runner, x), inputs, device, budget_s=job.budget_s
+            )
+            result.median_ms = seconds * 1e3
+    result.peak_mib = memory.peak() / 2**20
+    if job.compiler == "kiln":
+        result.notes = _kiln_notes()
+
+
+def _input_set(
+    make: Callable[[torch.Generator], tuple[torch.Tensor, ...]], index: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(1000 + index)
+    return tuple(tensor.to(device) for tensor in make(generator))
+
+
+Step = Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], torch.Tensor]
+
+
+def _step(mode: str, device: torch.device, dtype: torch.dtype, params: list[nn.Parameter]) -> Step:
+    """One benchmark step: inference returns the output tensor under ``no_grad``; training
+    clears the gradients, runs forward and backward and returns the loss."""
+
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
+    def infer(runner: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        with torch.no_grad(), autocast():
+            return primary_output(runner(*inputs))
+
+    def train(runner: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        for param in params:
+            param.grad = None
+        with autocast():
+            loss = training_loss(runner(*inputs))
+        loss.backward()
+        return loss.detach()
+
+    return infer if mode == "infer" else train
+
+
+def _first_call(job: Job, model: nn.Module, step: Step, inputs: list[Any]) -> Callable[..., Any]:
+    """Compile ``model`` and run the first step (what the first-call column times)."""
+    runner: Callable[..., Any] = model
+    if job.compiler == "torch":
+        runner = torch.compile(model, mode=job.compile_mode)
+    elif job.compiler == "kiln":
+        import kiln
+
+        runner = kiln.compile(model, mode=job.compile_mode)
+    step(runner, inputs[0])
+    return runner
+
+
+def _check(
+    job: Job,
+    model: nn.Module,
+    runner: Callable[..., Any],
+    step: Step,
+    inputs: list[Any],
+    result: Measurement,
+    dtype: torch.dtype,
+) -> None:
+    """Save (eager) or compare (compilers) the results: training, the loss and every gradient of
+    one step on input set 0; inference, the whole output of input set 0 and an evenly spaced
+    sample of the others' (GPT-2's logits are 1.6 GB a set: the reference file stays small,
+    while a result that wrongly ignores its input still shows)."""
+    if job.mode == "train":
+        loss = step(runner, inputs[0])
+        params = list(model.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        tensors = [loss, *grads]
+    else:
+        tensors = [step(runner, inputs[0])]
+        tensors += [_spaced_sample(step(runner, x)) for x in inputs[1:]]
+    tensors = [tensor.detach().cpu() for tensor in tensors]
+    if job.compiler == "eager":
+        torch.save(tensors, job.reference)
+        result.max_rel_error = 0.0
+        return
+    expected = torch.load(job.reference, weights_only=True)
+    result.max_rel_error = max_relative_error(tensors, expected)
+    result.ok = passes(result.max_rel_error, dtype)
+
+
+def _spaced_sample(tensor: torch.Tensor, count: int = 2**20) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    return flat[:: max(1, flat.numel() // count)]
+
+
+@contextlib.contextmanager
+def _compiler_context(compiler: str) -> Iterator[None]:
+    """Fresh compiler state (for in-process runs); Kiln's fallback warnings are counted in
+    ``kiln.counters`` and reported as notes instead of interleaving with the progress line."""
+    if compiler == "kiln":
+        import kiln
+
+        kiln.reset()
+    elif compiler == "torch" and "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()  # in-process only: a fresh worker's first call pays the import
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="kiln: ")
+        yield
+
+
+def _kiln_notes() -> list[str]:
+    """What Kiln made of the model: graphs, breaks, frames it ran uncompiled (and why)."""
+    import kiln
+
+    counters = kiln.counters
+    notes = [
+        f"kiln: {counters.graphs} graph(s), {len(counters.graph_breaks)} break(s), "
+        f"{len(counters.fallbacks)} frame(s) uncompiled, {len(counters.recompiles)} recompile(s)"
+    ]
+    reasons = {f"{record.function}: {record.reason.value}" for record in counters.fallbacks}
+    notes += [f"uncompiled {reason}" for reason in sorted(reasons)[:3]]
+    return notes
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}"[:300]
+
+
+def main(argv: list[str]) -> int:
+    """``python -m kiln.bench.worker JOB_JSON``: measure, print phases and the result."""
+
+    def report(phase: str) -> None:
+        print(PHASE + phase, flush=True)
+
+    job = Job(**json.loads(argv[0]))
+    result = measure(job, report)
+    print(RESULT + json.dumps(dataclasses.asdict(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

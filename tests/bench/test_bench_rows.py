@@ -1,0 +1,103 @@
+"""A tiny suite run in-process: one row per mode, eager vs kiln, checked and timed."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.bench import models
+from kiln.bench.progress import Progress
+from kiln.bench.runner import Options, run_suite
+from kiln.bench.table import format_table
+from kiln.cli import main
+
+
+class TinyMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _tiny(batch: int) -> models.Workload:
+    return models.Workload(
+        TinyMLP(), lambda generator: (torch.randn(batch, 16, generator=generator),)
+    )
+
+
+@pytest.fixture
+def tiny_suite(monkeypatch: pytest.MonkeyPatch) -> Options:
+    monkeypatch.setitem(models.MODELS, "tiny_mlp", models.ModelSpec("tiny_mlp", "MLP", _tiny, 4))
+    missing = models.ModelSpec("needs_nothing_here", "-", _tiny, 4, ("kiln_no_such_package",))
+    monkeypatch.setitem(models.MODELS, "needs_nothing_here", missing)
+    return Options(
+        models=["tiny_mlp", "needs_nothing_here"], compilers=("kiln",), isolate=False, budget_s=0.05
+    )
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_tiny_row_in_process(tiny_suite: Options, mode: str) -> None:
+    tiny_suite.mode = mode
+    stream = io.StringIO()
+    rows = run_suite(tiny_suite, Progress(stream, live=False))
+    tiny, skipped = rows
+    assert skipped.skipped == "needs kiln_no_such_package (not installed)"
+    assert not tiny.failed, tiny.measurements
+    assert set(tiny.measurements) == {"eager", "kiln"}  # no warm starts in-process
+    kiln_run = tiny.measurements["kiln"]
+    assert kiln_run.median_ms is not None and kiln_run.median_ms > 0
+    assert kiln_run.max_rel_error is not None and kiln_run.max_rel_error < 1e-5
+    assert kiln_run.notes[0].startswith("kiln: 1 graph(s), 0 break(s)")
+    assert (
+        "[1/2] tiny_mlp " + mode + " · kiln.compile · compiling + first call" in stream.getvalue()
+    )
+    assert "| ok " in format_table(rows)
+
+
+def test_compiler_crash_marks_the_row(tiny_suite: Options, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(kiln, "compile", broken)
+    tiny_suite.models = ["tiny_mlp"]
+    (row,) = run_suite(tiny_suite, Progress(io.StringIO(), live=False))
+    assert row.failed
+    assert row.measurements["kiln"].error == "RuntimeError: compiler exploded"
+    assert "FAIL: kiln error" in format_table([row])
+
+
+def test_json_output(tiny_suite: Options, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--models", "tiny_mlp", "--compilers", "kiln", "--in-process", "--budget", "0.05"]
+    assert main(["bench", *argv, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["command"] == "kiln bench " + " ".join(argv) + " --json"
+    assert document["environment"]["torch"] == torch.__version__
+    (row,) = document["rows"]
+    assert row["model"] == "tiny_mlp" and not row["failed"]
+    assert row["measurements"]["kiln"]["median_ms"] > 0
+
+
+def test_worker_processes_and_warm_start() -> None:
+    """The real path: each measurement in its own ``python -m kiln.bench.worker`` process."""
+    argv = ["--models", "small_cnn", "--batch", "1", "--compilers", "kiln", "--budget", "0.05"]
+    done = subprocess.run(
+        [sys.executable, "-m", "kiln.bench", *argv, "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "small_cnn infer · kiln.compile (warm start) · first call" in done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| small_cnn"))
+    assert re.search(r"\| ok +\|$", row), row
