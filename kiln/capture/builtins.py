@@ -366,3 +366,22 @@ def _islice(frame: Frame, value: Any, *args: Any) -> Any:
 def _tensor_format(frame: Frame, tensor: Any, spec: str) -> Any:
     no_tensor(tensor, "format()")
     return format(tensor, spec)
+
+
+@model(builtins.id)
+def _id(frame: Frame, value: Any) -> int:
+    """``id()`` of an object that exists before the call, pinned by an identity guard; ids of
+    objects the call creates differ on every call, so they cannot be baked into a graph."""
+    from kiln.capture.guards import Identity
+
+    session = frame.session
+    real = (
+        next((t for v, t in session.input_tensors.items() if v is value._initial), None)
+        if (hasattr(value, "_input_type"))
+        else value
+    )
+    source = session.source_of(value)
+    if real is None or source is None or session.is_new(value):
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "id() of an object created in the call")
+    session.add_guard(Identity(source, "id()", real))
+    return id(real)

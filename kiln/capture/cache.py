@@ -108,6 +108,10 @@ def reset() -> None:
             cache.routed = None
         _WRAPPERS.clear()
         counters.reset()
+        from kiln.capture import frame, resume
+
+        frame._INSTRUCTIONS.clear()
+        resume._RESUME_CODES.clear()
 
 
 def cache_of(code: types.CodeType) -> CodeCache:

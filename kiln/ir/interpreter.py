@@ -39,8 +39,27 @@ def _no_autocast() -> contextlib.ExitStack:
     return stack
 
 
+def _dead_after(graph: Graph) -> list[list[Value]]:
+    """For each node, the values no later node, output or mutation needs: freed right after
+    it, so the interpreter's peak memory is eager's, not the sum of every intermediate."""
+    keep = set(graph.outputs) | {new for _, new in graph.mutations} | set(graph.inputs)
+    last: dict[Value, int] = {}
+    for index, node in enumerate(graph.nodes):
+        for operand in node.inputs:
+            if isinstance(operand, Value):
+                last[operand] = index
+        for value in node.outputs:
+            last.setdefault(value, index)
+    dead: list[list[Value]] = [[] for _ in graph.nodes]
+    for value, index in last.items():
+        if value not in keep:
+            dead[index].append(value)
+    return dead
+
+
 def _run_nodes(graph: Graph, env: dict[Value, Any]) -> None:
-    for node in graph.nodes:
+    dead = _dead_after(graph)
+    for node, done in zip(graph.nodes, dead, strict=True):
         operands = [env[i] if isinstance(i, Value) else i for i in node.inputs]
         result = op_def(node.op).impl(node.attrs, *operands)
         results = result if isinstance(result, tuple) else (result,)
@@ -49,6 +68,8 @@ def _run_nodes(graph: Graph, env: dict[Value, Any]) -> None:
             if not value.type.requires_grad and getattr(tensor, "requires_grad", False):
                 tensor = tensor.detach()
             env[value] = tensor
+        for value in done:
+            del env[value]
 
 
 def run(graph: Graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

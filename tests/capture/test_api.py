@@ -187,3 +187,23 @@ def test_is_compiling_true_during_capture_only() -> None:
     kiln.compile(program)(torch.randn(2))
     assert seen == [True]  # capture saw True; the list append replays on the call
     assert not torch.compiler.is_compiling()
+
+
+def test_id_of_existing_objects_is_guarded() -> None:
+    def program(x: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+        distinct = {id(p) for p in model.parameters()}
+        return x * len(distinct) + (1 if id(x) == id(x) else 0)
+
+    model = torch.nn.Linear(2, 2)
+    x = torch.randn(2)
+    torch.testing.assert_close(kiln.compile(program)(x, model), program(x, model))
+    assert not kiln.counters.fallbacks
+
+
+def test_id_of_a_new_object_breaks() -> None:
+    def program(x: torch.Tensor) -> torch.Tensor:
+        y = x + 1
+        return y * (id(y) > 0)
+
+    report = kiln.explain(program, torch.randn(2))
+    assert report.break_reasons == [kiln.BreakReason.UNSUPPORTED_CALL]
