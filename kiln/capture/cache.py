@@ -276,6 +276,8 @@ def _miss(
         try:
             capture = capture_frame(fn, values, _graph_compiler(options), options.fullgraph)
         except Skip as skip:
+            if options.strict and skip.reason is SkipReason.BACKEND_ERROR:
+                raise skip.__cause__ or skip from None
             record = BreakRecord(skip.reason, skip.detail, skip.location, fn.__qualname__)
             if options.fullgraph:
                 raise FullGraphError(f"fullgraph=True: {record}", skip.location) from skip

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kiln.autodiff.runtime import compile_training, needs_autodiff
 from kiln.capture.breaks import BreakRecord, FullGraphError, GraphBreak, SkipReason
 from kiln.capture.calls import CO_ASYNC, CO_GENERATOR
 from kiln.capture.frame import NULL, BreakHere, Frame
@@ -36,7 +37,7 @@ from kiln.capture.ops_flow import is_known_context
 from kiln.capture.reconstruct import Reconstructor, Unreconstructible
 from kiln.capture.session import Session
 from kiln.capture.sources import Binder, Local, safe_name
-from kiln.config import config
+from kiln.config import config, logger
 from kiln.errors import SourceLocation
 from kiln.frontends.proxy import TraceMode
 from kiln.frontends.source import set_user_location
@@ -47,6 +48,7 @@ from kiln.ir.verify import verify
 from kiln.ops import prims
 
 MAX_RESTARTS = 8
+_log_autodiff = logger("autodiff")
 
 
 class Skip(Exception):
@@ -76,6 +78,7 @@ class Capture:
     graph: Graph | None
     breaks: list[BreakRecord] = field(default_factory=list)
     resumes: list[Any] = field(default_factory=list)
+    saved: list[str] = field(default_factory=list)  # values kept for the backward, if any
 
 
 def arg_names(code: types.CodeType) -> tuple[str, ...]:
@@ -172,7 +175,7 @@ def _capture_once(
     if graph.nodes or graph.outputs or graph.mutations:
         verify(graph)
         try:
-            compiled = compile_graph(graph)
+            compiled = _compile(graph, compile_graph)
         except Exception as error:
             if config.strict:
                 raise
@@ -183,7 +186,9 @@ def _capture_once(
     source = _head_source(param_names(code), body)
     scope = dict(binder.names)
     exec(compile(source, f"<kiln head of {code.co_qualname}>", "exec"), scope)
+    training = runner.compiled if runner is not None else None
     return Capture(
+        saved=list(getattr(training, "saved_names", [])),
         head=scope["___head"],
         head_source=source,
         guards=list(session.guards),
@@ -273,6 +278,17 @@ def _input_list(session: Session, binder: Binder) -> str:
 
 def _seed() -> torch.Tensor:
     return torch.randint(0, 2**62, (), dtype=torch.int64)
+
+
+def _compile(graph: Graph, compile_graph: Any) -> Any:
+    """The compiled graph; a forward/backward pair when its outputs require grad."""
+    if not needs_autodiff(graph):
+        return compile_graph(graph)
+    try:
+        return compile_training(graph, compile_graph)
+    except NotImplementedError as error:  # a row without a VJP rule yet: eager autograd
+        _log_autodiff.info("%s: eager autograd through the graph (%s)", graph.name, error)
+        return compile_graph(graph)
 
 
 class GraphRunner:

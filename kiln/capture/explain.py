@@ -25,6 +25,7 @@ class ExplainReport:
     externs: list[str] = field(default_factory=list)
     guards: list[str] = field(default_factory=list)
     captures: list[tuple[str, Capture]] = field(default_factory=list)
+    saved: list[str] = field(default_factory=list)  # values graphs keep for their backward
 
     @property
     def graph_count(self) -> int:
@@ -47,6 +48,9 @@ class ExplainReport:
         if self.skips:
             lines.append("run uncompiled:")
             lines += [f"  {record}" for record in self.skips]
+        if self.saved:
+            lines.append("saved for the backward:")
+            lines += [f"  {name}" for name in self.saved]
         if self.externs:
             lines.append("externs (torch functions run as opaque calls):")
             lines += [f"  {name}" for name in self.externs]
@@ -103,4 +107,5 @@ def report_of(log: list[tuple[str, Capture | BreakRecord]]) -> ExplainReport:
                         f"{node.origin.api} ({node.origin.file}:{node.origin.line})"
                     )
         report.guards += [f"[{name}] {guard}" for guard in item.guards]
+        report.saved += [f"[{name}] {value}" for value in item.saved]
     return report

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from kiln.ir.graph import Value
 from kiln.ir.op import Op, OpDef, Sample, Tag, register
 from kiln.ir.types import Scalar, TensorType
+from kiln.ops import prims
 from kiln.ops.attrs import ConvertAttrs
 from kiln.ops.sampling import ALL, BOOL, FLOATS, INTS, NUMERIC, make_tensor, scalar_for
 
@@ -74,6 +76,32 @@ def _tensors(operands: Sequence[Any]) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 # unary
 
+# derivative(x, out, g) -> the gradient of x, in prims
+UnaryDerivative = Callable[[Value, Value, Value], Value]
+VjpResult = tuple[Value | None, ...]
+
+
+def _unary_vjp(derivative: UnaryDerivative) -> Callable[..., VjpResult]:
+    def vjp(attrs: Any, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+        (g,) = grads
+        return (None if g is None else derivative(inputs[0], outputs[0], g),)
+
+    return vjp
+
+
+def _zeros_like(x: Value) -> Value:
+    t = x.type
+    return prims.full(shape=t.shape, value=0.0, dtype=t.dtype, device=t.device)
+
+
+def _square(x: Value) -> Value:
+    return prims.mul(x, x)
+
+
+def _rsqrt_one_minus_square(x: Value) -> Value:
+    """eager's ``(-x * x + 1).rsqrt()`` (asin, acos)."""
+    return prims.rsqrt(prims.add(prims.mul(prims.neg(x), x), 1))
+
 
 def _unary_samples(low: float | None, high: float | None) -> Callable[..., list[Sample]]:
     def samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
@@ -91,8 +119,10 @@ def unary(
     low: float | None = None,
     high: float | None = None,
     tags: frozenset[Tag] = frozenset(),
+    derivative: UnaryDerivative | None = None,
 ) -> OpDef:
-    """Register a unary elementwise prim computed by ``fn``."""
+    """Register a unary elementwise prim computed by ``fn``; ``derivative(x, out, g)`` gives
+    the input's gradient from the input, the output and the output's cotangent."""
 
     def meta(attrs: None, x: TensorType) -> TensorType:
         if not isinstance(x, TensorType):
@@ -110,41 +140,132 @@ def unary(
             tags=frozenset({Tag.ELEMENTWISE, Tag.UNARY, *extra}) | tags,
             dtypes=dtypes,
             samples=_unary_samples(low, high),
+            vjp=None if derivative is None else _unary_vjp(derivative),
             doc=f"{op.printed_name}(x), elementwise",
         )
     )
 
 
 NONDIFF = frozenset({Tag.NONDIFFERENTIABLE})
+LN2 = 0.6931471805599453
+TWO_OVER_SQRT_PI = 1.1283791670955126  # eager's 2.0 / sqrt(M_PI)
+HALF_SQRT_PI = 0.886226925452758  # eager's 0.5 * sqrt(M_PI)
 
-unary(Op.NEG, torch.neg, NUMERIC)
-unary(Op.ABS, torch.abs, NUMERIC)
-unary(Op.EXP, torch.exp, FLOATS)
-unary(Op.EXP2, torch.exp2, FLOATS)
-unary(Op.EXPM1, torch.expm1, FLOATS)
-unary(Op.LOG, torch.log, FLOATS, low=0.1, high=5.0)
-unary(Op.LOG1P, torch.log1p, FLOATS, low=-0.9, high=5.0)
-unary(Op.LOG2, torch.log2, FLOATS, low=0.1, high=5.0)
-unary(Op.SQRT, torch.sqrt, FLOATS, low=0.1, high=5.0)
-unary(Op.RSQRT, torch.rsqrt, FLOATS, low=0.1, high=5.0)
-unary(Op.RECIPROCAL, torch.reciprocal, FLOATS, low=0.5, high=5.0)
-unary(Op.SIN, torch.sin, FLOATS)
-unary(Op.COS, torch.cos, FLOATS)
-unary(Op.TAN, torch.tan, FLOATS, low=-1.2, high=1.2)
-unary(Op.TANH, torch.tanh, FLOATS)
-unary(Op.ASIN, torch.asin, FLOATS, low=-0.95, high=0.95)
-unary(Op.ACOS, torch.acos, FLOATS, low=-0.95, high=0.95)
-unary(Op.ATAN, torch.atan, FLOATS)
-unary(Op.SINH, torch.sinh, FLOATS)
-unary(Op.COSH, torch.cosh, FLOATS)
-unary(Op.ERF, torch.erf, FLOATS)
-unary(Op.ERFINV, torch.erfinv, FLOATS, low=-0.9, high=0.9)
-unary(Op.SIGMOID, torch.sigmoid, FLOATS)
-unary(Op.FLOOR, torch.floor, NUMERIC)
-unary(Op.CEIL, torch.ceil, NUMERIC)
-unary(Op.ROUND, torch.round, NUMERIC)
-unary(Op.TRUNC, torch.trunc, NUMERIC)
-unary(Op.SIGN, torch.sign, NUMERIC | BOOL)
+# Each derivative follows eager's derivatives.yaml term by term (same ops, same order), so
+# bf16/fp16 round where eager's autograd rounds.
+unary(Op.NEG, torch.neg, NUMERIC, derivative=lambda x, out, g: prims.neg(g))
+unary(Op.ABS, torch.abs, NUMERIC, derivative=lambda x, out, g: prims.mul(g, prims.sign(x)))
+unary(Op.EXP, torch.exp, FLOATS, derivative=lambda x, out, g: prims.mul(g, out))
+unary(Op.EXP2, torch.exp2, FLOATS, derivative=lambda x, out, g: prims.mul(prims.mul(g, out), LN2))
+unary(Op.EXPM1, torch.expm1, FLOATS, derivative=lambda x, out, g: prims.mul(g, prims.add(out, 1)))
+unary(Op.LOG, torch.log, FLOATS, low=0.1, high=5.0, derivative=lambda x, out, g: prims.div(g, x))
+unary(
+    Op.LOG1P,
+    torch.log1p,
+    FLOATS,
+    low=-0.9,
+    high=5.0,
+    derivative=lambda x, out, g: prims.div(g, prims.add(x, 1)),
+)
+unary(
+    Op.LOG2,
+    torch.log2,
+    FLOATS,
+    low=0.1,
+    high=5.0,
+    derivative=lambda x, out, g: prims.div(g, prims.mul(x, LN2)),
+)
+unary(
+    Op.SQRT,
+    torch.sqrt,
+    FLOATS,
+    low=0.1,
+    high=5.0,
+    derivative=lambda x, out, g: prims.div(g, prims.mul(out, 2)),
+)
+unary(
+    Op.RSQRT,
+    torch.rsqrt,
+    FLOATS,
+    low=0.1,
+    high=5.0,
+    derivative=lambda x, out, g: prims.mul(prims.mul(g, -0.5), prims.pow(out, 3)),
+)
+unary(
+    Op.RECIPROCAL,
+    torch.reciprocal,
+    FLOATS,
+    low=0.5,
+    high=5.0,
+    derivative=lambda x, out, g: prims.mul(prims.neg(g), _square(out)),
+)
+unary(Op.SIN, torch.sin, FLOATS, derivative=lambda x, out, g: prims.mul(g, prims.cos(x)))
+unary(Op.COS, torch.cos, FLOATS, derivative=lambda x, out, g: prims.mul(g, prims.neg(prims.sin(x))))
+unary(
+    Op.TAN,
+    torch.tan,
+    FLOATS,
+    low=-1.2,
+    high=1.2,
+    derivative=lambda x, out, g: prims.mul(g, prims.add(prims.pow(out, 2), 1)),
+)
+unary(  # eager's tanh_backward
+    Op.TANH,
+    torch.tanh,
+    FLOATS,
+    derivative=lambda x, out, g: prims.mul(g, prims.sub(1, _square(out))),
+)
+unary(
+    Op.ASIN,
+    torch.asin,
+    FLOATS,
+    low=-0.95,
+    high=0.95,
+    derivative=lambda x, out, g: prims.mul(g, _rsqrt_one_minus_square(x)),
+)
+unary(
+    Op.ACOS,
+    torch.acos,
+    FLOATS,
+    low=-0.95,
+    high=0.95,
+    derivative=lambda x, out, g: prims.mul(g, prims.neg(_rsqrt_one_minus_square(x))),
+)
+unary(
+    Op.ATAN, torch.atan, FLOATS, derivative=lambda x, out, g: prims.div(g, prims.add(_square(x), 1))
+)
+unary(Op.SINH, torch.sinh, FLOATS, derivative=lambda x, out, g: prims.mul(g, prims.cosh(x)))
+unary(Op.COSH, torch.cosh, FLOATS, derivative=lambda x, out, g: prims.mul(g, prims.sinh(x)))
+unary(
+    Op.ERF,
+    torch.erf,
+    FLOATS,
+    derivative=lambda x, out, g: prims.mul(
+        prims.mul(prims.exp(prims.neg(prims.pow(x, 2))), TWO_OVER_SQRT_PI), g
+    ),
+)
+unary(
+    Op.ERFINV,
+    torch.erfinv,
+    FLOATS,
+    low=-0.9,
+    high=0.9,
+    derivative=lambda x, out, g: prims.mul(
+        prims.mul(prims.exp(prims.pow(out, 2)), HALF_SQRT_PI), g
+    ),
+)
+unary(  # eager's sigmoid_backward: g * (1 - out) * out
+    Op.SIGMOID,
+    torch.sigmoid,
+    FLOATS,
+    derivative=lambda x, out, g: prims.mul(prims.mul(g, prims.sub(1, out)), out),
+)
+# Piecewise-constant: eager's gradient is zeros_like(grad), even where the step is.
+unary(Op.FLOOR, torch.floor, NUMERIC, derivative=lambda x, out, g: _zeros_like(x))
+unary(Op.CEIL, torch.ceil, NUMERIC, derivative=lambda x, out, g: _zeros_like(x))
+unary(Op.ROUND, torch.round, NUMERIC, derivative=lambda x, out, g: _zeros_like(x))
+unary(Op.TRUNC, torch.trunc, NUMERIC, derivative=lambda x, out, g: _zeros_like(x))
+unary(Op.SIGN, torch.sign, NUMERIC | BOOL, derivative=lambda x, out, g: _zeros_like(x))
 unary(Op.ISNAN, torch.isnan, ALL, out_dtype=torch.bool)
 unary(Op.ISINF, torch.isinf, ALL, out_dtype=torch.bool)
 unary(Op.LOGICAL_NOT, torch.logical_not, ALL, out_dtype=torch.bool)
@@ -186,6 +307,7 @@ def binary(
     high: float | None = None,
     nonzero_rhs: bool = False,
     tags: frozenset[Tag] = frozenset(),
+    vjp: Callable[..., Any] | None = None,
 ) -> OpDef:
     """Register a binary elementwise prim computed by ``fn``."""
 
@@ -203,6 +325,7 @@ def binary(
             tags=frozenset({Tag.ELEMENTWISE, Tag.BINARY, *extra}) | tags,
             dtypes=dtypes,
             samples=_binary_samples(low, high, nonzero_rhs),
+            vjp=vjp,
             doc=f"{op.printed_name}(x, y), elementwise on equal shapes",
         )
     )
@@ -210,17 +333,153 @@ def binary(
 
 COMPARE = frozenset({Tag.COMPARISON})
 
-binary(Op.ADD, torch.add, ALL)
-binary(Op.SUB, torch.sub, NUMERIC)
-binary(Op.MUL, torch.mul, ALL)
-binary(Op.DIV, torch.div, FLOATS, nonzero_rhs=True)
-binary(Op.FLOOR_DIV, lambda x, y: torch.div(x, y, rounding_mode="floor"), NUMERIC, nonzero_rhs=True)
-binary(Op.REMAINDER, torch.remainder, NUMERIC, nonzero_rhs=True)
-binary(Op.FMOD, torch.fmod, NUMERIC, nonzero_rhs=True)
-binary(Op.POW, torch.pow, NUMERIC, low=0.0, high=3.0)
-binary(Op.MAXIMUM, torch.maximum, ALL)
-binary(Op.MINIMUM, torch.minimum, ALL)
-binary(Op.ATAN2, torch.atan2, FLOATS)
+
+# Binary VJP rules. An operand that is a Python scalar gets None (never a gradient), and a rule
+# skips the prims that only it would need.
+
+
+def _traced(operand: Any) -> bool:
+    return isinstance(operand, Value)
+
+
+def _add_vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+    (g,) = grads
+    return (g, g)
+
+
+def _sub_vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+    (g,) = grads
+    return (g, prims.neg(g) if _traced(inputs[1]) else None)
+
+
+def _mul_vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+    x, y = inputs
+    (g,) = grads
+    return (
+        prims.mul(g, y) if _traced(x) else None,
+        prims.mul(g, x) if _traced(y) else None,
+    )
+
+
+def _div_vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+    """eager: ``grad / other`` and ``-grad * ((self / other) / other)``."""
+    x, y = inputs
+    (g,) = grads
+    return (
+        prims.div(g, y) if _traced(x) else None,
+        prims.mul(prims.neg(g), prims.div(prims.div(x, y), y)) if _traced(y) else None,
+    )
+
+
+def _floor_div_vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+    """A rounding division is piecewise constant: eager gives zeros to both operands."""
+    return tuple(_zeros_like(item) if _traced(item) else None for item in inputs)
+
+
+def _rounded_remainder_vjp(quotient: Callable[[Any, Any], Value]) -> Callable[..., VjpResult]:
+    """``x - y * quotient(x, y)`` (remainder: floor, fmod: trunc): eager gives ``grad`` and
+    ``-grad * quotient(x, y)``."""
+
+    def vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+        x, y = inputs
+        (g,) = grads
+        return (g, prims.mul(prims.neg(g), quotient(x, y)) if _traced(y) else None)
+
+    return vjp
+
+
+def _in_dtype(value: Any, dtype: torch.dtype) -> float:
+    """A Python scalar operand as the prims see it: rounded to the tensor's dtype."""
+    return float(torch.tensor(value, dtype=dtype).item())
+
+
+def _pow_vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+    """eager's pow_backward_self / pow_backward_exponent: base ``x`` gets ``0`` where the
+    exponent is 0, else ``g * (y * x ** (y - 1))``; exponent ``y`` gets ``0`` where ``x == 0``
+    and ``y >= 0``, else ``g * (out * log(x))``."""
+    x, y = inputs
+    (out,) = outputs
+    (g,) = grads
+    dtype = out.type.dtype
+    base_grad = exponent_grad = None
+    if _traced(x) and _traced(y):
+        base_grad = prims.where(
+            prims.eq(y, 0), 0.0, prims.mul(g, prims.mul(y, prims.pow(x, prims.sub(y, 1))))
+        )
+        at_zero = prims.logical_and(prims.eq(x, 0), prims.ge(y, 0))
+        exponent_grad = prims.mul(g, prims.where(at_zero, 0.0, prims.mul(out, prims.log(x))))
+    elif _traced(x):  # a scalar exponent: eager's pow_backward
+        power = _in_dtype(y, dtype)
+        if power == 0:
+            base_grad = _zeros_like(x)
+        else:
+            base_grad = prims.mul(g, prims.mul(prims.pow(x, power - 1), power))
+    else:  # a scalar base
+        base = _in_dtype(x, dtype)
+        weighted = prims.mul(out, float(torch.tensor(base, dtype=dtype).log().item()))
+        if base == 0:  # log(0) = -inf: only negative exponents keep out * log(x)
+            weighted = prims.where(prims.ge(y, 0), 0.0, weighted)
+        exponent_grad = prims.mul(g, weighted)
+    return (base_grad, exponent_grad)
+
+
+def _extremum_vjp(loses: Op) -> Callable[..., VjpResult]:
+    """maximum/minimum: the operand that ``loses`` (``x < y`` for maximum) gets 0, and a tie
+    splits the cotangent 0.5/0.5, as eager does."""
+
+    def vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+        x, y = inputs
+        (g,) = grads
+        shared = prims.where(prims.eq(x, y), prims.div(g, 2), g)
+        return (
+            prims.where(prims.call(loses, x, y), 0.0, shared) if _traced(x) else None,
+            prims.where(prims.call(loses, y, x), 0.0, shared) if _traced(y) else None,
+        )
+
+    return vjp
+
+
+def _atan2_vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+    """eager's atan2_backward: ``g * y * r`` and ``g * -x * r`` with ``r = 1 / (x*x + y*y)``."""
+    x, y = inputs
+    (g,) = grads
+    squares = [prims.mul(v, v) if _traced(v) else v * v for v in (x, y)]
+    recip = prims.reciprocal(prims.add(*squares))
+    return (
+        prims.mul(prims.mul(g, y), recip) if _traced(x) else None,
+        prims.mul(prims.mul(g, prims.neg(x) if _traced(x) else -x), recip) if _traced(y) else None,
+    )
+
+
+binary(Op.ADD, torch.add, ALL, vjp=_add_vjp)
+binary(Op.SUB, torch.sub, NUMERIC, vjp=_sub_vjp)
+binary(Op.MUL, torch.mul, ALL, vjp=_mul_vjp)
+binary(Op.DIV, torch.div, FLOATS, nonzero_rhs=True, vjp=_div_vjp)
+binary(
+    Op.FLOOR_DIV,
+    lambda x, y: torch.div(x, y, rounding_mode="floor"),
+    NUMERIC,
+    nonzero_rhs=True,
+    vjp=_floor_div_vjp,
+)
+binary(
+    Op.REMAINDER,
+    torch.remainder,
+    NUMERIC,
+    nonzero_rhs=True,
+    vjp=_rounded_remainder_vjp(lambda x, y: prims.floor_div(x, y)),
+)
+binary(  # eager's rounding_mode="trunc" for floats is trunc(x / y)
+    Op.FMOD,
+    torch.fmod,
+    NUMERIC,
+    nonzero_rhs=True,
+    vjp=_rounded_remainder_vjp(lambda x, y: prims.trunc(prims.div(x, y))),
+)
+binary(Op.POW, torch.pow, NUMERIC, low=0.0, high=3.0, vjp=_pow_vjp)
+binary(Op.MAXIMUM, torch.maximum, ALL, vjp=_extremum_vjp(Op.LT))
+binary(Op.MINIMUM, torch.minimum, ALL, vjp=_extremum_vjp(Op.GT))
+binary(Op.ATAN2, torch.atan2, FLOATS, vjp=_atan2_vjp)
 binary(Op.EQ, torch.eq, ALL, out_dtype=torch.bool, tags=COMPARE)
 binary(Op.NE, torch.ne, ALL, out_dtype=torch.bool, tags=COMPARE)
 binary(Op.LT, torch.lt, ALL, out_dtype=torch.bool, tags=COMPARE)
@@ -283,6 +542,17 @@ def _where_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
     return cases
 
 
+def _where_vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+    """eager: ``where(cond, grad, 0)`` and ``where(cond, 0, grad)``; the mask gets none."""
+    cond, x, y = inputs
+    (g,) = grads
+    return (
+        None,
+        prims.where(cond, g, 0.0) if _traced(x) else None,
+        prims.where(cond, 0.0, g) if _traced(y) else None,
+    )
+
+
 register(
     OpDef(
         Op.WHERE,
@@ -291,6 +561,7 @@ register(
         tags=frozenset({Tag.ELEMENTWISE}),
         dtypes=ALL,
         samples=_where_samples,
+        vjp=_where_vjp,
         doc="where(cond, x, y): x where cond else y",
     )
 )
@@ -298,6 +569,16 @@ register(
 
 def _convert_meta(attrs: ConvertAttrs, x: TensorType) -> TensorType:
     return x.with_(dtype=attrs.dtype, requires_grad=False)
+
+
+def _convert_vjp(attrs: ConvertAttrs, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
+    """The cotangent converted back to the input's dtype; none through an integer or bool
+    output (eager's output is not differentiable then)."""
+    (x,) = inputs
+    (g,) = grads
+    if g is None or not attrs.dtype.is_floating_point or not x.type.dtype.is_floating_point:
+        return (None,)
+    return (g if g.type.dtype == x.type.dtype else prims.convert(g, dtype=x.type.dtype),)
 
 
 def _convert_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
@@ -314,6 +595,7 @@ register(
         tags=frozenset({Tag.ELEMENTWISE, Tag.UNARY}),
         dtypes=ALL,
         samples=_convert_samples,
+        vjp=_convert_vjp,
         doc="convert(x, dtype): elementwise type conversion (PyTorch's .to(dtype) semantics)",
     )
 )

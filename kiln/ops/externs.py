@@ -13,6 +13,11 @@ flattened with pytree. :func:`extern_call` emits one from graph values while a g
     t2 = mm(t0, t1)
     t3, t4 = sort(t0, dim=1, descending=False, stable=False)
     t5, t6 = extern(t0, fn=torch.aminmax, args=(Slot(index=0),), kwargs={'dim': 1})
+
+VJP rules sit next to each row's impl. The matmul family, cumsum, sort and topk differentiate
+in prims; convolution, attention and ``extern`` differentiate through an extern node calling a
+module-level function of this file (:func:`convolution_backward`, :func:`sdpa_backward`,
+:func:`extern_backward`), which PyTorch's own autograd computes.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from torch._subclasses.fake_tensor import (
 from kiln.ir.builder import emit, require_builder
 from kiln.ir.graph import Value
 from kiln.ir.op import ImplFn, MetaFn, Op, OpDef, Sample, SampleFn, Tag, register
-from kiln.ir.types import FLOATING, TensorType
+from kiln.ir.types import FLOATING, Shape, TensorType
+from kiln.ops import prims
 from kiln.ops.attrs import (
     ConvolutionAttrs,
     CumsumAttrs,
@@ -49,6 +55,9 @@ from kiln.ops.sampling import FLOATS, make_tensor
 INT64 = frozenset({torch.int64})
 # A sample case: the shapes of the operands (None: an absent optional operand) and the attrs.
 Case = tuple[tuple[tuple[int, ...] | None, ...], Any]
+# vjp(attrs, inputs, outputs, grads) -> one gradient (or None) per input; see kiln.autodiff.rules.
+Grads = tuple[Value | None, ...]
+VjpFn = Callable[[Any, Sequence[Any], Sequence[Value], Sequence[Value | None]], Grads]
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -166,6 +175,7 @@ def extern(
     dtypes: frozenset[torch.dtype],
     samples: SampleFn,
     doc: str,
+    vjp: VjpFn,
     fake: bool = False,
 ) -> OpDef:
     """Register an extern prim computed by ``impl``; its meta runs ``impl`` without data."""
@@ -178,9 +188,80 @@ def extern(
             tags=frozenset({Tag.EXTERN}),
             dtypes=dtypes,
             samples=samples,
+            vjp=vjp,
             doc=doc,
         )
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers of the VJP rules
+
+
+def _is_float(operand: Any) -> bool:
+    return isinstance(operand, Value) and operand.type.dtype.is_floating_point
+
+
+def _transposed(x: Value) -> Value:
+    """``x`` with its last two dims swapped."""
+    dims = list(range(x.type.rank))
+    dims[-2:] = dims[-1], dims[-2]
+    return prims.permute(x, dims=tuple(dims))
+
+
+def _scaled(x: Value, factor: Any) -> Value:
+    """``x * factor``, skipped for a factor of 1 as autograd's ``maybe_multiply`` skips it."""
+    return x if factor == 1 else prims.mul(x, factor)
+
+
+def _sum_to(grad: Value, shape: Shape) -> Value:
+    """``grad`` summed to ``shape``, which broadcasts to its shape (autograd's ``sum_to``)."""
+    lead = grad.type.rank - len(shape)
+    sizes = grad.type.shape
+    dims = (*range(lead), *(lead + i for i, n in enumerate(shape) if n == 1 != sizes[lead + i]))
+    summed = prims.sum(grad, dims=dims) if dims else grad
+    return summed if summed.type.shape == tuple(shape) else prims.reshape(summed, shape=shape)
+
+
+def _zeros(like: Value) -> Value:
+    kind = like.type
+    return prims.full(shape=kind.shape, value=0, dtype=kind.dtype, device=kind.device)
+
+
+def _grad_leaf(tensor: Any) -> Any:
+    """A fresh autograd leaf of ``tensor``'s value (requiring grad when floating)."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    leaf = tensor.clone() if tensor.is_inference() else tensor.detach()
+    return leaf.requires_grad_(tensor.is_floating_point())
+
+
+def _autograd(outputs: Sequence[torch.Tensor], leaves: Sequence[Any], grads: Sequence[Any]) -> Any:
+    """The gradients of ``leaves`` that require grad, zeros where none flows."""
+    wrt = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    pairs = [
+        (o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad
+    ]
+    if not pairs:
+        return tuple(torch.zeros_like(leaf) for leaf in wrt)
+    return torch.autograd.grad(
+        [o for o, _ in pairs],
+        wrt,
+        [g for _, g in pairs],
+        allow_unused=True,
+        materialize_grads=True,
+    )
+
+
+def _spread(inputs: Sequence[Any], grads: Any) -> Grads:
+    """``grads`` (one per floating tensor of ``inputs``, in order) as one entry per input."""
+    found = list(grads) if isinstance(grads, list | tuple) else [grads]
+    floats = [index for index, item in enumerate(inputs) if _is_float(item)]
+    assert len(found) == len(floats), f"{len(found)} gradients for {len(floats)} float inputs"
+    spread: list[Value | None] = [None] * len(inputs)
+    for index, grad in zip(floats, found, strict=True):
+        spread[index] = grad
+    return tuple(spread)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,6 +275,27 @@ def _matmul_impl(op: Op, fn: Callable[..., torch.Tensor]) -> ImplFn:
         return fn(*operands, **scaling)
 
     return impl
+
+
+def _matmul_grads(a: Value, b: Value, g: Value) -> tuple[Value, Value]:
+    """The gradients of ``a @ b`` (2-d or batched 3-d): ``g @ bT`` and ``aT @ g``."""
+    product = prims.bmm if a.type.rank == 3 else prims.mm
+    return product(g, _transposed(b)), product(_transposed(a), g)
+
+
+def _matmul_vjp(attrs: None, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+    a, b = inputs
+    return _matmul_grads(a, b, grads[0])
+
+
+def _gemm_vjp(attrs: GemmAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+    """ADDMM and BADDBMM: the matmul's gradients times alpha; bias: ``beta * g`` summed to its
+    broadcast shape (scaled before summing, as autograd does)."""
+    bias, a, b = inputs
+    (g,) = grads
+    ga, gb = _matmul_grads(a, b, g)
+    bias_grad = _sum_to(_scaled(g, attrs.beta), bias.type.shape)
+    return bias_grad, _scaled(ga, attrs.alpha), _scaled(gb, attrs.alpha)
 
 
 MM_CASES: tuple[Case, ...] = (
@@ -235,6 +337,36 @@ def _convolution(
     return torch.convolution(x, weight, bias, *geometry, attrs.output_padding, attrs.groups)
 
 
+def convolution_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Sequence[int] | None,
+    **geometry: Any,
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of x, weight and (when ``bias_sizes`` says there is one) the bias, by
+    ``aten.convolution_backward``, the kernel eager autograd calls; ``geometry``: the fields of
+    :class:`ConvolutionAttrs`."""
+    a = ConvolutionAttrs(**geometry)
+    mask = [True, True, bias_sizes is not None]
+    settings = (a.stride, a.padding, a.dilation, a.transposed, a.output_padding, a.groups)
+    results = torch.ops.aten.convolution_backward(grad, x, weight, bias_sizes, *settings, mask)
+    return tuple(result for result, wanted in zip(results, mask, strict=True) if wanted)
+
+
+def _fields(attrs: Any) -> dict[str, Any]:
+    return {name: getattr(attrs, name) for name in attrs.__dataclass_fields__}
+
+
+def _convolution_vjp(
+    attrs: ConvolutionAttrs, inputs: Sequence[Any], outputs: Any, grads: Any
+) -> Grads:
+    x, weight, bias = inputs
+    bias_sizes = None if bias is None else bias.type.shape
+    arguments = (grads[0], x, weight, bias_sizes)
+    return _spread(inputs, extern_call(convolution_backward, arguments, _fields(attrs)))
+
+
 CONV_CASES: tuple[Case, ...] = (
     (((2, 3, 10), (4, 3, 3), (4,)), ConvolutionAttrs((1,), (1,), (1,))),
     (((2, 4, 7, 6), (6, 2, 3, 3), None), ConvolutionAttrs((2, 1), (1, 0), (1, 2), groups=2)),
@@ -272,6 +404,27 @@ def _sdpa(
     )
 
 
+def sdpa_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    **options: Any,
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of q, k, v and a floating mask, by re-running the forward under autograd
+    (eager's backend choice and its backward); ``options``: the fields of :class:`SdpaAttrs`."""
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = [_grad_leaf(t) for t in (q, k, v, mask)]
+        out = _sdpa(SdpaAttrs(**options), *leaves)
+        return tuple(_autograd([out], leaves, [grad]))
+
+
+def _sdpa_vjp(attrs: SdpaAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+    results = extern_call(sdpa_backward, (grads[0], *inputs), _fields(attrs))
+    return _spread(inputs, results)
+
+
 SDPA_CASES: tuple[Case, ...] = (
     (((2, 3, 4, 8), (2, 3, 6, 8), (2, 3, 6, 5), None), SdpaAttrs()),
     (((2, 3, 4, 8), (2, 3, 4, 8), (2, 3, 4, 8), None), SdpaAttrs(is_causal=True)),
@@ -297,6 +450,7 @@ extern(
     dtypes=FLOATS,
     samples=_sdpa_samples,
     doc="sdpa(q, k, v, mask or None, ...): F.scaled_dot_product_attention, no dropout",
+    vjp=_sdpa_vjp,
 )
 
 
@@ -323,6 +477,27 @@ def _topk(attrs: TopkAttrs, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return values, indices
 
 
+def _cumsum_vjp(attrs: CumsumAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+    """The cumsum of the cotangent in reverse order along dim."""
+    (g,) = grads
+    if g.type.rank == 0 or g.type.shape[attrs.dim] in (0, 1):
+        return (g,)
+    reversed_grad = prims.flip(g, dims=(attrs.dim,))
+    return (prims.flip(prims.cumsum(reversed_grad, dim=attrs.dim), dims=(attrs.dim,)),)
+
+
+def _selection_vjp(
+    attrs: SortAttrs | TopkAttrs, inputs: Sequence[Any], outputs: Any, grads: Any
+) -> Grads:
+    """SORT and TOPK: the values' cotangent scattered back through the indices (the indices are
+    distinct, so eager's scatter into zeros); the indices output takes no cotangent."""
+    (x,) = inputs
+    _, indices = outputs
+    if grads[0] is None:
+        return (None,)
+    return (prims.scatter(_zeros(x), indices, grads[0], dim=attrs.dim),)
+
+
 CUMSUM_CASES: tuple[Case, ...] = tuple(
     ((shape,), CumsumAttrs(dim))
     for shape, dim in (((3, 5), 0), ((3, 5), 1), ((2, 3, 4), 2), ((), 0), ((0, 4), 0), ((4, 1), 1))
@@ -345,10 +520,28 @@ TOPK_CASES: tuple[Case, ...] = (
     (((0, 4),), TopkAttrs(2, 1)),
 )
 
-# (op, impl, attrs, sampled dtypes, sample cases, doc) of the externs with plain samples.
-_ROWS: tuple[tuple[Op, ImplFn, type | None, frozenset[torch.dtype], tuple[Case, ...], str], ...] = (
-    (Op.MM, _matmul_impl(Op.MM, torch.mm), None, FLOATS, MM_CASES, "mm(a, b): a @ b, 2-d"),
-    (Op.BMM, _matmul_impl(Op.BMM, torch.bmm), None, FLOATS, BMM_CASES, "bmm(a, b): a @ b, 3-d"),
+# (op, impl, attrs, sampled dtypes, sample cases, doc, vjp) of the externs with plain samples.
+_ROWS: tuple[
+    tuple[Op, ImplFn, type | None, frozenset[torch.dtype], tuple[Case, ...], str, VjpFn], ...
+] = (
+    (
+        Op.MM,
+        _matmul_impl(Op.MM, torch.mm),
+        None,
+        FLOATS,
+        MM_CASES,
+        "mm(a, b): a @ b, 2-d",
+        _matmul_vjp,
+    ),
+    (
+        Op.BMM,
+        _matmul_impl(Op.BMM, torch.bmm),
+        None,
+        FLOATS,
+        BMM_CASES,
+        "bmm(a, b): a @ b, 3-d",
+        _matmul_vjp,
+    ),
     (
         Op.ADDMM,
         _matmul_impl(Op.ADDMM, torch.addmm),
@@ -356,6 +549,7 @@ _ROWS: tuple[tuple[Op, ImplFn, type | None, frozenset[torch.dtype], tuple[Case, 
         FLOATS,
         ADDMM_CASES,
         "addmm(bias, a, b, beta, alpha): beta * bias + alpha * (a @ b), 2-d",
+        _gemm_vjp,
     ),
     (
         Op.BADDBMM,
@@ -364,6 +558,7 @@ _ROWS: tuple[tuple[Op, ImplFn, type | None, frozenset[torch.dtype], tuple[Case, 
         FLOATS,
         BADDBMM_CASES,
         "baddbmm(bias, a, b, beta, alpha): beta * bias + alpha * (a @ b), 3-d",
+        _gemm_vjp,
     ),
     (
         Op.CONVOLUTION,
@@ -372,13 +567,38 @@ _ROWS: tuple[tuple[Op, ImplFn, type | None, frozenset[torch.dtype], tuple[Case, 
         FLOATS,
         CONV_CASES,
         "convolution(x, weight, bias or None, ...): torch.convolution, 1d/2d/3d",
+        _convolution_vjp,
     ),
-    (Op.CUMSUM, _cumsum, CumsumAttrs, FLOATS | INT64, CUMSUM_CASES, "cumsum(x, dim), same dtype"),
-    (Op.SORT, _sort, SortAttrs, FLOATS | INT64, SORT_CASES, "sort(x, ...) -> values, indices"),
-    (Op.TOPK, _topk, TopkAttrs, FLOATS | INT64, TOPK_CASES, "topk(x, ...) -> values, indices"),
+    (
+        Op.CUMSUM,
+        _cumsum,
+        CumsumAttrs,
+        FLOATS | INT64,
+        CUMSUM_CASES,
+        "cumsum(x, dim), same dtype",
+        _cumsum_vjp,
+    ),
+    (
+        Op.SORT,
+        _sort,
+        SortAttrs,
+        FLOATS | INT64,
+        SORT_CASES,
+        "sort(x, ...) -> values, indices",
+        _selection_vjp,
+    ),
+    (
+        Op.TOPK,
+        _topk,
+        TopkAttrs,
+        FLOATS | INT64,
+        TOPK_CASES,
+        "topk(x, ...) -> values, indices",
+        _selection_vjp,
+    ),
 )
-for _op, _impl, _attrs, _dtypes, _cases, _doc in _ROWS:
-    extern(_op, _impl, attrs=_attrs, dtypes=_dtypes, samples=_samples(_cases), doc=_doc)
+for _op, _impl, _attrs, _dtypes, _cases, _doc, _vjp in _ROWS:
+    extern(_op, _impl, attrs=_attrs, dtypes=_dtypes, samples=_samples(_cases), doc=_doc, vjp=_vjp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,6 +671,25 @@ def extern_call(
     return pytree.tree_unflatten(flat, structure)
 
 
+def extern_backward(
+    attrs: ExternAttrs, operands: Sequence[Any], grads: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of the floating tensors of ``operands`` (the forward's, which the Slots of
+    ``attrs`` index) given ``grads``, one cotangent (or None) per flattened output, by re-running
+    ``attrs.fn`` under autograd. Each operand is its own leaf, even one passed twice."""
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = [_grad_leaf(operand) for operand in operands]
+        result = _extern(attrs, *leaves)
+        outputs = [result] if isinstance(result, torch.Tensor) else list(result)
+        return tuple(_autograd(outputs, leaves, grads))
+
+
+def _extern_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+    # attrs travels whole, a leaf to extern_call: its Slots index ``inputs``, not the new node.
+    results = extern_call(extern_backward, (attrs, list(inputs), list(grads)))
+    return _spread(inputs, results)
+
+
 def _extern_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
     def x(*shape: int) -> torch.Tensor:
         return make_tensor(shape, dtype, device)
@@ -479,5 +718,6 @@ extern(
     dtypes=FLOATS,
     samples=_extern_samples,
     doc="extern(*tensors, fn, args, kwargs): fn's result, its tensors flattened",
+    vjp=_extern_vjp,
     fake=True,  # any function: it may move tensors between devices
 )

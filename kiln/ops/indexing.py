@@ -16,13 +16,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from kiln.ir.graph import Value
 from kiln.ir.op import Op, Sample, Tag
 from kiln.ir.types import Shape, TensorType
+from kiln.ops import prims
 from kiln.ops.attrs import GatherAttrs, IndexAttrs, IndexPutAttrs, ScatterAttrs
 from kiln.ops.movement import (
+    Cotangents,
+    Grads,
     check_dim,
     check_dims,
     concrete,
@@ -92,6 +97,22 @@ def _scatter_meta(op: Op) -> Callable[..., TensorType]:
         return result(x, x.shape)
 
     return meta
+
+
+def _scatter_impl(
+    scatter: Callable[..., torch.Tensor],
+) -> Callable[[ScatterAttrs, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``scatter(x, dim, index, src)`` on the part of ``src`` that ``index`` covers (the only
+    part read), so eager autograd also works where ``src`` is larger than ``index``: torch's
+    own derivative gives ``src`` a gradient of ``index``'s shape there and fails."""
+
+    def impl(
+        attrs: ScatterAttrs, x: torch.Tensor, index: torch.Tensor, src: torch.Tensor
+    ) -> torch.Tensor:
+        read = src[tuple(slice(0, size) for size in index.shape)]
+        return scatter(x, attrs.dim, index, read)
+
+    return impl
 
 
 @dataclass(frozen=True)
@@ -181,6 +202,52 @@ def _scatter_samples(distinct: bool) -> Callable[[torch.dtype, torch.device], li
     return samples
 
 
+# VJP rules: vjp(attrs, inputs, outputs, grads) -> one gradient per input, in prims; indices
+# get None. Each is eager's derivative formula, the adjoint scattering with accumulation.
+
+
+def _zeros(like: TensorType) -> Value:
+    return prims.full(shape=like.shape, value=0, dtype=like.dtype, device=like.device)
+
+
+def _src_grad(g: Value, index: Value, src: Value, dim: int) -> Value:
+    """``g`` read back at the scattered positions; ``src`` elements past ``index``'s extent were
+    never read, so they get zeros."""
+    picked = prims.gather(g, index, dim=dim)
+    if picked.type.shape == src.type.shape:
+        return picked
+    zeros = (0,) * src.type.rank
+    sizes = zip(concrete(src.type.shape), concrete(index.type.shape), strict=True)
+    high = tuple(size - extent for size, extent in sizes)
+    return prims.pad(picked, low=zeros, high=high, value=0)
+
+
+def _gather_vjp(
+    attrs: GatherAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    x, index = inputs
+    (g,) = grads
+    return (prims.scatter_add(_zeros(x.type), index, g, dim=attrs.dim), None)
+
+
+def _scatter_vjp(
+    attrs: ScatterAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    """x: ``g`` with the overwritten positions zeroed; src: ``g`` at those positions."""
+    _, index, src = inputs
+    (g,) = grads
+    cleared = prims.scatter(g, index, _zeros(index.type.with_(dtype=g.type.dtype)), dim=attrs.dim)
+    return (cleared, None, _src_grad(g, index, src, attrs.dim))
+
+
+def _scatter_add_vjp(
+    attrs: ScatterAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    _, index, src = inputs
+    (g,) = grads
+    return (g, None, _src_grad(g, index, src, attrs.dim))
+
+
 movement(
     Op.GATHER,
     GatherAttrs,
@@ -189,24 +256,27 @@ movement(
     _gather_samples,
     "gather(x, index, dim): out[i][j] = x[index[i][j]][j] for dim 0 (torch.gather)",
     Tag.INDEXING,
+    vjp=_gather_vjp,
 )
 movement(
     Op.SCATTER,
     ScatterAttrs,
     _scatter_meta(Op.SCATTER),
-    lambda attrs, x, index, src: torch.scatter(x, attrs.dim, index, src),
+    _scatter_impl(torch.scatter),
     _scatter_samples(distinct=True),
     "scatter(x, index, src, dim): a copy of x with out[index[i][j]][j] = src[i][j] for dim 0",
     Tag.INDEXING,
+    vjp=_scatter_vjp,
 )
 movement(
     Op.SCATTER_ADD,
     ScatterAttrs,
     _scatter_meta(Op.SCATTER_ADD),
-    lambda attrs, x, index, src: torch.scatter_add(x, attrs.dim, index, src),
+    _scatter_impl(torch.scatter_add),
     _scatter_samples(distinct=False),
     "scatter_add(x, index, src, dim): a copy of x with out[index[i][j]][j] += src[i][j]",
     Tag.INDEXING,
+    vjp=_scatter_add_vjp,
 )
 
 
@@ -368,6 +438,28 @@ def _index_put_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]
     return plain + summed
 
 
+def _index_vjp(attrs: IndexAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents) -> Grads:
+    """Zeros with the cotangent added at the indexed positions (duplicates accumulate)."""
+    x, *indices = inputs
+    (g,) = grads
+    summed = prims.index_put(_zeros(x.type), g, *indices, dims=attrs.dims, accumulate=True)
+    return (summed, *(None for _ in indices))
+
+
+def _index_put_vjp(
+    attrs: IndexPutAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    """x: ``g``, with the overwritten positions zeroed unless accumulating; values: ``g`` at
+    the indexed positions."""
+    _, values, *indices = inputs
+    (g,) = grads
+    kept = g
+    if not attrs.accumulate:
+        kept = prims.index_put(g, _zeros(values.type), *indices, dims=attrs.dims)
+    picked = prims.index(g, *indices, dims=attrs.dims)
+    return (kept, picked, *(None for _ in indices))
+
+
 movement(
     Op.INDEX,
     IndexAttrs,
@@ -376,6 +468,7 @@ movement(
     _index_samples,
     "index(x, *indices, dims): x[..., i, ..., j, ...] with the index tensors at dims",
     Tag.INDEXING,
+    vjp=_index_vjp,
 )
 movement(
     Op.INDEX_PUT,
@@ -385,4 +478,5 @@ movement(
     _index_put_samples,
     "index_put(x, values, *indices, dims, accumulate): x[indices] = values (or +=), out of place",
     Tag.INDEXING,
+    vjp=_index_put_vjp,
 )

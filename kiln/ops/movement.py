@@ -22,8 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.ir.graph import Value
 from kiln.ir.op import Op, OpDef, Sample, Tag, register
 from kiln.ir.types import Dim, Scalar, Shape, SymDim, TensorType
+from kiln.ops import prims
 from kiln.ops.attrs import (
     BroadcastAttrs,
     CatAttrs,
@@ -140,6 +142,7 @@ def movement(
     samples: Callable[[torch.dtype, torch.device], Sequence[Sample]],
     doc: str,
     tag: Tag = Tag.MOVEMENT,
+    vjp: Callable[..., Any] | None = None,
 ) -> OpDef:
     """Register a movement or indexing prim that takes every dtype."""
     return register(
@@ -151,9 +154,31 @@ def movement(
             tags=frozenset({tag}),
             dtypes=ALL,
             samples=samples,
+            vjp=vjp,
             doc=doc,
         )
     )
+
+
+# VJP rules: vjp(attrs, inputs, outputs, grads) -> one gradient per input, in prims. Movement
+# is linear, so each rule moves the cotangent back (and sums where elements were repeated).
+# These ops have one output, so its cotangent is never None (vjp_of skips a node without any).
+Grads = tuple[Value | None, ...]
+Cotangents = Sequence[Value]
+
+
+def _unbroadcast(g: Value, x: TensorType, dims: Sequence[int]) -> Value:
+    """The cotangent of ``x`` broadcast to ``g``'s shape, input dim i at output dim ``dims[i]``:
+    ``g`` summed over the new dims and the size-1 dims that grew, in ``x``'s shape."""
+    grown = tuple(
+        i
+        for i, (size, out) in enumerate(zip(x.shape, dims, strict=True))
+        if size == 1 and g.type.shape[out] != 1
+    )
+    summed = {d for d in range(g.type.rank) if d not in dims} | {dims[i] for i in grown}
+    if summed:
+        g = prims.sum(g, dims=tuple(sorted(summed)))
+    return prims.unsqueeze(g, dims=grown) if grown else g
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +197,14 @@ def _reshape_meta(attrs: ReshapeAttrs, x: TensorType) -> TensorType:
     return result(x, attrs.shape)
 
 
+def _reshape_vjp(
+    attrs: ReshapeAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    (x,) = inputs
+    (g,) = grads
+    return (prims.reshape(g, shape=x.type.shape),)
+
+
 movement(
     Op.RESHAPE,
     ReshapeAttrs,
@@ -188,6 +221,7 @@ movement(
         ]
     ),
     "reshape(x, shape): the same elements in row-major order under a new shape",
+    vjp=_reshape_vjp,
 )
 
 
@@ -197,6 +231,16 @@ def _permute_meta(attrs: PermuteAttrs, x: TensorType) -> TensorType:
     if len(attrs.dims) != x.rank:
         raise RuntimeError(f"permute: {len(attrs.dims)} dims for a {x.rank}-d tensor")
     return result(x, [x.shape[d] for d in attrs.dims])
+
+
+def _permute_vjp(
+    attrs: PermuteAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    (g,) = grads
+    inverse = [0] * len(attrs.dims)
+    for position, dim in enumerate(attrs.dims):
+        inverse[dim] = position
+    return (prims.permute(g, dims=tuple(inverse)),)
 
 
 movement(
@@ -214,6 +258,7 @@ movement(
         ]
     ),
     "permute(x, dims): output dim i is input dim dims[i]",
+    vjp=_permute_vjp,
 )
 
 
@@ -242,6 +287,14 @@ def _broadcast_impl(attrs: BroadcastAttrs, x: torch.Tensor) -> torch.Tensor:
     return x.reshape(view).expand(concrete(attrs.shape))
 
 
+def _broadcast_vjp(
+    attrs: BroadcastAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    (x,) = inputs
+    (g,) = grads
+    return (_unbroadcast(g, x.type, attrs.dims),)
+
+
 movement(
     Op.BROADCAST,
     BroadcastAttrs,
@@ -257,6 +310,7 @@ movement(
         ]
     ),
     "broadcast(x, shape, dims): broadcast_in_dim; input dim i becomes output dim dims[i]",
+    vjp=_broadcast_vjp,
 )
 
 
@@ -269,6 +323,14 @@ def _expand_meta(attrs: ExpandAttrs, x: TensorType) -> TensorType:
     for dim, (size, target) in enumerate(zip(x.shape, attrs.shape, strict=True)):
         _check_growth(Op.EXPAND, size, target, dim)
     return result(x, attrs.shape)
+
+
+def _expand_vjp(
+    attrs: ExpandAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    (x,) = inputs
+    (g,) = grads
+    return (_unbroadcast(g, x.type, range(x.type.rank)),)
 
 
 movement(
@@ -286,6 +348,7 @@ movement(
         ]
     ),
     "expand(x, shape): size-1 dims grow to shape (same rank)",
+    vjp=_expand_vjp,
 )
 
 
@@ -312,6 +375,29 @@ def _slice_impl(attrs: SliceAttrs, x: torch.Tensor) -> torch.Tensor:
     return x[(slice(None),) * attrs.dim + (slice(attrs.start, attrs.stop, attrs.step),)]
 
 
+def _slice_vjp(attrs: SliceAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents) -> Grads:
+    """Zeros with the cotangent at the sliced positions: a strided slice first spreads it out
+    (``step - 1`` zeros after each element), then a pad places it."""
+    (x,) = inputs
+    (g,) = grads
+    dim, step, rank = attrs.dim, attrs.step, x.type.rank
+    size, count = concrete(x.type.shape)[dim], concrete(g.type.shape)[dim]
+    spread = g
+    if step > 1:
+        # [.., n, ..] -> [.., n, 1, ..] -> [.., n, step, ..] -> [.., n * step, ..]
+        spread = prims.unsqueeze(g, dims=(dim + 1,))
+        tail = tuple(step - 1 if d == dim + 1 else 0 for d in range(rank + 1))
+        spread = prims.pad(spread, low=(0,) * (rank + 1), high=tail, value=0)
+        shape = list(g.type.shape)
+        shape[dim] = count * step
+        spread = prims.reshape(spread, shape=tuple(shape))
+    length = count * step
+    low = tuple(attrs.start if d == dim else 0 for d in range(rank))
+    # Negative where the spread runs past the end: it crops only the padded zeros.
+    high = tuple(size - attrs.start - length if d == dim else 0 for d in range(rank))
+    return (prims.pad(spread, low=low, high=high, value=0),)
+
+
 movement(
     Op.SLICE,
     SliceAttrs,
@@ -329,6 +415,7 @@ movement(
         ]
     ),
     "slice(x, dim, start, stop, step): x[..., start:stop:step, ...] along dim",
+    vjp=_slice_vjp,
 )
 
 
@@ -339,6 +426,13 @@ def _squeeze_meta(attrs: SqueezeAttrs, x: TensorType) -> TensorType:
         if sizes_differ(x.shape[dim], 1):
             raise RuntimeError(f"squeeze: dim {dim} has size {x.shape[dim]}, not 1")
     return result(x, [size for dim, size in enumerate(x.shape) if dim not in attrs.dims])
+
+
+def _squeeze_vjp(
+    attrs: SqueezeAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    (g,) = grads
+    return (prims.unsqueeze(g, dims=tuple(sorted(attrs.dims))) if attrs.dims else g,)
 
 
 movement(
@@ -356,6 +450,7 @@ movement(
         ]
     ),
     "squeeze(x, dims): remove dims, each of size 1",
+    vjp=_squeeze_vjp,
 )
 
 
@@ -373,6 +468,13 @@ def _unsqueeze_impl(attrs: UnsqueezeAttrs, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _unsqueeze_vjp(
+    attrs: UnsqueezeAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    (g,) = grads
+    return (prims.squeeze(g, dims=attrs.dims) if attrs.dims else g,)
+
+
 movement(
     Op.UNSQUEEZE,
     UnsqueezeAttrs,
@@ -388,6 +490,7 @@ movement(
         ]
     ),
     "unsqueeze(x, dims): insert size-1 dims at dims (positions in the output)",
+    vjp=_unsqueeze_vjp,
 )
 
 
@@ -423,6 +526,20 @@ def _cat_meta(attrs: CatAttrs, *operands: TensorType) -> TensorType:
     return result(first, shape)
 
 
+def _cat_vjp(attrs: CatAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents) -> Grads:
+    """Each operand's part of the cotangent, sliced out along ``dim``."""
+    (g,) = grads
+    if len(inputs) == 1:
+        return (g,)
+    parts: list[Value | None] = []
+    start = 0
+    for x in inputs:
+        stop = start + x.type.shape[attrs.dim]
+        parts.append(prims.slice(g, dim=attrs.dim, start=start, stop=stop))
+        start = stop
+    return tuple(parts)
+
+
 movement(
     Op.CAT,
     CatAttrs,
@@ -438,6 +555,7 @@ movement(
         ]
     ),
     "cat(*xs, dim): concatenate along dim; shapes agree elsewhere",
+    vjp=_cat_vjp,
 )
 
 
@@ -488,6 +606,14 @@ def _pad_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
     ]
 
 
+def _pad_vjp(attrs: PadAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents) -> Grads:
+    """The opposite pad: padding crops the cotangent, cropping pads it with zeros."""
+    (g,) = grads
+    low = tuple(-amount for amount in attrs.low)
+    high = tuple(-amount for amount in attrs.high)
+    return (prims.pad(g, low=low, high=high, value=0),)
+
+
 movement(
     Op.PAD,
     PadAttrs,
@@ -495,6 +621,7 @@ movement(
     _pad_impl,
     _pad_samples,
     "pad(x, low, high, value): constant padding per dim; negative amounts crop",
+    vjp=_pad_vjp,
 )
 
 
@@ -502,6 +629,11 @@ def _flip_meta(attrs: FlipAttrs, x: TensorType) -> TensorType:
     x = tensor_operand(Op.FLIP, x)
     check_dims(Op.FLIP, attrs.dims, x.rank)
     return result(x, x.shape)
+
+
+def _flip_vjp(attrs: FlipAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents) -> Grads:
+    (g,) = grads
+    return (prims.flip(g, dims=attrs.dims) if attrs.dims else g,)
 
 
 movement(
@@ -519,4 +651,5 @@ movement(
         ]
     ),
     "flip(x, dims): reverse the order of elements along dims",
+    vjp=_flip_vjp,
 )

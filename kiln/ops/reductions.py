@@ -14,12 +14,15 @@ everything). A max or min over a dim of size 0 has no identity and is an error, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from kiln.ir.graph import Value
 from kiln.ir.op import Op, OpDef, Sample, Tag, register
 from kiln.ir.types import FLOATING, Shape, TensorType
+from kiln.ops import prims
 from kiln.ops.attrs import ArgReduceAttrs, ReduceAttrs
 from kiln.ops.sampling import ALL, NUMERIC, make_tensor
 
@@ -113,6 +116,7 @@ def reduction(
     nonempty: bool = False,
     low: float | None = None,
     high: float | None = None,
+    vjp: Callable[..., Any] | None = None,
 ) -> OpDef:
     """Register a reduction over ``attrs.dims`` computed by ``fn(x, dims)`` (dims non-empty)."""
     accepted = dtypes | FLOATING  # float64 too, like every prim that takes floats
@@ -134,15 +138,79 @@ def reduction(
             tags=frozenset({Tag.REDUCTION}),
             dtypes=dtypes,
             samples=_reduce_samples(low, high, nonempty),
+            vjp=vjp,
             doc=f"{op.printed_name}(x, dims): reduce over dims (removed), same dtype",
         )
     )
 
 
-reduction(Op.SUM, lambda x, dims: torch.sum(x, dims, dtype=x.dtype), NUMERIC)
-reduction(Op.PROD, _prod, NUMERIC, low=-2.0, high=3.0)
-reduction(Op.AMAX, torch.amax, ALL, nonempty=True)
-reduction(Op.AMIN, torch.amin, ALL, nonempty=True)
+# ---------------------------------------------------------------------------------------------
+# VJP rules: vjp(attrs, inputs, outputs, grads) -> one gradient per input, in prims. With
+# ``dims=()`` a reduction is a copy, so its cotangent passes through. One output, so its
+# cotangent is never None (vjp_of skips a node without any).
+Grads = tuple[Value | None, ...]
+Cotangents = Sequence[Value]
+
+
+def _restore(reduced: Value, x: Value, dims: tuple[int, ...]) -> Value:
+    """``reduced`` (``x`` reduced over ``dims``) broadcast back to ``x``'s shape."""
+    kept = tuple(dim for dim in range(x.type.rank) if dim not in dims)
+    return prims.broadcast(reduced, shape=x.type.shape, dims=kept)
+
+
+def _count(mask: Value, dims: tuple[int, ...]) -> Value:
+    """How many elements of ``mask`` are set over ``dims``, in int64 as eager counts."""
+    return prims.sum(prims.convert(mask, dtype=torch.int64), dims=dims)
+
+
+def _sum_vjp(attrs: ReduceAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents) -> Grads:
+    (x,) = inputs
+    (g,) = grads
+    return (_restore(g, x, attrs.dims) if attrs.dims else g,)
+
+
+def _prod_vjp(attrs: ReduceAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents) -> Grads:
+    """Eager's prod_backward: ``g * result / x`` in a slice without zeros; with one zero, the
+    product of the others at the zero and 0 elsewhere; with more, 0. Decided per slice here
+    (eager switches the whole tensor to a zero-safe cumprod formula, equal up to rounding)."""
+    (x,) = inputs
+    (result,) = outputs
+    (g,) = grads
+    if not attrs.dims:
+        return (g,)
+    dims = attrs.dims
+    zero = prims.eq(x, 0)
+    zeros = _count(zero, dims)
+    others = _restore(prims.prod(prims.where(zero, 1, x), dims=dims), x, dims)
+    lone_zero = prims.logical_and(zero, _restore(prims.eq(zeros, 1), x, dims))
+    with_zero = prims.where(lone_zero, others, 0)
+    no_zero = _restore(prims.eq(zeros, 0), x, dims)
+    derivative = prims.where(no_zero, prims.div(_restore(result, x, dims), x), with_zero)
+    return (prims.mul(_restore(g, x, dims), derivative),)
+
+
+def _extreme_vjp(
+    attrs: ReduceAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
+) -> Grads:
+    """amax/amin: the cotangent split evenly among the elements equal to the extreme, as
+    eager's ``(g / mask.sum(dims)) * mask`` (a slice of NaNs gets NaN, as in eager)."""
+    (x,) = inputs
+    (result,) = outputs
+    (g,) = grads
+    if not attrs.dims:
+        return (g,)
+    dims, dtype = attrs.dims, x.type.dtype
+    chosen = prims.eq(x, _restore(result, x, dims))
+    # Eager promotes the int64 count to g's dtype where it divides.
+    count = prims.convert(_count(chosen, dims), dtype=dtype)
+    share = _restore(prims.div(g, count), x, dims)
+    return (prims.mul(share, prims.convert(chosen, dtype=dtype)),)
+
+
+reduction(Op.SUM, lambda x, dims: torch.sum(x, dims, dtype=x.dtype), NUMERIC, vjp=_sum_vjp)
+reduction(Op.PROD, _prod, NUMERIC, low=-2.0, high=3.0, vjp=_prod_vjp)
+reduction(Op.AMAX, torch.amax, ALL, nonempty=True, vjp=_extreme_vjp)
+reduction(Op.AMIN, torch.amin, ALL, nonempty=True, vjp=_extreme_vjp)
 
 
 # ---------------------------------------------------------------------------------------------

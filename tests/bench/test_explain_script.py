@@ -39,7 +39,7 @@ def test_explain_reports_graphs_breaks_and_recompiles(
     assert f"kiln explain: 2 compiled function(s) ran in {script}" in err
     assert "== step ==" in err
     assert "2 graph(s), 2 graph break(s)" in err
-    assert "  graph 0: step, 2 nodes" in err
+    assert "  graph 0: step, 3 nodes" in err  # relu (le, where), then mul
     assert f'IO in step at {script}:9: print("halfway")' in err
     assert "recompiles (1):" in err
     assert "kernels: none yet" in err

@@ -59,7 +59,8 @@ def finish(input: Value, result: Value, inplace: bool) -> Value:
 def relu(input: Value, inplace: bool = False) -> Value:
     if input.type.dtype == torch.bool:
         raise RuntimeError("Boolean inputs not supported for relu")
-    return finish(input, prims.maximum(input, 0), inplace)
+    # where, not maximum: eager's relu passes no gradient at 0 (maximum would split a tie).
+    return finish(input, prims.where(prims.le(input, 0), 0, input), inplace)
 
 
 def hardtanh(
@@ -70,7 +71,15 @@ def hardtanh(
     dtype = input.type.dtype
     # Integer tensors truncate the bounds toward zero, as eager's cast to the tensor's dtype.
     low, high = (bound if dtype.is_floating_point else int(bound) for bound in (min_val, max_val))
-    return finish(input, prims.minimum(prims.maximum(input, low), high), inplace)
+    return finish(input, _clip_open(input, low, high), inplace)
+
+
+def _clip_open(x: Value, low: float, high: float) -> Value:
+    """``x`` clipped to ``[low, high]``, with eager's hardtanh gradient: none at the bounds."""
+    inside = prims.where(prims.le(x, low), low, x)
+    result = prims.where(prims.ge(inside, high), high, inside)
+    assert isinstance(result, Value)
+    return result
 
 
 def relu6(input: Value, inplace: bool = False) -> Value:
@@ -86,7 +95,7 @@ def leaky_relu(input: Value, negative_slope: float = 0.01, inplace: bool = False
 
 def _hard_gate(x: Value) -> Value:
     """``min(max(x + 3, 0), 6)``, shared by hardsigmoid and hardswish."""
-    return prims.minimum(prims.maximum(prims.add(x, 3.0), 0.0), 6.0)
+    return _clip_open(prims.add(x, 3.0), 0.0, 6.0)
 
 
 def hardsigmoid(input: Value, inplace: bool = False) -> Value:

@@ -75,12 +75,28 @@ def embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> Value:
-    if max_norm is not None:
-        raise FallbackToExtern  # renormalizes the weight rows in place
+    if max_norm is not None or scale_grad_by_freq:
+        raise FallbackToExtern  # renormalizes rows in place / scales gradients by frequency
     rows = static(weight.type.shape[0])
     if padding_idx is not None and not -rows <= padding_idx < rows:
         raise AssertionError("Padding_idx must be within num_embeddings")
-    return _lookup(weight, input)
+    return _without_padding_gradient(_lookup(weight, input), input, padding_idx, rows)
+
+
+def _without_padding_gradient(
+    result: Value, indices: Value, padding_idx: int | None, rows: int
+) -> Value:
+    """The looked-up rows, with no gradient flowing back into the padding row (as eager's
+    embedding backward): where an index is the padding index, a detached copy is used."""
+    if padding_idx is None or not result.type.requires_grad:
+        return result
+    hit = prims.eq(indices, padding_idx % rows)
+    hit = common.broadcast_to(prims.reshape(hit, shape=(*hit.type.shape, 1)), result.type.shape)
+    with torch.no_grad():
+        frozen = prims.convert(result, dtype=result.type.dtype)
+    masked = prims.where(hit, frozen, result)
+    assert isinstance(masked, Value)
+    return masked
 
 
 @translation(
@@ -95,7 +111,11 @@ def embedding_weight_first(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> Value:
-    return _lookup(weight, indices)
+    if scale_grad_by_freq:
+        raise FallbackToExtern
+    rows = static(weight.type.shape[0])
+    padding = padding_idx if padding_idx >= 0 else None
+    return _without_padding_gradient(_lookup(weight, indices), indices, padding, rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -215,8 +215,20 @@ def max_pool(
     fill = _lowest(input.type.dtype)
     result = input
     first = input.type.rank - spatial
-    for offset, (window, out) in enumerate(zip(wins, outs, strict=True)):
-        result = pool_dim(result, first + offset, window, out, fill, prims.maximum)
+    # Eager's max pool passes the gradient to the first maximum of a window in row-major order:
+    # reduce the last spatial dim first, keeping the earlier element on ties (NaN wins).
+    steps = list(enumerate(zip(wins, outs, strict=True)))
+    for offset, (window, out) in reversed(steps):
+        result = pool_dim(result, first + offset, window, out, fill, _first_max)
+    return result
+
+
+def _first_max(a: Value, b: Value) -> Value:
+    take = prims.gt(b, a)
+    if a.type.dtype.is_floating_point:
+        take = prims.logical_or(take, prims.isnan(b))
+    result = prims.where(take, b, a)
+    assert isinstance(result, Value)
     return result
 
 

@@ -33,6 +33,17 @@ Scalar = bool | int | float
 # clamp
 
 
+def _below(a: Operand, b: Operand) -> Value:
+    """``a < b``, true where ``b`` is NaN (a NaN bound makes eager's clamp NaN)."""
+    less = prims.lt(a, b)
+    if isinstance(b, Value) and b.type.dtype.is_floating_point:
+        less = prims.logical_or(less, prims.isnan(b))
+    elif isinstance(b, float) and b != b:
+        return prims.logical_or(less, True)
+    assert isinstance(less, Value)
+    return less
+
+
 def clamp(
     input: Value, min: Operand | None = None, max: Operand | None = None, *, out: Any = None
 ) -> Value:
@@ -44,10 +55,11 @@ def clamp(
     (x, *converted), _ = common.elementwise(input, *bounds)
     lower = converted.pop(0) if min is not None else None
     upper = converted.pop(0) if max is not None else None
+    # where, not maximum/minimum: eager's clamp passes the gradient at the bounds to x.
     if lower is not None:
-        x = prims.maximum(x, lower)
+        x = prims.where(_below(x, lower), lower, x)
     if upper is not None:
-        x = prims.minimum(x, upper)
+        x = prims.where(_below(upper, x), upper, x)
     assert isinstance(x, Value)
     return x
 

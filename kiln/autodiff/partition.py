@@ -1,0 +1,230 @@
+"""Splitting a joint graph into a forward graph and a backward graph: what to save, what to
+recompute.
+
+The backward graph needs some forward values. Each can be *saved* (kept alive from the forward
+to the backward: memory traffic and peak memory) or *recomputed* in the backward from other
+values. Cheap elementwise and movement work (and random numbers, a pure function of the seed)
+may be recomputed; reductions, externs (matmul, convolution, attention) and indexing may not.
+The choice is a minimum cut (the reference approach of AOTAutograd's partitioner): each
+forward value ``v`` is an edge ``v_in -> v_out`` whose capacity is its size in bytes; the
+source feeds graph inputs (free to keep: they are alive anyway) and the outputs of nodes that
+may not be recomputed; ``v_out`` feeds the sink when the backward reads ``v``; a use of ``u``
+by the node producing ``w`` is an infinite edge ``u_out -> w_in``. The cut's edges are the
+values to save; everything the backward needs beyond them is recomputed there.
+
+For ``gelu(x @ w + b)`` this saves ``x``, ``w``, ``b`` and ``x @ w`` and recomputes the bias
+add and gelu's elementwise chain in the backward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from itertools import pairwise
+
+from kiln.autodiff.reverse import Joint
+from kiln.ir.graph import Graph, InputKind, Node, Value
+from kiln.ir.op import Op, Tag, op_def
+
+INFINITE = 1 << 62
+_RECOMPUTABLE_TAGS = frozenset({Tag.ELEMENTWISE, Tag.MOVEMENT, Tag.CREATION, Tag.RANDOM})
+_NOT_RECOMPUTABLE = frozenset({Op.GATHER, Op.SCATTER, Op.SCATTER_ADD, Op.INDEX, Op.INDEX_PUT})
+
+
+@dataclass
+class Partition:
+    forward: Graph  # outputs: the original outputs, then the saved non-input values
+    backward: Graph  # inputs: saved values (inputs first, then the rest), then cotangents
+    saved_inputs: list[int]  # positions (in the forward graph's inputs) saved for the backward
+    saved_count: int  # saved values that are forward outputs (after the original outputs)
+    grad_inputs: list[int]  # forward input positions the backward's outputs are gradients of
+
+
+def recomputable(node: Node) -> bool:
+    row = op_def(node.op)
+    return bool(row.tags & _RECOMPUTABLE_TAGS) and node.op not in _NOT_RECOMPUTABLE
+
+
+def _size(value: Value) -> int:
+    """Bytes of ``value`` (a symbolic dim counts as 1024 elements: large, not free)."""
+    numel = 1
+    for dim in value.type.shape:
+        numel *= dim if isinstance(dim, int) else 1024
+    return max(1, numel * value.type.dtype.itemsize)
+
+
+def choose_saved(joint: Joint) -> list[Value]:
+    """The forward values to save: a minimum cut of the recomputation network."""
+    forward_nodes = joint.graph.nodes[: joint.forward_count]
+    backward_nodes = joint.graph.nodes[joint.forward_count :]
+    cotangents = set(joint.cotangents)
+    forward_values: dict[Value, Node | None] = {
+        v: None for v in joint.graph.inputs if v not in cotangents
+    }
+    for node in forward_nodes:
+        for out in node.outputs:
+            forward_values[out] = node
+    needed = {v for node in backward_nodes for v in node.input_values() if v in forward_values} | {
+        g for g in joint.input_grads if g is not None and g in forward_values
+    }
+    if not needed:
+        return []
+    flow = _Network()
+    for value, producer in forward_values.items():
+        if producer is None:
+            flow.edge("S", ("in", value), INFINITE)
+            flow.edge(("in", value), ("out", value), 1)  # inputs are alive anyway
+            continue
+        # Scaled, plus one for recomputable values: of two cuts of equal size, keep the one
+        # that saves externs' and reductions' outputs and recomputes elementwise work.
+        cost = 4 * _size(value) + (1 if recomputable(producer) else 0)
+        flow.edge(("in", value), ("out", value), cost)
+        if not recomputable(producer):
+            flow.edge("S", ("in", value), INFINITE)
+        for operand in producer.input_values():
+            flow.edge(("out", operand), ("in", value), INFINITE)
+    for value in needed:
+        flow.edge(("out", value), "T", INFINITE)
+    source_side = flow.min_cut("S", "T")
+    return [
+        value
+        for value in forward_values
+        if ("in", value) in source_side and ("out", value) not in source_side
+    ]
+
+
+class _Network:
+    """A flow network with Dinic's maximum flow (graphs of a few thousand nodes)."""
+
+    def __init__(self) -> None:
+        self.capacity: dict[object, dict[object, int]] = {}
+
+    def edge(self, a: object, b: object, capacity: int) -> None:
+        self.capacity.setdefault(a, {})
+        self.capacity.setdefault(b, {})
+        self.capacity[a][b] = self.capacity[a].get(b, 0) + capacity
+        self.capacity[b].setdefault(a, 0)
+
+    def _levels(self, source: object, sink: object) -> dict[object, int] | None:
+        level = {source: 0}
+        queue = deque([source])
+        while queue:
+            a = queue.popleft()
+            for b, cap in self.capacity[a].items():
+                if cap > 0 and b not in level:
+                    level[b] = level[a] + 1
+                    queue.append(b)
+        return level if sink in level else None
+
+    def _blocking_flow(self, source: object, sink: object, level: dict[object, int]) -> bool:
+        """Augment along shortest paths until none is left (iterative: paths can be long)."""
+        pointer = {a: list(edges) for a, edges in self.capacity.items()}
+        found = False
+        while True:
+            path = [source]
+            while path and path[-1] != sink:
+                a = path[-1]
+                edges = pointer[a]
+                while edges:
+                    b = edges[-1]
+                    if self.capacity[a][b] > 0 and level.get(b) == level[a] + 1:
+                        path.append(b)
+                        break
+                    edges.pop()
+                else:
+                    path.pop()  # a dead end: never try it again in this phase
+                    if path:
+                        pointer[path[-1]].pop()
+            if not path:
+                return found
+            amount = min(self.capacity[a][b] for a, b in pairwise(path))
+            for a, b in pairwise(path):
+                self.capacity[a][b] -= amount
+                self.capacity[b][a] += amount
+            found = True
+
+    def min_cut(self, source: object, sink: object) -> set[object]:
+        """The nodes on the source side of a minimum cut."""
+        while (level := self._levels(source, sink)) is not None:
+            self._blocking_flow(source, sink, level)
+        reached = {source}
+        queue = deque([source])
+        while queue:
+            a = queue.popleft()
+            for b, cap in self.capacity[a].items():
+                if cap > 0 and b not in reached:
+                    reached.add(b)
+                    queue.append(b)
+        return reached
+
+
+def partition(joint: Joint, forward: Graph) -> Partition:
+    """The forward and backward graphs of ``joint`` (``forward`` is the original graph)."""
+    saved = choose_saved(joint)
+    saved_inputs = [forward.inputs.index(v) for v in saved if v in forward.inputs]
+    saved_values = [v for v in saved if v not in forward.inputs]
+    fwd = Graph(
+        inputs=list(forward.inputs),
+        nodes=list(forward.nodes),
+        outputs=[*forward.outputs, *saved_values],
+        mutations=list(forward.mutations),
+        constants=dict(forward.constants),
+        name=f"{forward.name}_forward",
+    )
+    fwd._names, fwd._counter = set(forward._names), forward._counter
+    backward, grad_inputs = _backward_graph(
+        joint, [forward.inputs[i] for i in saved_inputs], saved_values
+    )
+    return Partition(fwd, backward, saved_inputs, len(saved_values), grad_inputs)
+
+
+def _backward_graph(
+    joint: Joint, saved_inputs: list[Value], saved_values: list[Value]
+) -> tuple[Graph, list[int]]:
+    graph = Graph(name=f"{joint.graph.name.removesuffix('_joint')}_backward")
+    mapping: dict[Value, Value] = {}
+    for value in [*saved_inputs, *saved_values]:
+        kind = value.kind if value.kind is InputKind.RNG_SEED else InputKind.USER
+        mapping[value] = graph.add_input(
+            value.type.with_(requires_grad=False), name=value.name, kind=kind
+        )
+    for cotangent in joint.cotangents:
+        mapping[cotangent] = graph.add_input(cotangent.type, name=cotangent.name)
+    forward_nodes = joint.graph.nodes[: joint.forward_count]
+    targets = [g for g in joint.input_grads if g is not None]
+    needed = _needed(joint.graph.nodes, targets, set(mapping))
+    for position, node in enumerate(joint.graph.nodes):
+        if node not in needed:
+            continue
+        if position < joint.forward_count:
+            assert recomputable(node), f"{node.op.name} recomputed in the backward"
+        operands = tuple(mapping[i] if isinstance(i, Value) else i for i in node.inputs)
+        copy = graph.append(
+            node.op,
+            operands,
+            node.attrs,
+            tuple(o.type.with_(requires_grad=False) for o in node.outputs),
+            node.origin,
+        )
+        mapping.update(zip(node.outputs, copy.outputs, strict=True))
+    del forward_nodes
+    grad_inputs = [i for i, g in enumerate(joint.input_grads) if g is not None]
+    graph.outputs = [mapping[g] for g in joint.input_grads if g is not None]
+    return graph, grad_inputs
+
+
+def _needed(nodes: list[Node], targets: list[Value], available: set[Value]) -> set[Node]:
+    """The nodes that compute ``targets`` from ``available`` values."""
+    producer = {out: node for node in nodes for out in node.outputs}
+    needed: set[Node] = set()
+    stack = [t for t in targets if t not in available]
+    seen: set[Value] = set()
+    while stack:
+        value = stack.pop()
+        if value in seen or value in available:
+            continue
+        seen.add(value)
+        node = producer[value]
+        needed.add(node)
+        stack.extend(v for v in node.input_values() if v not in available)
+    return needed

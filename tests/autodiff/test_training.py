@@ -1,0 +1,201 @@
+"""Training through compiled graphs: the forward/backward pair inside eager autograd."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln.autodiff.runtime import TrainingGraph
+from kiln.capture.convert import GraphRunner
+
+
+def _training_graph(compiled: Any) -> TrainingGraph:
+    """The TrainingGraph behind a compiled function's newest cache entry."""
+    head = compiled._kiln_cache.entries[0].head
+    runners = [v for v in head.__globals__.values() if isinstance(v, GraphRunner)]
+    assert runners, "no graph in the entry"
+    graph = runners[0].compiled
+    assert isinstance(graph, TrainingGraph), f"ran {type(graph).__name__}, not a TrainingGraph"
+    return graph
+
+
+def _grads(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    fn(*leaves).sum().backward()
+    return [t.grad for t in leaves if t.requires_grad]
+
+
+def test_linear_gelu_gradients_and_minimal_saved_set() -> None:
+    def layer(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x @ w + b)
+
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    compiled = kiln.compile(layer, options={"strict": True})
+    for got, want in zip(_grads(compiled, x, w, b), _grads(layer, x, w, b), strict=True):
+        torch.testing.assert_close(got, want)
+    graph = _training_graph(compiled)
+    saved = graph.saved_names
+    inputs = {v.name for v in graph.plan.forward.inputs}
+    computed = [name for name in saved if name not in inputs]
+    # Only the matmul's output is kept: the bias add and gelu's chain are recomputed.
+    assert len(computed) == 1, saved
+    producer = next(n for n in graph.plan.forward.nodes if n.outputs[0].name == computed[0])
+    assert producer.op.name in ("MM", "ADDMM"), producer.op
+
+
+def test_gradient_accumulation_retain_graph_and_no_grad() -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * w) * w
+
+    x, w = torch.randn(5), torch.randn(5, requires_grad=True)
+    compiled = kiln.compile(fn, options={"strict": True})
+    out = compiled(x, w)
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()
+    got = w.grad.clone()
+    w.grad = None
+    expected_out = fn(x, w)
+    expected_out.sum().backward(retain_graph=True)
+    expected_out.sum().backward()
+    torch.testing.assert_close(got, w.grad)
+    with torch.no_grad():
+        frozen = compiled(x, w)
+    assert not frozen.requires_grad
+    torch.testing.assert_close(frozen, expected_out.detach())
+
+
+def test_eager_code_after_the_compiled_region_and_multiple_outputs() -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        y = x.exp()
+        return y * 2, y.detach() + 1, 3, (x > 0)
+
+    x = torch.randn(4, requires_grad=True)
+    a, b, n, mask = kiln.compile(fn, options={"strict": True})(x)
+    assert n == 3 and not b.requires_grad and mask.dtype == torch.bool
+    (a.sin().sum() + b.sum()).backward()  # eager ops after the compiled graph
+    torch.testing.assert_close(x.grad, (2 * x.exp()).cos() * 2 * x.exp())
+
+
+def test_double_backward_is_a_clear_error() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+    x = torch.randn(3, requires_grad=True)
+    out = kiln.compile(fn, options={"strict": True})(x)
+    with pytest.raises(RuntimeError, match=r"double backward.*'fn'"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_dropout_mask_is_shared_by_forward_and_backward() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, p=0.5, training=True)
+
+    x = torch.randn(1000, requires_grad=True)
+    compiled = kiln.compile(fn, options={"strict": True})
+    torch.manual_seed(7)
+    out = compiled(x)
+    out.sum().backward()
+    kept = out != 0
+    torch.testing.assert_close(x.grad, kept.float() * 2.0)  # the same mask, scaled by 1/(1-p)
+    assert 350 < int(kept.sum()) < 650
+    torch.manual_seed(7)
+    torch.testing.assert_close(compiled(x), out)  # reproducible under torch.manual_seed
+
+
+def test_autocast_dtypes_and_fp32_master_gradients() -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (x @ w).relu()
+
+    x = torch.randn(4, 8)
+    w = torch.randn(8, 8, requires_grad=True)
+    out = kiln.compile(fn, options={"strict": True})(x, w)
+    expected = fn(x, w.detach().requires_grad_())
+    assert out.dtype == expected.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.float32
+
+
+class SmallCNN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)) + y)
+        return self.head(F.adaptive_avg_pool2d(y, 1).flatten(1))
+
+
+def _tiny_bert() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+def _tiny_gpt2() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=99, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    output = model(batch)
+    if isinstance(output, torch.Tensor):
+        return output.square().mean()
+    return output.logits.float().log_softmax(-1).mean()
+
+
+@pytest.mark.parametrize(
+    ("build", "make_batch"),
+    [
+        (SmallCNN, lambda: torch.randn(4, 3, 8, 8)),
+        (_tiny_bert, lambda: torch.randint(0, 99, (2, 8))),
+        (_tiny_gpt2, lambda: torch.randint(0, 99, (2, 8))),
+    ],
+    ids=["cnn_batchnorm", "tiny_bert", "tiny_gpt2"],
+)
+def test_ten_optimizer_steps_match_eager(build: Any, make_batch: Any) -> None:
+    torch.manual_seed(0)
+    eager = build().train()
+    mine = copy.deepcopy(eager)
+    compiled = kiln.compile(mine, options={"strict": True})
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (eager, mine)]
+    for _ in range(10):
+        batch = make_batch()
+        losses = []
+        for runner, optimizer in zip((eager, compiled), optimizers, strict=True):
+            optimizer.zero_grad()
+            loss = _loss(runner, batch)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), mine.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for (name, b), c in zip(eager.named_buffers(), mine.buffers(), strict=True):
+        torch.testing.assert_close(c, b, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert not kiln.counters.fallbacks
+    _training_graph(compiled._kiln_call)  # the compiled pair ran, not eager autograd
