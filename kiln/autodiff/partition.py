@@ -190,13 +190,11 @@ def _backward_graph(
         )
     for cotangent in joint.cotangents:
         mapping[cotangent] = graph.add_input(cotangent.type, name=cotangent.name)
-    forward_nodes = joint.graph.nodes[: joint.forward_count]
     targets = [g for g in joint.input_grads if g is not None]
     needed = _needed(joint.graph.nodes, targets, set(mapping))
-    for position, node in enumerate(joint.graph.nodes):
-        if node not in needed:
-            continue
-        if position < joint.forward_count:
+    recomputed = set(joint.graph.nodes[: joint.forward_count])
+    for node in _schedule(joint.graph.nodes, needed, recomputed):
+        if node in recomputed:
             assert recomputable(node), f"{node.op.name} recomputed in the backward"
         operands = tuple(mapping[i] if isinstance(i, Value) else i for i in node.inputs)
         copy = graph.append(
@@ -207,10 +205,37 @@ def _backward_graph(
             node.origin,
         )
         mapping.update(zip(node.outputs, copy.outputs, strict=True))
-    del forward_nodes
     grad_inputs = [i for i, g in enumerate(joint.input_grads) if g is not None]
     graph.outputs = [mapping[g] for g in joint.input_grads if g is not None]
     return graph, grad_inputs
+
+
+def _schedule(nodes: list[Node], needed: set[Node], recomputed: set[Node]) -> list[Node]:
+    """The backward's order: its own nodes in order, each preceded by the recomputations it
+    needs that have not run yet. Recomputing just in time keeps each recomputed activation
+    alive briefly, instead of the whole network's at once."""
+    producer = {out: node for node in nodes for out in node.outputs}
+    order: list[Node] = []
+    done: set[Node] = set()
+    for node in nodes:
+        if node not in needed or node in recomputed:
+            continue
+        stack: list[tuple[Node, bool]] = [(node, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if current in done:
+                continue
+            if expanded:
+                done.add(current)
+                order.append(current)
+                continue
+            stack.append((current, True))
+            for value in current.input_values():
+                source = producer.get(value)
+                if source is not None and source in needed and source not in done:
+                    stack.append((source, False))
+    order += [node for node in nodes if node in needed and node not in done]  # grads = values
+    return order
 
 
 def _needed(nodes: list[Node], targets: list[Value], available: set[Value]) -> set[Node]:

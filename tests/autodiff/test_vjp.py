@@ -92,12 +92,17 @@ def _check_sample(op: Op, sample: Any, dtype: torch.dtype) -> None:
     if all(c is None for c in cotangents):
         return
     pairs = [(o, c) for o, c in zip(outs, cotangents, strict=True) if c is not None]
-    expected = torch.autograd.grad(
-        [o for o, _ in pairs],
-        [leaves[i] for i in wrt],
-        [c for _, c in pairs],
-        allow_unused=True,
-    )
+    try:
+        expected = torch.autograd.grad(
+            [o for o, _ in pairs],
+            [leaves[i] for i in wrt],
+            [c for _, c in pairs],
+            allow_unused=True,
+        )
+    except RuntimeError as error:
+        if "not implemented" in str(error):
+            return  # eager itself has no derivative here (aminmax in torch 2.11): no oracle
+        raise
 
     graph = Graph(name="vjp")
     feeds: list[torch.Tensor] = []
