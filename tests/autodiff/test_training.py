@@ -199,3 +199,34 @@ def test_ten_optimizer_steps_match_eager(build: Any, make_batch: Any) -> None:
         torch.testing.assert_close(c, b, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     assert not kiln.counters.fallbacks
     _training_graph(compiled._kiln_call)  # the compiled pair ran, not eager autograd
+
+
+def test_training_with_dropout_is_statistically_eager() -> None:
+    """With dropout on, compiled and eager draw different masks; what must agree is the
+    distribution: the drop rate, and the mean output and mean gradient over many draws."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.Dropout(0.3), torch.nn.Linear(64, 4)
+    ).train()
+    twin = copy.deepcopy(model)
+    compiled = kiln.compile(model, options={"strict": True})
+    x = torch.randn(32, 16)
+    draws = 300
+    means = []
+    for runner, module in ((compiled, model), (twin, twin)):
+        output_sum = torch.zeros(32, 4)
+        grad_sum = torch.zeros_like(module[0].weight)
+        for _ in range(draws):
+            module.zero_grad()
+            out = runner(x)
+            out.square().mean().backward()
+            output_sum += out.detach()
+            grad_sum += module[0].weight.grad
+        means.append((output_sum / draws, grad_sum / draws))
+    _training_graph(compiled._kiln_call)
+    (out_kiln, grad_kiln), (out_eager, grad_eager) = means
+    assert (out_kiln - out_eager).norm() / out_eager.norm() < 0.1
+    assert (grad_kiln - grad_eager).norm() / grad_eager.norm() < 0.1
+    torch.manual_seed(1)
+    masked = kiln.compile(lambda h: F.dropout(h, 0.3, training=True))(torch.ones(100_000))
+    assert abs(float((masked == 0).float().mean()) - 0.3) < 0.01
