@@ -121,7 +121,7 @@ def format_node(node: Node, *, origins: bool = True) -> str:
 
 def format_graph(graph: Graph, *, origins: bool = True, header: bool = True) -> str:
     params = ", ".join(f'{value.name}: "{value.type}"' for value in graph.inputs)
-    lines = [HEADER, ""] if header else []
+    lines = [HEADER + _imports(graph), ""] if header else []
     lines.append(f"def {graph.name}({params}):")
     lines += ["    " + format_node(node, origins=origins) for node in graph.nodes]
     for target, new in graph.mutations:
@@ -130,6 +130,46 @@ def format_graph(graph: Graph, *, origins: bool = True, header: bool = True) -> 
     returned = ", ".join(results) + ("," if len(results) == 1 else "")
     lines.append(f"    return ({returned})")
     return "\n".join(lines) + "\n"
+
+
+def _imports(graph: Graph) -> str:
+    """Imports the printed nodes need beyond the prims: modules of extern callables that are
+    not torch's, and attribute classes printed inside arguments (a backward's extern holds its
+    forward's ``ExternAttrs``)."""
+    modules: set[str] = set()
+    classes: set[type] = set()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, Value | Node | type | enum.Enum):
+            return
+        if isinstance(value, tuple | list):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            classes.add(type(value))
+            for item in dataclasses.fields(value):
+                visit(getattr(value, item.name))
+        elif callable(value) and public_name(value) is None:
+            module = getattr(value, "__module__", None)
+            if module and module.split(".")[0] != "torch":
+                modules.add(module)
+
+    for node in graph.nodes:
+        if node.attrs is not None:
+            for item in dataclasses.fields(node.attrs):
+                visit(getattr(node.attrs, item.name))
+        for operand in node.inputs:
+            visit(operand)
+    lines = [f"import {module}" for module in sorted(modules)]
+    lines += [
+        f"from {cls.__module__} import {cls.__name__}"
+        for cls in sorted(classes, key=lambda c: c.__name__)
+        if cls.__module__ != "kiln.ops.attrs" or cls.__name__ != "Slot"
+    ]
+    return "".join(f"{line}\n" for line in lines)
 
 
 def load_printed(graph: Graph) -> Any:

@@ -37,7 +37,9 @@ def call(op: Op, *operands: Any, **attributes: Any) -> Any:
         return builder.emit(op, operands, attrs)
     if traced:
         raise RuntimeError(f"{op.printed_name} on graph values outside a GraphBuilder")
-    return definition.impl(attrs, *operands)
+    result = definition.impl(attrs, *operands)
+    # A one-output node prints as ``t = op(...)``: an impl's 1-tuple is that one value.
+    return result[0] if isinstance(result, tuple) and len(result) == 1 else result
 
 
 def _creates_from_nothing(definition: OpDef, operands: tuple[Any, ...]) -> bool:
