@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.bench.compare import max_relative_error, passes
+from kiln.bench.compare import max_relative_error, max_relative_norm_error, passes
 from kiln.bench.models import MODELS, primary_output, training_loss
 from kiln.bench.timing import PeakMemory, median_seconds, timed
 
@@ -195,7 +195,8 @@ def _check(
         result.max_rel_error = 0.0
         return
     expected = torch.load(job.reference, weights_only=True)
-    result.max_rel_error = max_relative_error(tensors, expected)
+    measure = max_relative_norm_error if job.mode == "train" else max_relative_error
+    result.max_rel_error = measure(tensors, expected)
     result.ok = passes(result.max_rel_error, dtype)
 
 

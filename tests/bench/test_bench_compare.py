@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kiln.bench.compare import max_relative_error, passes
@@ -29,3 +30,15 @@ def test_mismatches() -> None:
     assert max_relative_error([nan], [nan.clone()]) == 0.0
     assert not passes(float("nan"), torch.float32)
     assert passes(1e-2, torch.bfloat16) and not passes(1e-2, torch.float32)
+
+
+def test_training_error_is_relative_to_the_gradient_norm() -> None:
+    from kiln.bench.compare import max_relative_error, max_relative_norm_error
+
+    expected = torch.randn(10_000)
+    noisy = expected.clone()
+    noisy[:3] += 0.5 * expected.abs().max()  # a few entries off, the vector nearly the same
+    assert max_relative_error([noisy], [expected]) > 0.4
+    assert max_relative_norm_error([noisy], [expected]) < 0.05
+    assert max_relative_norm_error([expected * 1.1], [expected]) == pytest.approx(0.1, rel=1e-3)
+    assert max_relative_norm_error([expected[:5]], [expected]) == float("inf")
