@@ -104,17 +104,42 @@ def run_row(spec: ModelSpec, options: Options, progress: Progress, counter: str 
         row.measurements["eager"] = _run(base, options, progress, label, scratch)
         if row.measurements["eager"].error is not None:
             return row
+        noise = None
+        if options.isolate:
+            repeat = dataclasses.replace(base, repeat=True)
+            noise = row.measurements["eager repeat"] = _run(
+                repeat, options, progress, label, scratch
+            )
+            noise.ok = noise.error is None
         for compiler in options.compilers:
             job = dataclasses.replace(base, compiler=compiler)
             cold = row.measurements[compiler] = _run(job, options, progress, label, scratch)
+            _judge(cold, noise)
             if options.warm_start and options.isolate and cold.error is None:
                 warm = dataclasses.replace(job, warm_start=True)
-                row.measurements[f"{compiler} warm"] = _run(warm, options, progress, label, scratch)
+                measured = _run(warm, options, progress, label, scratch)
+                _judge(measured, noise)
+                row.measurements[f"{compiler} warm"] = measured
     return row
 
 
+def _judge(measurement: Measurement, noise: Measurement | None) -> None:
+    """A result outside the dtype's tolerance still agrees with eager when eager disagrees with
+    itself as much: twice the error of a second eager process is accepted (and said)."""
+    if noise is None or noise.max_rel_error is None or measurement.max_rel_error is None:
+        return
+    floor = noise.max_rel_error
+    if not measurement.ok and measurement.error is None and measurement.max_rel_error <= 2 * floor:
+        measurement.ok = True
+        measurement.notes.append(
+            f"error {measurement.max_rel_error:.2g} is within eager's own run-to-run "
+            f"variation ({floor:.2g}: eager against a second eager process)"
+        )
+
+
 def _run(job: Job, options: Options, progress: Progress, label: str, scratch: str) -> Measurement:
-    title = COMPILER_TITLES[job.compiler] + (" (warm start)" if job.warm_start else "")
+    suffix = " (warm start)" if job.warm_start else " (second process)" if job.repeat else ""
+    title = COMPILER_TITLES[job.compiler] + suffix
     progress.start(f"{label} · {title}")
     if options.isolate:
         result = _run_in_subprocess(job, progress, scratch)
@@ -141,7 +166,8 @@ def _run_in_subprocess(job: Job, progress: Progress, scratch: str) -> Measuremen
     environment = dict(os.environ)
     environment["TORCHINDUCTOR_CACHE_DIR"] = str(Path(scratch) / "inductor")
     environment["TRITON_CACHE_DIR"] = str(Path(scratch) / "triton")
-    log_path = Path(scratch) / f"{job.compiler}{'-warm' if job.warm_start else ''}.log"
+    suffix = "-warm" if job.warm_start else "-repeat" if job.repeat else ""
+    log_path = Path(scratch) / f"{job.compiler}{suffix}.log"
     command = [sys.executable, "-m", "kiln.bench.worker", json.dumps(dataclasses.asdict(job))]
     result: Measurement | None = None
     with open(log_path, "w") as log:

@@ -140,6 +140,11 @@ def _notes(row: Row) -> list[str]:
     for name, measurement in row.measurements.items():
         if measurement.error is not None:
             notes.append(f"- {row.model} {row.mode}, {name}: {measurement.error}")
-        if not name.endswith("warm"):
+        if name == "eager repeat" and measurement.max_rel_error is not None:
+            notes.append(
+                f"- {row.model} {row.mode}: eager against a second eager process: max rel err "
+                f"{measurement.max_rel_error:.1e} (run-to-run variation)"
+            )
+        elif not name.endswith("warm"):
             notes += [f"- {row.model} {row.mode}: {note}" for note in measurement.notes]
     return notes

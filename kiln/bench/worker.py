@@ -41,7 +41,8 @@ COMPILER_TITLES = {"eager": "eager", "torch": "torch.compile", "kiln": "kiln.com
 @dataclass
 class Job:
     """What one worker measures. ``warm_start``: only the first call, in a second process that
-    finds the disk caches the first one filled."""
+    finds the disk caches the first one filled. ``repeat``: eager again, compared with the
+    first eager run instead of saving (the run-to-run variation compilers are judged by)."""
 
     model: str
     mode: str
@@ -55,6 +56,7 @@ class Job:
     input_sets: int = 3
     budget_s: float = 2.0
     threads: int | None = None
+    repeat: bool = False
 
 
 @dataclass
@@ -105,12 +107,13 @@ def _measure(job: Job, report: Report, result: Measurement) -> None:
     model = workload.model.to(device).train(job.mode == "train")
     inputs = [_input_set(workload.make_input, index, device) for index in range(job.input_sets)]
     step = _step(job.mode, device, dtype, list(model.parameters()))
+    reference_run = job.compiler == "eager" and not job.repeat
     report("first call" if job.compiler == "eager" else "compiling + first call")
     with _compiler_context(job.compiler):
         runner, result.first_call_s = timed(lambda: _first_call(job, model, step, inputs), device)
-        report("saving reference results" if job.compiler == "eager" else "checking against eager")
+        report("saving reference results" if reference_run else "checking against eager")
         _check(job, model, runner, step, inputs, result, dtype)
-        if not job.warm_start:
+        if not job.warm_start and not job.repeat:
             report("timing")
             seconds, result.samples = median_seconds(
                 lambda x: step(runner, x), inputs, device, budget_s=job.budget_s
@@ -190,7 +193,7 @@ def _check(
         tensors = [step(runner, inputs[0])]
         tensors += [_spaced_sample(step(runner, x)) for x in inputs[1:]]
     tensors = [tensor.detach().cpu() for tensor in tensors]
-    if job.compiler == "eager":
+    if job.compiler == "eager" and not job.repeat:
         torch.save(tensors, job.reference)
         result.max_rel_error = 0.0
         return
