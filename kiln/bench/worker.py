@@ -184,11 +184,13 @@ def _check(
     one step on input set 0; inference, the whole output of input set 0 and an evenly spaced
     sample of the others' (GPT-2's logits are 1.6 GB a set: the reference file stays small,
     while a result that wrongly ignores its input still shows)."""
+    names = ["output"]
     if job.mode == "train":
         loss = step(runner, inputs[0])
-        params = list(model.parameters())
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        named = list(model.named_parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in named]
         tensors = [loss, *grads]
+        names = ["loss", *(f"grad of {name}" for name, _ in named)]
     else:
         tensors = [step(runner, inputs[0])]
         tensors += [_spaced_sample(step(runner, x)) for x in inputs[1:]]
@@ -201,6 +203,13 @@ def _check(
     measure = max_relative_norm_error if job.mode == "train" else max_relative_error
     result.max_rel_error = measure(tensors, expected)
     result.ok = passes(result.max_rel_error, dtype)
+    if not result.ok and len(tensors) == len(expected) and len(names) == len(tensors):
+        errors = [
+            measure([a], [b]) if a.shape == b.shape else float("inf")
+            for a, b in zip(tensors, expected, strict=True)
+        ]
+        worst = max(range(len(errors)), key=lambda i: errors[i])
+        result.notes.append(f"largest error: {names[worst]} ({errors[worst]:.2g} on its own)")
 
 
 def _spaced_sample(tensor: torch.Tensor, count: int = 2**20) -> torch.Tensor:
