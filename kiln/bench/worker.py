@@ -121,7 +121,7 @@ def _measure(job: Job, report: Report, result: Measurement) -> None:
             result.median_ms = seconds * 1e3
     result.peak_mib = memory.peak() / 2**20
     if job.compiler == "kiln":
-        result.notes = _kiln_notes()
+        result.notes += _kiln_notes()
 
 
 def _input_set(
