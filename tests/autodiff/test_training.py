@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import SmallResNet, tiny_bert_config, tiny_gpt2_config
 
 import kiln
 from kiln.autodiff.runtime import TrainingGraph
@@ -124,41 +125,14 @@ def test_autocast_dtypes_and_fp32_master_gradients() -> None:
     assert w.grad is not None and w.grad.dtype == torch.float32
 
 
-class SmallCNN(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.bn1 = torch.nn.BatchNorm2d(8)
-        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
-        self.bn2 = torch.nn.BatchNorm2d(8)
-        self.head = torch.nn.Linear(8, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = F.relu(self.bn2(self.conv2(y)) + y)
-        return self.head(F.adaptive_avg_pool2d(y, 1).flatten(1))
-
-
 def _tiny_bert() -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return transformers.BertForMaskedLM(config)
+    return transformers.BertForMaskedLM(tiny_bert_config())
 
 
 def _tiny_gpt2() -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=99, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(tiny_gpt2_config())
 
 
 def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -171,7 +145,7 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("build", "make_batch"),
     [
-        (SmallCNN, lambda: torch.randn(4, 3, 8, 8)),
+        (SmallResNet, lambda: torch.randn(4, 3, 8, 8)),
         (_tiny_bert, lambda: torch.randint(0, 99, (2, 8))),
         (_tiny_gpt2, lambda: torch.randint(0, 99, (2, 8))),
     ],

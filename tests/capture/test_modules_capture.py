@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from harness import assert_same
+from tiny_models import SmallResNet, tiny_bert_config, tiny_gpt2_config
 from torch import nn
 
 import kiln
@@ -23,41 +24,6 @@ except ImportError:  # pragma: no cover - optional dependency
 needs_transformers = pytest.mark.skipif(transformers is None, reason="transformers not installed")
 
 ATOL = RTOL = 1e-4
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, channels: int, stride: int = 1) -> None:
-        super().__init__()
-        out = channels * stride
-        self.conv1 = nn.Conv2d(channels, out, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(out)
-        self.conv2 = nn.Conv2d(out, out, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(out)
-        self.relu = nn.ReLU(inplace=True)
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(channels, out, 1, stride, bias=False), nn.BatchNorm2d(out)
-            )
-
-    def forward(self, x):
-        y = self.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        return self.relu(y + self.shortcut(x))
-
-
-class SmallResNet(nn.Module):
-    def __init__(self, classes: int = 10) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True)
-        )
-        self.layers = nn.Sequential(BasicBlock(8), BasicBlock(8, stride=2))
-        self.pool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(16, classes)
-
-    def forward(self, x):
-        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
 
 
 def _randomize_batchnorm(model: nn.Module) -> nn.Module:
@@ -128,30 +94,11 @@ def test_resnet_style_cnn_one_graph() -> None:
 
 
 def _bert() -> nn.Module:
-    config = transformers.BertConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return transformers.BertModel(config).eval()
+    return transformers.BertModel(tiny_bert_config()).eval()
 
 
 def _gpt2(attention: str) -> nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=99,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation=attention,
-    )
-    return transformers.GPT2LMHeadModel(config).eval()
+    return transformers.GPT2LMHeadModel(tiny_gpt2_config(attn_implementation=attention)).eval()
 
 
 def _token_inputs(with_mask: bool) -> Any:
