@@ -19,6 +19,7 @@ from kiln.autodiff.partition import Partition, partition
 from kiln.autodiff.reverse import build_joint
 from kiln.ir.graph import Graph
 from kiln.ir.verify import verify
+from kiln.passes import optimize
 
 Compile = Callable[[Graph], Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]]
 
@@ -34,8 +35,8 @@ class TrainingGraph:
     def __init__(self, graph: Graph, compile_graph: Compile) -> None:
         joint = build_joint(graph)
         self.plan: Partition = partition(joint, graph)
-        verify(self.plan.forward)
-        verify(self.plan.backward)
+        self.plan.forward = verify(optimize(verify(self.plan.forward)))
+        self.plan.backward = verify(optimize(verify(self.plan.backward)))
         self.name = graph.name
         self.forward = compile_graph(self.plan.forward)
         self.backward = compile_graph(self.plan.backward)

@@ -345,8 +345,6 @@ def _capture_failed(
 
 
 def _graph_compiler(options: Options) -> Callable[[Any], Any]:
-    from kiln.backends import get_backend
+    from kiln.compiler import graph_compiler  # the stages after capture, composed on top
 
-    name = "eager" if options.backend == "kiln" else options.backend
-    backend = get_backend(name)
-    return backend.compile
+    return graph_compiler(options.backend)

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from kiln.autodiff.runtime import compile_training, needs_autodiff
 from kiln.capture.breaks import BreakRecord, FullGraphError, GraphBreak, SkipReason
 from kiln.capture.calls import CO_ASYNC, CO_GENERATOR
 from kiln.capture.frame import NULL, BreakHere, Frame
@@ -37,18 +36,16 @@ from kiln.capture.ops_flow import is_known_context
 from kiln.capture.reconstruct import Reconstructor, Unreconstructible
 from kiln.capture.session import Session
 from kiln.capture.sources import Binder, Local, safe_name
-from kiln.config import config, logger
+from kiln.config import config
 from kiln.errors import SourceLocation
 from kiln.frontends.proxy import TraceMode
 from kiln.frontends.source import set_user_location
 from kiln.frontends.trace import _compiling
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.op import Op
-from kiln.ir.verify import verify
 from kiln.ops import prims
 
 MAX_RESTARTS = 8
-_log_autodiff = logger("autodiff")
 
 
 class Skip(Exception):
@@ -173,9 +170,8 @@ def _capture_once(
         raise Skip(SkipReason.ALIASED_MUTATION, "an input written in place shares memory")
     runner = None
     if graph.nodes or graph.outputs or graph.mutations:
-        verify(graph)
         try:
-            compiled = _compile(graph, compile_graph)
+            graph, compiled = compile_graph(graph)
         except Exception as error:
             if config.strict:
                 raise
@@ -278,17 +274,6 @@ def _input_list(session: Session, binder: Binder) -> str:
 
 def _seed() -> torch.Tensor:
     return torch.randint(0, 2**62, (), dtype=torch.int64)
-
-
-def _compile(graph: Graph, compile_graph: Any) -> Any:
-    """The compiled graph; a forward/backward pair when its outputs require grad."""
-    if not needs_autodiff(graph):
-        return compile_graph(graph)
-    try:
-        return compile_training(graph, compile_graph)
-    except NotImplementedError as error:  # a row without a VJP rule yet: eager autograd
-        _log_autodiff.info("%s: eager autograd through the graph (%s)", graph.name, error)
-        return compile_graph(graph)
 
 
 class GraphRunner:

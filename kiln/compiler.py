@@ -1,0 +1,41 @@
+"""The compile sequence after capture, one named call per stage: passes, autodiff, backend.
+
+Capture hands each graph it made to :func:`graph_compiler`'s function, which returns the graph
+as optimized (what ``explain`` shows) and the callable that runs it: the backend's compiled
+graph, or, when the graph's outputs require grad, a forward/backward pair inside one
+``autograd.Function``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kiln.autodiff.runtime import compile_training, needs_autodiff
+from kiln.backends import get_backend
+from kiln.config import logger
+from kiln.ir.graph import Graph
+from kiln.ir.verify import verify
+from kiln.passes import optimize
+
+_log_autodiff = logger("autodiff")
+
+GraphCompiler = Callable[[Graph], tuple[Graph, Any]]
+
+
+def graph_compiler(backend_name: str) -> GraphCompiler:
+    """The compile function of one backend (``kiln`` resolves to ``eager`` until the code
+    generators exist)."""
+    backend = get_backend("eager" if backend_name == "kiln" else backend_name)
+
+    def compile_graph(graph: Graph) -> tuple[Graph, Any]:
+        graph = verify(optimize(verify(graph)))
+        if not needs_autodiff(graph):
+            return graph, backend.compile(graph)
+        try:
+            return graph, compile_training(graph, backend.compile)
+        except NotImplementedError as error:  # a row without a VJP rule: eager autograd
+            _log_autodiff.info("%s: eager autograd through the graph (%s)", graph.name, error)
+            return graph, backend.compile(graph)
+
+    return compile_graph
