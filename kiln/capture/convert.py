@@ -31,11 +31,11 @@ import torch
 from kiln.capture.breaks import BreakRecord, FullGraphError, GraphBreak, SkipReason
 from kiln.capture.calls import CO_ASYNC, CO_GENERATOR
 from kiln.capture.frame import NULL, BreakHere, Frame
-from kiln.capture.guards import Guard
+from kiln.capture.guards import Guard, Identity
 from kiln.capture.ops_flow import is_known_context
 from kiln.capture.reconstruct import Reconstructor, Unreconstructible
 from kiln.capture.session import Session
-from kiln.capture.sources import Binder, Local, safe_name
+from kiln.capture.sources import Binder, FunctionAttr, Local, safe_name
 from kiln.config import config
 from kiln.errors import SourceLocation
 from kiln.frontends.proxy import TraceMode
@@ -135,6 +135,7 @@ def _capture_once(
     with _capturing(session):
         try:
             set_user_location(_definition(code))  # guards on arguments cite the def line
+            session.add_guard(Identity(FunctionAttr("__globals__"), "globals", fn.__globals__))
             local_values = {
                 n: session.wrap(v, Local(n)) for n, v in zip(names, values, strict=True)
             }

@@ -152,6 +152,23 @@ class Closure(Source):
 
 
 @dataclass(frozen=True)
+class FunctionAttr(Source):
+    """An attribute of the running function object itself (``___f.__globals__``): function
+    objects sharing one code object share its cache, but not necessarily their globals."""
+
+    attr: str
+
+    def expr(self, binder: Binder) -> str:
+        return f"___f.{self.attr}"
+
+    def name(self) -> str:
+        return self.attr
+
+    def __str__(self) -> str:
+        return f"F.{self.attr}"
+
+
+@dataclass(frozen=True)
 class Attr(Source):
     base: Source
     attr: str

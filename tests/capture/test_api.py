@@ -207,3 +207,16 @@ def test_id_of_a_new_object_breaks() -> None:
 
     report = kiln.explain(program, torch.randn(2))
     assert report.break_reasons == [kiln.BreakReason.UNSUPPORTED_CALL]
+
+
+def test_functions_sharing_code_but_not_globals() -> None:
+    """One code object, two globals dicts: the cache entry of one must not serve the other."""
+    source = "def scaled(x):\n    return x * FACTOR\n"
+    code = compile(source, "<shared>", "exec")
+    first: dict[str, object] = {"FACTOR": 2.0}
+    second: dict[str, object] = {"FACTOR": 3.0}
+    exec(code, first)
+    exec(code, second)
+    x = torch.randn(3)
+    torch.testing.assert_close(kiln.compile(first["scaled"])(x), x * 2.0)
+    torch.testing.assert_close(kiln.compile(second["scaled"])(x), x * 3.0)
