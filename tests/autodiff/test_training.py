@@ -221,3 +221,15 @@ def test_printed_backward_graph_with_externs_runs() -> None:
     feeds = [torch.randn(v.type.shape if v.type.shape else ()) for v in backward.inputs]
     for got, want in zip(load_printed(backward)(*feeds), interpret(backward, feeds), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_explain_reports_saved_values() -> None:
+    def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w)
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    report = kiln.explain(layer, x, w)
+    assert report.saved, str(report)
+    assert "saved for the backward:" in str(report)
+    with torch.no_grad():
+        assert not kiln.explain(layer, x, w).saved  # inference keeps nothing
