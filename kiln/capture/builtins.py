@@ -373,13 +373,10 @@ def _id(frame: Frame, value: Any) -> int:
     """``id()`` of an object that exists before the call, pinned by an identity guard; ids of
     objects the call creates differ on every call, so they cannot be baked into a graph."""
     from kiln.capture.guards import Identity
+    from kiln.frontends.proxy import ProxyTensor
 
     session = frame.session
-    real = (
-        next((t for v, t in session.input_tensors.items() if v is value._initial), None)
-        if (hasattr(value, "_input_type"))
-        else value
-    )
+    real = session.caller_tensor(value) if isinstance(value, ProxyTensor) else value
     source = session.source_of(value)
     if real is None or source is None or session.is_new(value):
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "id() of an object created in the call")

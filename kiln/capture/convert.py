@@ -30,7 +30,7 @@ import torch
 
 from kiln.capture.breaks import BreakRecord, FullGraphError, GraphBreak, SkipReason
 from kiln.capture.calls import CO_ASYNC, CO_GENERATOR
-from kiln.capture.frame import NULL, BreakHere, Frame
+from kiln.capture.frame import BreakHere, Frame
 from kiln.capture.guards import Guard, Identity
 from kiln.capture.ops_flow import is_known_context
 from kiln.capture.reconstruct import Reconstructor, Unreconstructible
@@ -367,10 +367,6 @@ def _in_try(root: Frame, offset: int) -> bool:
         cleanup = root.covering_entry(entry.target)
         entry = root.covering_entry(cleanup.target) if cleanup is not None else None
     return False
-
-
-def is_null(value: Any) -> bool:
-    return value is NULL
 
 
 __all__ = [

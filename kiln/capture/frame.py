@@ -213,6 +213,3 @@ class Frame:
             if entry.start <= offset < entry.end:
                 return entry
         return None
-
-    def describe(self) -> str:
-        return self.code.co_qualname

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kiln.capture.frame import NULL, UNBOUND, Frame, handles
+from kiln.capture.frame import NULL, PY, UNBOUND, Frame, handles
 from kiln.capture.iteration import SymbolicIterator, items_of
 from kiln.capture.sources import Item
 
@@ -220,19 +220,13 @@ def compare_op(frame: Frame, inst: dis.Instruction) -> None:
 
     left, right = materialize(frame.session, left), materialize(frame.session, right)
     arg = inst.arg or 0
-    shift = {(3, 11): 0, (3, 12): 4}.get(_version(), 5)
+    shift = {(3, 11): 0, (3, 12): 4}.get(PY, 5)
     result = _COMPARE[arg >> shift](left, right)
-    if _version() >= (3, 13) and arg & 16 and not isinstance(result, torch.Tensor):
+    if PY >= (3, 13) and arg & 16 and not isinstance(result, torch.Tensor):
         # 3.13's "coerce to bool" form feeds a branch; a tensor result stays a tensor, so
         # the branch (not this comparison) is where a data-dependent break happens.
         result = bool(result)
     frame.push(result)
-
-
-def _version() -> tuple[int, int]:
-    import sys
-
-    return sys.version_info[:2]
 
 
 @handles("IS_OP")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kiln.capture.frame import NULL, PY, Frame, handles
+from kiln.capture.frame import PY, Frame, handles
 from kiln.capture.iteration import SymbolicIterator
 
 # Context managers capture enters natively: they only switch torch's global state.
@@ -236,10 +236,6 @@ def end_send(frame: Frame, inst: dis.Instruction) -> None:
 @handles("CLEANUP_THROW")
 def cleanup_throw(frame: Frame, inst: dis.Instruction) -> None:
     raise frame.pop()
-
-
-def null_safe(value: Any) -> Any:
-    return None if value is NULL else value
 
 
 __all__ = ["KNOWN_CONTEXTS", "SymbolicIterator", "is_known_context"]

@@ -64,16 +64,10 @@ def load_global_value(frame: Frame, name: str) -> Any:
             raise NameError(f"name '{name}' is not defined")
         return frame.globals[name]  # written by this frame: its own value, no guard
     if name in frame.globals:
-        return session.wrap(frame.globals[name], _global_source(frame, name))
+        return session.wrap(frame.globals[name], Global(name, frame.globals))
     if name in frame.builtins:
         return session.wrap(frame.builtins[name], Builtin(name))
     raise NameError(f"name '{name}' is not defined")
-
-
-def _global_source(frame: Frame, name: str) -> Source:
-    if frame.is_root or frame.function is None:
-        return Global(name, frame.globals)
-    return Global(name, frame.globals)
 
 
 @handles("LOAD_NAME")
@@ -167,7 +161,7 @@ def _autograd_state(frame: Frame, proxy: Any, name: str) -> Any:
     tensors, what eager would say (no ``.grad``, not a leaf when it requires grad)."""
     session = frame.session
     source = session.source_of(proxy) if hasattr(proxy, "_input_type") else None
-    real = next((t for v, t in session.input_tensors.items() if v is proxy._initial), None)
+    real = session.caller_tensor(proxy)
     if name == "data":
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "tensor.data")
     if real is not None and source is not None and proxy._mutations == 0:

@@ -35,7 +35,7 @@ from kiln.capture.guards import (
     TypeIs,
     global_state,
 )
-from kiln.capture.sources import Source
+from kiln.capture.sources import Attr, Source
 from kiln.frontends.proxy import ProxyTensor
 from kiln.frontends.source import user_location
 from kiln.ir.builder import GraphBuilder
@@ -154,7 +154,7 @@ class Session:
         if isinstance(value, IDENTITY_TYPES):
             self.add_guard(Identity(source, reason, value))
         elif isinstance(value, types.MethodType):
-            self.add_guard(Identity(_attr(source, "__func__"), reason, value.__func__))
+            self.add_guard(Identity(Attr(source, "__func__"), reason, value.__func__))
         elif type(value) is tuple:
             self.add_guard(TypeIs(source, reason, type(value)))
             self.add_guard(LengthIs(source, reason, len(value)))
@@ -215,6 +215,10 @@ class Session:
         self.keepalive.append(proxy)
         self.inputs.append((value, source))
         return proxy
+
+    def caller_tensor(self, proxy: ProxyTensor) -> torch.Tensor | None:
+        """The caller's tensor a proxy stands for (None for tensors the call computes)."""
+        return self.input_tensors.get(proxy._initial)
 
     def guard_distinct_mutated_inputs(self) -> bool:
         """Inputs the graph writes to must not share memory with other inputs (the graph
@@ -349,12 +353,6 @@ def _restore_cell(cell: Any, old: Any) -> None:
         del cell.cell_contents
     else:
         cell.cell_contents = old
-
-
-def _attr(source: Source, name: str) -> Source:
-    from kiln.capture.sources import Attr
-
-    return Attr(source, name)
 
 
 def _input_name(source: Source) -> str:
