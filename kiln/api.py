@@ -115,8 +115,18 @@ class CompiledModule(torch.nn.Module):
 def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExplainReport:
     """Run ``fn(*args, **kwargs)`` compiled, from fresh caches, and report what capture did:
     graphs, graph breaks (reason, file, line, source text), frames run uncompiled, externs
-    and guards. ``fn`` may be plain or already compiled."""
-    return _explain(lambda: compile(_original(fn)), *args, **kwargs)
+    and guards, and the kernels each graph compiled to (the forward's; a backward compiles
+    when it first runs). ``fn`` may be plain or already compiled."""
+    from kiln.backends.kiln import RECORDERS
+
+    records: list[Any] = []
+    RECORDERS.append(records)
+    try:
+        report = _explain(lambda: compile(_original(fn)), *args, **kwargs)
+    finally:
+        RECORDERS.remove(records)
+    report.kernels = [line for record in records for line in record.kernel_lines()]
+    return report
 
 
 def _original(fn: Any) -> Any:

@@ -24,9 +24,8 @@ GraphCompiler = Callable[[Graph], tuple[Graph, Any]]
 
 
 def graph_compiler(backend_name: str) -> GraphCompiler:
-    """The compile function of one backend (``kiln`` resolves to ``eager`` until the code
-    generators exist)."""
-    backend = get_backend("eager" if backend_name == "kiln" else backend_name)
+    """The compile function of one backend."""
+    backend = get_backend(backend_name)
 
     def compile_graph(graph: Graph) -> tuple[Graph, Any]:
         graph = verify(optimize(verify(graph)))

@@ -3,6 +3,9 @@
 ``KILN_LOG``   comma-separated logging topics (graph, graph_breaks, recompiles, guards, kernels).
 ``KILN_DEBUG_DIR``  where graphs and kernels are dumped (default: none).
 ``KILN_STRICT``  "1" makes backend failures raise instead of falling back to eager.
+``KILN_CACHE_DIR``  where built kernels are cached on disk (default: ``~/.cache/kiln``).
+``KILN_CODEGEN``  force one kernel code generator: ``triton`` (on CPU: Triton's interpreter),
+                  ``cpp`` or ``evaluate`` (PyTorch ops; the scheduler's oracle).
 """
 
 from __future__ import annotations
@@ -23,6 +26,15 @@ class Config:
     )
     debug_dir: str | None = field(default_factory=lambda: os.environ.get("KILN_DEBUG_DIR") or None)
     strict: bool = field(default_factory=lambda: os.environ.get("KILN_STRICT", "") == "1")
+    cache_dir: str = field(
+        default_factory=lambda: (
+            os.environ.get("KILN_CACHE_DIR")
+            or os.path.join(os.path.expanduser("~"), ".cache", "kiln")
+        )
+    )
+    # the kernel code generator for every device ("triton", "cpp", "evaluate"); empty: Triton
+    # on CUDA, C++ on CPU. "triton" on CPU runs kernels in Triton's interpreter (CI).
+    codegen: str = field(default_factory=lambda: os.environ.get("KILN_CODEGEN", ""))
 
 
 config = Config()

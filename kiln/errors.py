@@ -65,6 +65,15 @@ class BackendError(KilnError):
     """A backend failed to compile or run a graph."""
 
 
+class CompilerNotFoundError(BackendError):
+    """No C++ compiler is on PATH: C++ kernels cannot be built on this machine."""
+
+
+class KernelBuildError(BackendError):
+    """The C++ compiler rejected generated source (the message names the file and shows the
+    compiler's output)."""
+
+
 def op_error(message: str, error: Exception, location: SourceLocation | None) -> KilnError:
     """The Kiln error for an op that failed with ``error``: the same builtin type eager raises
     (``RuntimeError``, ``TypeError``, ``IndexError``...), with ``message`` and the user's line."""

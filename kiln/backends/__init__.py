@@ -5,7 +5,7 @@ outputs then mutated-input values). ``eager`` (the reference interpreter) is reg
 ``kiln`` (Triton/C++ codegen) comes with the codegen issues. No core package imports this one.
 """
 
-from kiln.backends import eager  # noqa: F401  (registers the eager backend)
+from kiln.backends import eager, kiln  # noqa: F401  (register the eager and kiln backends)
 from kiln.backends.registry import (
     Backend,
     CompiledGraph,

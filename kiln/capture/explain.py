@@ -26,6 +26,9 @@ class ExplainReport:
     guards: list[str] = field(default_factory=list)
     captures: list[tuple[str, Capture]] = field(default_factory=list)
     saved: list[str] = field(default_factory=list)  # values graphs keep for their backward
+    kernels: list[str] = field(
+        default_factory=list
+    )  # kernels and extern calls, with what they fuse
 
     @property
     def graph_count(self) -> int:
@@ -51,6 +54,9 @@ class ExplainReport:
         if self.saved:
             lines.append("saved for the backward:")
             lines += [f"  {name}" for name in self.saved]
+        if self.kernels:
+            lines.append("kernels:")
+            lines += [f"  {line}" for line in self.kernels]
         if self.externs:
             lines.append("externs (torch functions run as opaque calls):")
             lines += [f"  {name}" for name in self.externs]

@@ -9,10 +9,19 @@ it before a backend compiles a graph.
 from __future__ import annotations
 
 from kiln.ir.graph import Graph
+from kiln.passes.attention import fuse_attention
+from kiln.passes.conv_bn import fold_conv_batchnorm
 from kiln.passes.cse import eliminate_common_subexpressions
 from kiln.passes.dce import eliminate_dead_code
 
-PIPELINE = [eliminate_common_subexpressions, eliminate_dead_code]
+# The pattern rewrites run first, on the graph as the translations wrote it (CSE could give a
+# pattern's values extra readers); CSE and DCE then clean up after them.
+PIPELINE = [
+    fuse_attention,
+    fold_conv_batchnorm,
+    eliminate_common_subexpressions,
+    eliminate_dead_code,
+]
 
 
 def optimize(graph: Graph) -> Graph:
@@ -21,4 +30,11 @@ def optimize(graph: Graph) -> Graph:
     return graph
 
 
-__all__ = ["PIPELINE", "eliminate_common_subexpressions", "eliminate_dead_code", "optimize"]
+__all__ = [
+    "PIPELINE",
+    "eliminate_common_subexpressions",
+    "eliminate_dead_code",
+    "fold_conv_batchnorm",
+    "fuse_attention",
+    "optimize",
+]

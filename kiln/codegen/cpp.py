@@ -1,0 +1,577 @@
+"""C++/OpenMP code generation: a list of loop-level Kernels -> one C++ translation unit.
+
+Every kernel becomes ``extern "C" void <name>(T0* a0, const T1* a1, ..., [int64_t seed])``,
+its pointer arguments in :func:`~kiln.schedule.program.kernel_arguments` order (written
+buffers non-const). Shapes and strides are constants of the index expressions (int32 unless an
+offset may not fit). A pointwise kernel is one loop over ``x`` vectorized with ``#pragma omp
+simd``, split into one chunk per thread when the work is large (>= 32768 elements). A
+reduction kernel runs over rows ``x`` in parallel and, per row, one loop over ``r`` per
+reduction phase (``omp simd reduction(...)``; float max/min carry NaN in a flag), then a last
+``r`` loop for row-shaped stores that need the last phase. Row-shaped subexpressions are
+recomputed in each loop that needs them; per-row values are hoisted out of the ``r`` loops.
+Two variants: few long rows run each ``r`` loop in parallel instead, and a reduction that
+reads along columns (a sum over a leading dim) reduces a block of rows side by side,
+vectorized across ``x``. Softmax over 4096 rows of 1024 (``t0 = a1[r + 1024*x]``)::
+
+    extern "C" void softmax_0(float* a0, const float* a1) {
+      #pragma omp parallel for num_threads(2) schedule(static)
+      for (int32_t x = 0; x < 4096; ++x) {
+        float acc0 = -INFINITY;
+        int nan_acc0 = 0;
+        #pragma omp simd reduction(max:acc0) reduction(|:nan_acc0)
+        for (int32_t r = 0; r < 1024; ++r) {
+          const float t0 = a1[r + 1024*x];
+          acc0 = t0 > acc0 ? t0 : acc0;
+          nan_acc0 |= t0 != t0;
+        }
+        const float t1 = nan_acc0 ? NAN : acc0;
+        float acc1 = 0;
+        #pragma omp simd reduction(+:acc1)
+        for (int32_t r = 0; r < 1024; ++r) { ...; const float t3 = expf(t2); acc1 += t3; }
+        const float t4 = acc1;
+        #pragma omp simd
+        for (int32_t r = 0; r < 1024; ++r) { ...; a0[r + 1024*x] = (t3 / t4); }
+      }
+    }
+
+Math spellings, conversions and the helper prelude live in :mod:`kiln.codegen.cpp_math`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.codegen import cpp_math
+from kiln.codegen.cpp_math import compute_type, storage_type
+from kiln.ir.op import Op
+from kiln.schedule.index import FloorDiv, Index, Indirect, Mod, Var
+from kiln.schedule.loops import (
+    Apply,
+    Const,
+    Expr,
+    IndexValue,
+    Kernel,
+    KernelKind,
+    Load,
+    R,
+    Rand,
+    Reduce,
+    ReduceKind,
+    Store,
+    X,
+    children,
+    depends_on_r,
+    reduction_phase,
+    walk,
+)
+from kiln.schedule.program import kernel_arguments
+
+PARALLEL_MIN_WORK = 32768  # elements (x * r) below which a kernel runs on one thread
+COLUMN_BLOCK = 256  # rows reduced side by side when a reduction reads along columns
+INT32_LIMIT = 2**31 - 1
+
+
+def generate_cpp(kernels: list[Kernel], threads: int | None = None) -> str:
+    """One C++ translation unit defining every kernel of ``kernels``; ``threads`` (default:
+    ``torch.get_num_threads()``) is baked into the OpenMP pragmas."""
+    count = torch.get_num_threads() if threads is None else max(int(threads), 1)
+    parts = [cpp_math.PRELUDE]
+    parts += [_KernelPrinter(kernel, count).source() for kernel in kernels]
+    return "\n".join(parts)
+
+
+@dataclass(eq=False)
+class _Block:
+    """A C++ block being printed: its lines and the expressions defined in it."""
+
+    indent: str
+    parent: _Block | None = None
+    lines: list[str] = field(default_factory=list)
+    defined: set[int] = field(default_factory=set)
+
+    def has(self, key: int) -> bool:
+        block: _Block | None = self
+        while block is not None:
+            if key in block.defined:
+                return True
+            block = block.parent
+        return False
+
+    def add(self, line: str) -> None:
+        self.lines.append(self.indent + line)
+
+    def child(self) -> _Block:
+        return _Block(self.indent + "  ", self)
+
+
+@dataclass(eq=False)
+class _Accumulator:
+    """The C++ state of one Reduce: variables before its loop, the update inside, the per-row
+    value after it. ``at`` indexes the variables when they are arrays (one slot per row of a
+    block, in column reductions)."""
+
+    reduce: Reduce
+    name: str
+    value_type: str  # the compute type of the reduced values
+    acc_type: str
+
+    @property
+    def kind(self) -> ReduceKind:
+        return self.reduce.kind
+
+    @property
+    def is_arg(self) -> bool:
+        return self.kind in {ReduceKind.ARGMAX, ReduceKind.ARGMIN}
+
+    @property
+    def nan_flag(self) -> bool:
+        """Float MAX/MIN keep NaN out of the accumulator and in a flag (simd-reducible)."""
+        return self.kind in {ReduceKind.MAX, ReduceKind.MIN} and self.reduce.value.dtype in FLOATS
+
+    def variables(self) -> list[tuple[str, str, str]]:
+        """``(type, name, initial value)`` of each variable."""
+        acc, kind = self.name, self.kind
+        is_float = self.reduce.value.dtype in FLOATS
+        if self.is_arg:
+            best = _extreme(self.value_type, is_float, low=kind is ReduceKind.ARGMAX)
+            return [(self.value_type, f"best_{acc}", best), ("int64_t", acc, "0")]
+        if kind in {ReduceKind.SUM, ReduceKind.PROD}:
+            initial = "0" if kind is ReduceKind.SUM else "1"
+        else:
+            initial = _extreme(self.acc_type, is_float, low=kind is ReduceKind.MAX)
+        flag = [("int", f"nan_{acc}", "0")] if self.nan_flag else []
+        return [(self.acc_type, acc, initial), *flag]
+
+    def clauses(self) -> list[str]:
+        """OpenMP reduction clauses (none for ARGMAX/ARGMIN, which forbid ``omp simd``)."""
+        operator = {
+            ReduceKind.SUM: "+",
+            ReduceKind.PROD: "*",
+            ReduceKind.MAX: "max",
+            ReduceKind.MIN: "min",
+        }.get(self.kind)
+        if operator is None:
+            return []
+        flag = [f"reduction(|:nan_{self.name})"] if self.nan_flag else []
+        return [f"reduction({operator}:{self.name})", *flag]
+
+    def update(self, value: str, at: str = "") -> list[str]:
+        acc, kind = f"{self.name}{at}", self.kind
+        v = value if self.acc_type == self.value_type else f"({self.acc_type})({value})"
+        if kind is ReduceKind.SUM:
+            return [f"{acc} += {v};"]
+        if kind is ReduceKind.PROD:
+            return [f"{acc} *= {v};"]
+        if kind in {ReduceKind.MAX, ReduceKind.MIN}:
+            compare = ">" if kind is ReduceKind.MAX else "<"
+            lines = [f"{acc} = {v} {compare} {acc} ? {v} : {acc};"]
+            if self.nan_flag:
+                lines.append(f"nan_{acc} |= {value} != {value};")
+            return lines
+        best = f"best_{acc}"
+        wins = f"{value} {'>' if kind is ReduceKind.ARGMAX else '<'} {best}"
+        if self.reduce.value.dtype in FLOATS:  # the first NaN is the extreme (torch.argmax)
+            wins = f"{wins} || ({value} != {value} && {best} == {best})"
+        return [f"if ({wins}) {{ {best} = {value}; {acc} = r; }}"]
+
+    def result(self, at: str = "") -> str:
+        acc = f"{self.name}{at}"
+        if self.is_arg:
+            return acc
+        if self.nan_flag:
+            return f"nan_{acc} ? NAN : {acc}"
+        dtype = self.reduce.dtype
+        if dtype == torch.bool:
+            return f"{acc} != 0"
+        if self.acc_type != compute_type(dtype):
+            return f"({compute_type(dtype)})({acc})"
+        return acc
+
+
+FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _extreme(ctype: str, is_float: bool, low: bool) -> str:
+    if is_float:
+        return "-INFINITY" if low else "INFINITY"
+    if ctype in {"bool", "int"}:  # bool values (accumulated in an int for MAX/MIN)
+        return "0" if low else "1"
+    limits = {
+        "int8_t": ("INT8_MIN", "INT8_MAX"),
+        "uint8_t": ("0", "UINT8_MAX"),
+        "int16_t": ("INT16_MIN", "INT16_MAX"),
+        "int32_t": ("INT32_MIN", "INT32_MAX"),
+        "int64_t": ("INT64_MIN", "INT64_MAX"),
+    }
+    return limits[ctype][0 if low else 1]
+
+
+def _accumulator_type(reduce: Reduce) -> str:
+    """Floats accumulate in their compute type (fp32 for 16-bit floats); integer and bool
+    sums and products in uint64 (two's-complement wrap, converted at the end)."""
+    value_type = compute_type(reduce.value.dtype)
+    if reduce.kind in {ReduceKind.SUM, ReduceKind.PROD}:
+        if not reduce.dtype.is_floating_point:
+            return "uint64_t"
+        return compute_type(reduce.dtype)
+    if reduce.value.dtype == torch.bool:
+        return "int"
+    return value_type
+
+
+class _KernelPrinter:
+    """Prints one kernel as an ``extern "C"`` function."""
+
+    def __init__(self, kernel: Kernel, threads: int) -> None:
+        self.kernel = kernel
+        self.threads = threads
+        self.roots = [expr for store in kernel.stores for expr in _store_needs(store)]
+        self.arguments = kernel_arguments(kernel)
+        self.pointer = {id(b): f"a{i}" for i, b in enumerate(self.arguments)}
+        self.names: dict[int, str] = {}
+        self.index_type = "int64_t" if _needs_int64(kernel) else "int32_t"
+        self.r_dependent = depends_on_r(self.roots)
+        self.phase = reduction_phase(self.roots)
+        self.work = kernel.xnumel * max(kernel.rnumel, 1)
+        self.parallel = threads > 1 and self.work >= PARALLEL_MIN_WORK
+        self.accumulators: dict[int, _Accumulator] = {}
+
+    # -- names and the signature ----------------------------------------------------------
+
+    def name(self, expr: Expr) -> str:
+        key = id(expr)
+        if key not in self.names:
+            self.names[key] = f"t{len(self.names)}"
+        return self.names[key]
+
+    def signature(self) -> str:
+        written = {id(b) for b in self.kernel.writes()}
+        params = []
+        for buffer in self.arguments:
+            const = "" if id(buffer) in written else "const "
+            params.append(f"{const}{storage_type(buffer.dtype)}* {self.pointer[id(buffer)]}")
+        if self.kernel.seed() is not None:
+            params.append("int64_t seed")
+        return f'extern "C" void {self.kernel.name}({", ".join(params)})'
+
+    def header(self) -> list[str]:
+        kernel = self.kernel
+        lines = [f"// kernel {kernel.name}: x < {kernel.xnumel}, r < {kernel.rnumel}"]
+        for buffer in self.arguments:
+            dtype = str(buffer.dtype).removeprefix("torch.")
+            shape = ", ".join(str(s) for s in buffer.shape)
+            lines.append(f"//   {self.pointer[id(buffer)]} = {buffer.name}: {dtype}[{shape}]")
+        if kernel.fused:
+            lines.append("// fused:")
+            lines += [f"//   {node}" for node in kernel.fused]
+        return lines
+
+    def source(self) -> str:
+        body = _Block("  ")
+        if self.kernel.seed() is not None:
+            body.add("const uint32_t key0 = (uint32_t)(uint64_t)seed;")
+            body.add("const uint32_t key1 = (uint32_t)((uint64_t)seed >> 32);")
+        if self.kernel.kind is KernelKind.POINTWISE:
+            if self.kernel.rnumel == 0:  # x * r = 0 positions: nothing to store
+                body.add("// empty: no positions to compute")
+            else:
+                self.pointwise(body)
+        else:
+            self.reduction(body)
+        return "\n".join([*self.header(), self.signature() + " {", *body.lines, "}", ""])
+
+    # -- expressions ----------------------------------------------------------------------
+
+    def index(self, index: Index) -> str:
+        parts: list[str] = []
+        for atom, coef in index.terms:
+            if isinstance(atom, Var):
+                text = atom.name
+            elif isinstance(atom, Indirect):
+                text = f"({self.index_type}){self.name(atom.value)}"
+            else:
+                operator = "/" if isinstance(atom, FloorDiv) else "%"
+                assert isinstance(atom, (FloorDiv, Mod))
+                text = f"(({self.index(atom.operand)}) {operator} {atom.divisor})"
+            parts.append(text if coef == 1 else f"{coef}*{text}")
+        if index.const or not parts:
+            parts.append(str(index.const))
+        return " + ".join(parts).replace("+ -", "- ")
+
+    def render(self, expr: Expr) -> str:
+        """The C++ text of ``expr``, its operands already named."""
+        if isinstance(expr, Const):
+            return cpp_math.literal(expr.value, expr.dtype)
+        if isinstance(expr, IndexValue):
+            return f"({compute_type(expr.dtype)})({self.index(expr.index)})"
+        if isinstance(expr, Load):
+            pointer = self.pointer[id(expr.buffer)]
+            text = cpp_math.load(f"{pointer}[{self.index(expr.offset)}]", expr.buffer.dtype)
+            text = cpp_math.convert(text, expr.buffer.dtype, expr.dtype)
+            if expr.mask is None:
+                return text
+            other = cpp_math.literal(expr.other, expr.dtype)
+            return f"{self.operand(expr.mask)} ? {text} : {other}"
+        if isinstance(expr, Rand):
+            helper = "kiln_randn" if expr.normal else "kiln_rand"
+            text = f"{helper}((uint32_t)({self.index(expr.offset)}), key0, key1)"
+            return cpp_math.convert(text, torch.float32, expr.dtype)
+        if isinstance(expr, Apply):
+            args = [self.operand(arg) for arg in expr.args]
+            if expr.op is Op.CONVERT:
+                return cpp_math.convert(args[0], expr.args[0].dtype, expr.dtype)
+            operand_dtype = expr.args[-1].dtype
+            return cpp_math.spell(expr.op, args, operand_dtype)
+        raise TypeError(f"cannot print {type(expr).__name__} here")
+
+    def operand(self, expr: Expr) -> str:
+        if isinstance(expr, Const):
+            return cpp_math.literal(expr.value, expr.dtype)
+        return self.name(expr)
+
+    def emit(self, roots: list[Expr], block: _Block, row: _Block | None = None) -> None:
+        """Define every expression ``roots`` need in ``block`` (operands first). Inside an
+        ``r`` loop, per-row values go to ``row``, the block around the loop."""
+        stack: list[tuple[Expr, bool]] = [(root, False) for root in reversed(roots)]
+        while stack:
+            expr, expanded = stack.pop()
+            target = block
+            if row is not None and not self.r_dependent[id(expr)]:
+                target = row
+            if target.has(id(expr)) or isinstance(expr, Const):
+                continue
+            if isinstance(expr, Reduce):
+                raise AssertionError(f"{self.kernel.name}: a reduction used before its loop")
+            if not expanded:
+                stack.append((expr, True))
+                stack += [(child, False) for child in reversed(children(expr))]
+                continue
+            ctype = compute_type(expr.dtype)
+            target.add(f"const {ctype} {self.name(expr)} = {self.render(expr)};")
+            target.defined.add(id(expr))
+
+    def store_phase(self, store: Store) -> int:
+        return max(self.phase[id(expr)] for expr in _store_needs(store))
+
+    def per_position(self, store: Store) -> bool:
+        """Whether ``store`` runs for every ``(x, r)`` (else once per row)."""
+        needs = _store_needs(store)
+        return R in store.offset.variables() or any(self.r_dependent[id(e)] for e in needs)
+
+    def store(self, store: Store, block: _Block) -> None:
+        value = self.operand(store.value)
+        value = cpp_math.convert(value, store.value.dtype, store.buffer.dtype)
+        pointer = self.pointer[id(store.buffer)]
+        text = cpp_math.store(value, store.buffer.dtype)
+        block.add(f"{pointer}[{self.index(store.offset)}] = {text};")
+
+    # -- loops ----------------------------------------------------------------------------
+
+    def pointwise(self, body: _Block) -> None:
+        xnumel, t = self.kernel.xnumel, self.index_type
+        if self.parallel:
+            chunk = -(-xnumel // self.threads)
+            chunk = -(-chunk // 64) * 64
+            body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
+            body.add(f"for ({t} x0 = 0; x0 < {xnumel}; x0 += {chunk}) {{")
+            outer = body.child()
+            outer.add(f"const {t} x1 = x0 + {chunk} < {xnumel} ? x0 + {chunk} : {xnumel};")
+            outer.add("#pragma omp simd")
+            outer.add(f"for ({t} x = x0; x < x1; ++x) {{")
+            inner = outer.child()
+            self.pointwise_body(inner)
+            outer.lines += inner.lines
+            outer.add("}")
+            body.lines += outer.lines
+            body.add("}")
+            return
+        body.add("#pragma omp simd")
+        body.add(f"for ({t} x = 0; x < {xnumel}; ++x) {{")
+        inner = body.child()
+        self.pointwise_body(inner)
+        body.lines += inner.lines
+        body.add("}")
+
+    def pointwise_body(self, block: _Block) -> None:
+        self.emit(self.roots, block)
+        for store in self.kernel.stores:
+            self.store(store, block)
+
+    def reduction(self, body: _Block) -> None:
+        """Rows in parallel (or, for few long rows, each ``r`` loop in parallel); per row one
+        ``r`` loop per reduction phase, per-row stores after the phase that completes them,
+        row-shaped stores in the first loop that can compute them."""
+        kernel, t = self.kernel, self.index_type
+        reduces = [e for e in walk(self.roots) if isinstance(e, Reduce)]
+        phases = max((self.phase[id(r)] for r in reduces), default=0)
+        has_arg = any(r.kind in {ReduceKind.ARGMAX, ReduceKind.ARGMIN} for r in reduces)
+        r_stores = [s for s in kernel.stores if self.per_position(s)]
+        if phases == 1 and not has_arg and self.reads_columns(reduces, r_stores):
+            self.column_reduction(body, reduces)
+            return
+        split_rows = self.parallel and kernel.xnumel < self.threads and not has_arg
+        if self.parallel and not split_rows:
+            body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
+        body.add(f"for ({t} x = 0; x < {kernel.xnumel}; ++x) {{")
+        row = body.child()
+        row_stores = [s for s in kernel.stores if not self.per_position(s)]
+        self.row_stores(row_stores, 0, row)
+        for loop in range(1, phases + 2):
+            loop_reduces = [r for r in reduces if self.phase[id(r)] == loop]
+            stores = [s for s in r_stores if self.store_phase(s) + 1 == loop]
+            if loop_reduces or stores:
+                self.r_loop(loop_reduces, stores, row, split_rows)
+            self.row_stores(row_stores, loop, row)
+        body.lines += row.lines
+        body.add("}")
+
+    def reads_columns(self, reduces: list[Reduce], r_stores: list[Store]) -> bool:
+        """Whether the reduced values read memory along columns: some load is contiguous in
+        ``x`` and none in ``r`` (a sum over a leading dim), so rows are better reduced a block
+        of them at a time, vectorized across ``x``."""
+        if self.kernel.xnumel < 16 or any(self.store_phase(s) for s in r_stores):
+            return False
+        along_x = along_r = False
+        stored = [e for s in r_stores for e in _store_needs(s)]
+        for expr in walk([r.value for r in reduces] + stored):
+            if isinstance(expr, (Load, Rand)):
+                coefficients = {a.name: c for a, c in expr.offset.terms if isinstance(a, Var)}
+                along_x |= coefficients.get(X) == 1
+                along_r |= coefficients.get(R) == 1
+        return along_x and not along_r
+
+    def column_reduction(self, body: _Block, reduces: list[Reduce]) -> None:
+        """Blocks of rows (in parallel), each reduced by one ``r`` loop around a vectorized
+        loop over the block's rows, with one accumulator slot per row; then per-row stores."""
+        kernel, t = self.kernel, self.index_type
+        xnumel = kernel.xnumel
+        lanes = -(-xnumel // self.threads) if self.parallel else xnumel
+        lanes = min(COLUMN_BLOCK, -(-lanes // 16) * 16)
+        if self.parallel:
+            body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
+        body.add(f"for ({t} x0 = 0; x0 < {xnumel}; x0 += {lanes}) {{")
+        outer = body.child()
+        outer.add(f"const {t} x1 = x0 + {lanes} < {xnumel} ? x0 + {lanes} : {xnumel};")
+        accumulators = [self.accumulator(reduce) for reduce in reduces]
+        variables = [v for acc in accumulators for v in acc.variables()]
+        for ctype, name, _ in variables:
+            outer.add(f"{ctype} {name}[{lanes}];")
+        outer.add(f"for (int lane = 0; lane < {lanes}; ++lane) {{")
+        for _, name, initial in variables:
+            outer.add(f"  {name}[lane] = {initial};")
+        outer.add("}")
+        outer.add(f"for ({t} r = 0; r < {kernel.rnumel}; ++r) {{")
+        per_r = outer.child()
+        stores = [s for s in kernel.stores if self.per_position(s)]
+        self.x_loop(per_r, stores, accumulators, finish=False)
+        outer.lines += per_r.lines
+        outer.add("}")
+        self.x_loop(outer, [s for s in kernel.stores if s not in stores], accumulators, finish=True)
+        body.lines += outer.lines
+        body.add("}")
+
+    def x_loop(
+        self, block: _Block, stores: list[Store], accumulators: list[_Accumulator], finish: bool
+    ) -> None:
+        """A vectorized loop over the rows ``x0 <= x < x1`` of a block: inside the ``r`` loop
+        it updates the accumulators; with ``finish`` it reads their results instead. Then it
+        runs ``stores``."""
+        block.add("#pragma omp simd")
+        block.add(f"for ({self.index_type} x = x0; x < x1; ++x) {{")
+        inner = block.child()
+        for acc in accumulators if finish else []:
+            ctype = compute_type(acc.reduce.dtype)
+            inner.add(f"const {ctype} {self.name(acc.reduce)} = {acc.result('[x - x0]')};")
+            inner.defined.add(id(acc.reduce))
+        values = [] if finish else [acc.reduce.value for acc in accumulators]
+        self.emit(values + [e for s in stores for e in _store_needs(s)], inner)
+        for acc in [] if finish else accumulators:
+            for line in acc.update(self.operand(acc.reduce.value), "[x - x0]"):
+                inner.add(line)
+        for store in stores:
+            self.store(store, inner)
+        block.lines += inner.lines
+        block.add("}")
+
+    def row_stores(self, stores: list[Store], phase: int, row: _Block) -> None:
+        done = [s for s in stores if self.store_phase(s) == phase]
+        self.emit([e for s in done for e in _store_needs(s)], row)
+        for store in done:
+            self.store(store, row)
+
+    def accumulator(self, reduce: Reduce) -> _Accumulator:
+        acc = _Accumulator(
+            reduce,
+            f"acc{len(self.accumulators)}",
+            compute_type(reduce.value.dtype),
+            _accumulator_type(reduce),
+        )
+        self.accumulators[id(reduce)] = acc
+        return acc
+
+    def r_loop(self, reduces: list[Reduce], stores: list[Store], row: _Block, split: bool) -> None:
+        accumulators = [self.accumulator(reduce) for reduce in reduces]
+        for acc in accumulators:
+            for ctype, name, initial in acc.variables():
+                row.add(f"{ctype} {name} = {initial};")
+        loop = row.child()
+        needs = [e for s in stores for e in _store_needs(s)]
+        self.emit([r.value for r in reduces] + needs, loop, row)
+        for acc in accumulators:
+            for line in acc.update(self.operand(acc.reduce.value)):
+                loop.add(line)
+        for store in stores:
+            self.store(store, loop)
+        clauses = [c for acc in accumulators for c in acc.clauses()]
+        vectorize = all(acc.clauses() for acc in accumulators)  # no ARGMAX/ARGMIN
+        pragma = " ".join(["omp simd", *clauses]) if vectorize else ""
+        if split:
+            schedule = f"num_threads({self.threads}) schedule(simd:static)"
+            pragma = " ".join(["omp parallel for simd", schedule, *clauses])
+        if pragma:
+            row.add(f"#pragma {pragma}")
+        row.add(f"for ({self.index_type} r = 0; r < {self.kernel.rnumel}; ++r) {{")
+        row.lines += loop.lines
+        row.add("}")
+        for acc in accumulators:
+            ctype = compute_type(acc.reduce.dtype)
+            row.add(f"const {ctype} {self.name(acc.reduce)} = {acc.result()};")
+            row.defined.add(id(acc.reduce))
+
+
+def _store_needs(store: Store) -> list[Expr]:
+    """What a store evaluates: its value and the index values of its offset (a scatter)."""
+    return [store.value, *(atom.value for atom in store.offset.indirects())]
+
+
+def _needs_int64(kernel: Kernel) -> bool:
+    """Whether an index (or a partial sum of one) may leave int32."""
+    if kernel.xnumel * max(kernel.rnumel, 1) + 64 * 16 > INT32_LIMIT:
+        return True
+    if kernel.xnumel > INT32_LIMIT // 2 or kernel.rnumel > INT32_LIMIT // 2:
+        return True
+    indexes: list[Index] = []
+    for expr in walk([s.value for s in kernel.stores]):
+        if isinstance(expr, (Load, Rand)):
+            indexes.append(expr.offset)
+        elif isinstance(expr, IndexValue):
+            indexes.append(expr.index)
+    indexes += [s.offset for s in kernel.stores]
+    return any(_magnitude(index) > INT32_LIMIT for index in indexes)
+
+
+def _magnitude(index: Index) -> int:
+    """An upper bound of ``|partial sum|`` while ``index`` is evaluated term by term."""
+    total = abs(index.const)
+    for atom, coef in index.terms:
+        if isinstance(atom, (Var, Indirect)):
+            high = max(atom.size - 1, 0)
+        else:
+            inner = _magnitude(atom.operand)
+            if inner > INT32_LIMIT:
+                return inner
+            high = inner // atom.divisor if isinstance(atom, FloorDiv) else atom.divisor - 1
+        total += abs(coef) * high
+    return total

@@ -1,0 +1,158 @@
+"""The host program: Python source that runs a scheduled graph's steps in order.
+
+For a :class:`~kiln.schedule.program.Program` it prints one function ``run(inputs)`` that
+allocates buffers (or takes over dead ones: the buffer plan), launches each kernel with its
+buffers, calls each extern through PyTorch, frees buffers after their last use and returns the
+outputs (views of buffers, as eager returns views)::
+
+    def run(inputs):
+        x, w, b = inputs
+        mm_1, = extern_0(x, as_strided(w, (64, 32), (1, 64), w.storage_offset()))
+        buf_2 = empty_strided((8, 32), (32, 1), dtype=torch.float32, device=device)
+        k1_add_relu(buf_2, mm_1, b)
+        del mm_1
+        return [buf_2]
+
+The source is readable and dumped to the debug directory with the kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kiln.ir.op import op_def
+from kiln.schedule.loops import Buffer, BufferKind, Kernel
+from kiln.schedule.program import ExternCall, Program, View, kernel_arguments
+
+Launcher = Callable[..., Any]
+
+
+class Wrapper:
+    """Prints the host program of ``program``; ``launchers`` maps kernel names to callables
+    taking tensors in kernel-argument order (and the seed when the kernel draws numbers)."""
+
+    def __init__(self, program: Program, launchers: dict[str, Launcher]) -> None:
+        self.program = program
+        self.namespace: dict[str, Any] = {
+            "torch": torch,
+            "empty_strided": torch.empty_strided,
+            "as_strided": torch.as_strided,
+        }
+        self.namespace.update(launchers)
+        self.names: dict[int, str] = {}
+        self.lines: list[str] = []
+
+    def name(self, buffer: Buffer) -> str:
+        if id(buffer) not in self.names:
+            base = "".join(c if c.isalnum() else "_" for c in buffer.name)
+            prefix = {BufferKind.INPUT: "in_", BufferKind.TEMP: "buf_", BufferKind.EXTERN: "ext_"}
+            self.names[id(buffer)] = f"{prefix[buffer.kind]}{base}"
+        return self.names[id(buffer)]
+
+    def view(self, view: View) -> str:
+        name = self.name(view.buffer)
+        if view.is_whole and view.buffer.kind is not BufferKind.INPUT:
+            return name
+        if view.is_whole:
+            return name
+        offset = (
+            f"{name}.storage_offset() + {view.offset}"
+            if view.offset
+            else f"{name}.storage_offset()"
+        )
+        return f"as_strided({name}, {view.shape!r}, {view.strides!r}, {offset})"
+
+    def source(self) -> str:
+        program = self.program
+        self.lines = ["def run(inputs):"]
+        names = [self.name(b) for b in program.inputs]
+        if names:
+            self.lines.append(f"    {', '.join(names)}{',' if len(names) == 1 else ''} = inputs")
+        seeds = {id(k.seed()) for k in program.kernels() if k.seed() is not None}
+        for buffer in program.inputs:
+            if id(buffer) in seeds:
+                self.lines.append(f"    seed = int({self.name(buffer)})")
+        reused = {id(b) for b in program.reuses.values()}  # freed when taken over instead
+        for position, step in enumerate(program.steps):
+            if isinstance(step, Kernel):
+                self._kernel(step)
+            else:
+                self._extern(step, position)
+            dead = [self.name(b) for b in program.dead_after[position] if id(b) not in reused]
+            if dead:
+                self.lines.append(f"    del {', '.join(dead)}")
+        outputs = ", ".join(self.view(v) for v in program.outputs)
+        self.lines.append(f"    return [{outputs}]")
+        return "\n".join(self.lines) + "\n"
+
+    def _kernel(self, kernel: Kernel) -> None:
+        for buffer in kernel.writes():
+            previous = self.program.reuses.get(id(buffer))
+            if previous is not None:
+                old = self.name(previous)
+                self.lines.append(
+                    f"    {self.name(buffer)} = as_strided({old}, {buffer.shape!r}, "
+                    f"{buffer.strides!r}); del {old}  # reuse"
+                )
+            else:
+                self.lines.append(
+                    f"    {self.name(buffer)} = empty_strided({buffer.shape!r}, "
+                    f"{buffer.strides!r}, dtype={buffer.dtype}, device={str(buffer.device)!r})"
+                )
+        if kernel.xnumel == 0:
+            return  # nothing to compute: the outputs are empty
+        arguments = [self.name(b) for b in kernel_arguments(kernel)]
+        if kernel.seed() is not None:
+            arguments.append("seed")
+        self.lines.append(f"    {kernel.name}({', '.join(arguments)})")
+
+    def _extern(self, call: ExternCall, position: int) -> None:
+        function = f"extern_{position}"
+        self.namespace[function] = extern_function(call)
+        operands = ", ".join(
+            self.view(o) if isinstance(o, View) else repr(o) for o in call.operands
+        )
+        results = ", ".join(self.name(b) for b in call.outputs)
+        comment = f"  # {call.node.op.printed_name}  {call.node.origin}".rstrip()
+        self.lines.append(f"    {results}, = {function}({operands}){comment}")
+
+    def compile(self) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
+        code = compile(self.source(), f"<kiln wrapper {self.program.name}>", "exec")
+        exec(code, self.namespace)
+        run: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] = self.namespace["run"]
+        return run
+
+
+def extern_function(call: ExternCall) -> Callable[..., list[torch.Tensor]]:
+    """Runs the node's reference implementation and lays its results out as the kernels that
+    read them expect (a copy only when PyTorch chose other strides than the meta run)."""
+    impl = op_def(call.node.op).impl
+    attrs = call.node.attrs
+    layouts = [(b.shape, b.strides) for b in call.outputs]
+
+    def run(*operands: Any) -> list[torch.Tensor]:
+        result = impl(attrs, *operands)
+        results = result if isinstance(result, tuple) else (result,)
+        return [
+            t if _same_layout(t, shape, strides) else _restride(t, shape, strides)
+            for t, (shape, strides) in zip(results, layouts, strict=True)
+        ]
+
+    return run
+
+
+def _same_layout(tensor: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    if tuple(tensor.shape) != shape:
+        return False
+    actual = tensor.stride()
+    return all(size == 1 or a == s for size, a, s in zip(shape, actual, strides, strict=True))
+
+
+def _restride(
+    tensor: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]
+) -> torch.Tensor:
+    out = torch.empty_strided(shape, strides, dtype=tensor.dtype, device=tensor.device)
+    return out.copy_(tensor)

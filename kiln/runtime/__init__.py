@@ -1,0 +1,32 @@
+"""Runtime: source -> callables (kernel builds, loading, the on-disk artifact cache).
+
+Input: source text from ``kiln/codegen``. Output: Python callables that take tensors and run
+the kernels. Built artifacts are cached on disk under ``kiln.config.config.cache_dir``, keyed
+by the source, the flags and the compiler, so a second process never rebuilds them.
+
+- :mod:`kiln.runtime.cpp_build`: ``build`` (g++ -> shared library, cached, loaded with ctypes),
+  ``load_kernels`` (one launcher per C++ kernel) and ``cpp_compiler_available``.
+- :mod:`kiln.runtime.triton_build`: ``build_triton`` (generated module -> cached file ->
+  launcher), ``load_triton_kernels``, ``precompile`` (parallel compiles), ``triton_available``
+  and ``interpret_mode`` (CPU tensors through Triton's interpreter).
+"""
+
+from kiln.runtime.cpp_build import build, cpp_compiler_available, load_kernels
+from kiln.runtime.triton_build import (
+    build_triton,
+    interpret_mode,
+    load_triton_kernels,
+    precompile,
+    triton_available,
+)
+
+__all__ = [
+    "build",
+    "build_triton",
+    "cpp_compiler_available",
+    "interpret_mode",
+    "load_kernels",
+    "load_triton_kernels",
+    "precompile",
+    "triton_available",
+]

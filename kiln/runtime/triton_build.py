@@ -1,0 +1,449 @@
+"""Build and launch Triton kernels: generated module -> file in the cache -> launcher.
+
+``build_triton(source)`` writes the module of a :class:`~kiln.codegen.triton.TritonSource` to
+``<cache_dir>/triton/<sha256 of the source>.py`` (and a readable copy to the debug directory
+when one is set), imports it, and returns ``launch(*tensors, seed=None)``: tensors in
+kernel-argument order, then the seed (by keyword or as one more positional argument).
+
+On a GPU the first launch compiles (Triton's on-disk cache makes later processes fast) and a
+failure raises :class:`~kiln.errors.BackendError` naming the module's file. Later launches
+skip ``kernel[grid](...)``'s argument binding and call the compiled kernel's launcher directly
+while the specialization still holds (pointer alignment, seed width, device).
+:func:`precompile` compiles the kernels of a program in worker processes first.
+
+Under the interpreter (``TritonSource.interpret``) the module is imported and launched inside
+:func:`interpret_mode`, so CPU tensors run through the generated kernels on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kiln.codegen.triton import TritonSource, generate_triton
+from kiln.config import config, logger
+from kiln.errors import BackendError
+from kiln.schedule.loops import Kernel
+
+MIN_VERSION = (3, 6)
+MIN_CAPABILITY = (7, 0)
+SERIAL_COMPILES = 2  # programs with at most this many kernels compile in-process
+MAX_WORKERS = 16
+WORKER_TIMEOUT_S = 900
+SEED_EXAMPLE = 2**40  # precompiled kernels assume an int64-wide seed, like torch's draws
+# FMA contraction on, as nvcc does for eager's kernels; explicit, because Triton 3.10 changes
+# the default (and 3.9 warns when it is left unset)
+OPTIONS = {"enable_fp_fusion": True}
+
+_log = logger("kernels")
+_modules: dict[str, ModuleType] = {}
+_lock = threading.RLock()
+
+Launcher = Callable[..., None]
+
+
+def _version(text: str) -> tuple[int, int]:
+    parts = [*text.split("+")[0].split("."), "0", "0"][:2]
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def triton_available(device: torch.device | str, *, interpret: bool = False) -> str | None:
+    """None when Triton can run kernels for ``device`` (any device with ``interpret``), else
+    the one-line reason it cannot."""
+    try:
+        import triton
+    except ImportError as error:
+        return f"Triton is not installed ({error}); pip install 'triton>=3.6'"
+    if _version(triton.__version__) < MIN_VERSION:
+        return f"Triton {triton.__version__} is older than {'.'.join(map(str, MIN_VERSION))}"
+    if interpret:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"Triton kernels run on CUDA devices, not {device.type}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available to this PyTorch build or machine"
+    if torch.version.hip is not None:
+        return "Kiln's Triton kernels are only tested on NVIDIA GPUs (this is ROCm)"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return f"{name} has compute capability {capability[0]}.{capability[1]} (Triton needs 7.0+)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# interpreter mode
+
+_interpret_depth = 0
+
+
+@functools.cache
+def _library_swaps() -> list[tuple[Any, str, Any, Any]]:
+    """``(module, name, jit function, interpreted function)`` for triton.language's own
+    ``@jit`` functions (``tl.sum``, ``tl.rand``, ...). Triton picks the interpreter when a
+    function is *decorated*, so a process that imported Triton without ``TRITON_INTERPRET=1``
+    holds compiled-only versions, which interpreted kernels cannot call."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    interpreted: dict[int, Any] = {}
+    swaps = []
+    for module in (tl, tl.core, tl.math, tl.standard, tl.random):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                if id(value) not in interpreted:
+                    interpreted[id(value)] = InterpretedFunction(value.fn)
+                swaps.append((module, name, value, interpreted[id(value)]))
+    return swaps
+
+
+def _language_objects() -> list[Any]:
+    """What the interpreter patches while kernels run: triton.language's modules and classes."""
+    import triton.language as tl
+
+    core = tl.core
+    names = ("tensor", "dtype", "condition", "tensor_descriptor_base")
+    classes = [getattr(core, name) for name in names if hasattr(core, name)]
+    return [tl, core, tl.math, tl.standard, tl.random, *classes]
+
+
+def _snapshot() -> list[tuple[Any, dict[str, Any]]]:
+    return [(obj, dict(vars(obj))) for obj in _language_objects()]
+
+
+def _restore(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
+    """Undo attribute changes to triton.language. Triton's interpreter restores what a kernel
+    launch patches, but a device-function call (``tl.rand``, our helpers) patches
+    ``triton.language.core`` for good, which breaks compiling GPU kernels afterwards."""
+    for obj, saved in snapshot:
+        for name, value in list(vars(obj).items()):
+            if name not in saved:
+                # a module keeps new globals (the interpreter's rewritten library functions
+                # read them later); a class loses patched-in methods
+                if not isinstance(obj, ModuleType):
+                    delattr(obj, name)
+            elif saved[name] is not value:
+                setattr(obj, name, saved[name])
+
+
+@contextmanager
+def interpret_mode() -> Iterator[None]:
+    """Run Triton kernels defined or launched inside on the CPU interpreter: sets
+    ``TRITON_INTERPRET=1``, makes triton.language's library functions interpretable, silences
+    numpy's floating-point warnings (masked lanes divide by zero, as on the GPU, silently), and
+    on exit restores the environment and everything the interpreter patched."""
+    global _interpret_depth
+    import numpy as np
+
+    with _lock:
+        if _interpret_depth:
+            _interpret_depth += 1
+            try:
+                yield
+            finally:
+                _interpret_depth -= 1
+            return
+        previous = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        snapshot = _snapshot()
+        for module, name, _, interpreted in _library_swaps():
+            setattr(module, name, interpreted)
+        _interpret_depth = 1
+        try:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                yield
+        finally:
+            _interpret_depth = 0
+            _restore(snapshot)
+            if previous is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = previous
+
+
+# ---------------------------------------------------------------------------------------------
+# modules
+
+
+def source_digest(source: TritonSource) -> str:
+    return hashlib.sha256(source.source.encode()).hexdigest()
+
+
+def module_path(source: TritonSource) -> Path:
+    return Path(config.cache_dir) / "triton" / f"{source_digest(source)}.py"
+
+
+def write_module(source: TritonSource) -> Path:
+    """The module file of ``source`` in the cache (written once, atomically), and a readable
+    copy in the debug directory when one is set."""
+    path = module_path(source)
+    if not path.exists() or path.read_text() != source.source:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            f.write(source.source)
+        os.replace(f.name, path)
+    if config.debug_dir:
+        debug = Path(config.debug_dir) / "triton"
+        debug.mkdir(parents=True, exist_ok=True)
+        suffix = "_interpret" if source.interpret else ""
+        (debug / f"{source.kernel_name}{suffix}.py").write_text(source.source)
+    return path
+
+
+def _import(path: Path, interpret: bool) -> ModuleType:
+    key = f"{path}:{interpret}"
+    with _lock:
+        module = _modules.get(key)
+        if module is not None:
+            return module
+        name = f"kiln_triton_{path.stem[:24]}{'_interpret' if interpret else ''}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise BackendError(f"cannot import the Triton kernel module {path}")
+        module = importlib.util.module_from_spec(spec)
+        try:
+            if interpret:
+                with interpret_mode():
+                    spec.loader.exec_module(module)
+            else:
+                spec.loader.exec_module(module)
+        except Exception as error:
+            raise BackendError(
+                f"the Triton kernel module {path} does not import: {type(error).__name__}: {error}"
+            ) from error
+        _modules[key] = module
+        return module
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+
+class TritonLauncher:
+    """Launches one kernel: ``launch(*tensors, seed=None)``."""
+
+    def __init__(self, source: TritonSource, path: Path, function: Any) -> None:
+        self.source = source
+        self.path = path
+        self.function = function
+        self.count = len(source.arguments)
+        self.grid = source.grid
+        self.constexprs = source.constexprs
+        self.constexpr_values = tuple(source.constexprs.values())
+        self.launched = False
+        self.fast: dict[tuple[Any, ...], Any] = {}  # specialization -> compiled kernel runner
+        self.fast_ok = not source.interpret and _fast_launch_supported()
+        self.__name__ = source.kernel_name
+
+    def __call__(self, *arguments: Any, seed: Any = None) -> None:
+        tensors = arguments[: self.count]
+        if len(arguments) == self.count + 1 and seed is None:
+            seed = arguments[self.count]
+        elif len(arguments) != self.count:
+            raise TypeError(
+                f"kernel {self.source.kernel_name} takes {self.count} tensors"
+                f"{' and a seed' if self.source.has_seed else ''}, got {len(arguments)} arguments"
+            )
+        extra: tuple[Any, ...] = ()
+        if self.source.has_seed:
+            if seed is None:
+                raise TypeError(f"kernel {self.source.kernel_name} needs a seed")
+            extra = (int(seed),)
+        if self.grid[0] == 0:
+            return
+        if self.source.interpret:
+            with interpret_mode():
+                self._launch(tensors + extra)
+            return
+        if self.fast_ok and self.launched:
+            key = _specialization(tensors, extra)
+            runner = self.fast.get(key)
+            if runner is not None:
+                try:
+                    runner(*tensors, *extra, *self.constexpr_values)
+                    return
+                except Exception as error:  # the slow path re-checks everything
+                    _log.info("fast launch of %s failed (%s); using kernel[grid]", self.path, error)
+                    self.fast_ok = False
+        compiled = self._launch(tensors + extra)
+        if self.fast_ok and compiled is not None and hasattr(compiled, "__getitem__"):
+            try:
+                self.fast[_specialization(tensors, extra)] = compiled[self.grid]
+            except Exception:  # keep the slow path
+                self.fast_ok = False
+
+    def _launch(self, arguments: tuple[Any, ...]) -> Any:
+        kwargs: dict[str, Any] = dict(self.constexprs)
+        if not self.source.interpret:
+            kwargs.update(OPTIONS, num_warps=self.source.num_warps)
+        if self.launched:
+            return self.function[self.grid](*arguments, **kwargs)
+        try:
+            result = self.function[self.grid](*arguments, **kwargs)
+        except Exception as error:
+            what = "run in the interpreter" if self.source.interpret else "compile or launch"
+            raise BackendError(
+                f"Triton kernel {self.source.kernel_name} failed to {what} "
+                f"(source: {self.path}): {type(error).__name__}: {error}"
+            ) from error
+        self.launched = True
+        return result
+
+
+def _fast_launch_supported() -> bool:
+    """Whether ``CompiledKernel[grid](*bound_args)`` takes the same arguments as
+    ``JITFunction.run`` passes to the launcher (Triton 3.3 and later, through 3.9)."""
+    import triton
+
+    return (3, 3) <= _version(triton.__version__) < (4, 0)
+
+
+def _specialization(tensors: Sequence[Any], extra: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What Triton specializes a compiled kernel on, for our arguments: each pointer's 16-byte
+    alignment, the seed's width (the seed is not specialized on its value) and the device."""
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+    widths = tuple(
+        "i32" if -(2**31) <= s < 2**31 else "u64" if s >= 2**63 else "i64" for s in extra
+    )
+    return (aligned, widths, torch.cuda.current_device())
+
+
+def build_triton(source: TritonSource) -> TritonLauncher:
+    """The launcher of ``source`` (its module written to the cache and imported)."""
+    path = write_module(source)
+    module = _import(path, source.interpret)
+    function = getattr(module, source.name, None)
+    if function is None:
+        raise BackendError(f"{path} does not define the Triton kernel {source.name}")
+    return TritonLauncher(source, path, function)
+
+
+def load_triton_kernels(
+    kernels: list[Kernel], device: torch.device, interpret: bool = False
+) -> dict[str, Launcher]:
+    """Generate, build and precompile ``kernels``; one launcher per kernel name (the backend's
+    code-generator interface). ``interpret`` runs them on CPU tensors through Triton's
+    interpreter."""
+    sources = [generate_triton(kernel, interpret) for kernel in kernels]
+    launchers = {s.kernel_name: build_triton(s) for s in sources}
+    precompile(sources, [device])
+    return dict(launchers)
+
+
+# ---------------------------------------------------------------------------------------------
+# parallel compilation
+
+
+def precompile(sources: Sequence[TritonSource], example_devices: Sequence[torch.device]) -> None:
+    """Compile the kernels of a program in parallel before their first launch, filling
+    Triton's on-disk cache (the launch then loads the binary). ``example_devices`` are the
+    devices the kernels run on (one per source, or one for all). A no-op under the
+    interpreter or without a usable GPU; a failure here only loses the parallelism (the first
+    launch compiles and reports errors)."""
+    compiled = [(i, s) for i, s in enumerate(sources) if not s.interpret]
+    devices = [torch.device(d) for d in example_devices]
+    if not compiled or not devices or any(d.type != "cuda" for d in devices):
+        return
+    if triton_available(devices[0]) is not None:
+        return
+    jobs = []
+    for i, source in compiled:
+        device = devices[i] if len(devices) == len(sources) else devices[0]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        jobs.append(_job(source, index))
+    try:
+        if len(jobs) <= SERIAL_COMPILES:  # in-process: also fills the in-memory cache
+            errors = [_warm_kernel(job) for job in jobs]
+        else:
+            errors = _compile_in_workers(jobs)
+        for error in filter(None, errors):
+            _log.info("precompile: %s", error)
+    except Exception as error:  # the kernels compile at their first launch
+        _log.info("precompile failed, kernels compile on first launch: %s", error)
+
+
+Job = dict[str, Any]
+
+
+def _job(source: TritonSource, device_index: int) -> Job:
+    return {
+        "path": str(write_module(source)),
+        "name": source.name,
+        "dtypes": [str(d).removeprefix("torch.") for d in source.argument_dtypes],
+        "has_seed": source.has_seed,
+        "constexprs": source.constexprs,
+        "num_warps": source.num_warps,
+        "device": device_index,
+    }
+
+
+def _compile_in_workers(jobs: list[Job]) -> list[str]:
+    """Run the jobs in fresh Python processes (a spawn/forkserver pool would re-import the
+    user's ``__main__`` in each worker). Each worker takes a slice of the jobs from a JSON
+    file and prints one error line per failed job."""
+    workers = max(1, min(MAX_WORKERS, os.cpu_count() or 1, len(jobs)))
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding the kiln package
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    )
+    code = (
+        "import sys; from kiln.runtime.triton_build import _worker_main; _worker_main(sys.argv[1])"
+    )
+    errors: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="kiln-precompile-") as directory:
+        processes = []
+        for w in range(workers):
+            path = Path(directory) / f"jobs{w}.json"
+            path.write_text(json.dumps(jobs[w::workers]))
+            command = [sys.executable, "-c", code, str(path)]
+            processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True))
+        for process in processes:
+            try:
+                output, _ = process.communicate(timeout=WORKER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                output, _ = process.communicate()
+                errors.append(f"a compile worker ran past {WORKER_TIMEOUT_S} s")
+            errors += [line for line in output.splitlines() if line.strip()]
+    return errors
+
+
+def _worker_main(jobs_file: str) -> None:
+    for job in json.loads(Path(jobs_file).read_text()):
+        error = _warm_kernel(job)
+        if error:
+            print(error.replace("\n", " "), flush=True)
+
+
+def _warm_kernel(job: Job) -> str:
+    """Compile one kernel: ``JITFunction.warmup`` with the launch's signature and options, so
+    the binary lands in Triton's cache under the key the first launch looks up."""
+    try:
+        torch.cuda.set_device(job["device"])
+        function = getattr(_import(Path(job["path"]), interpret=False), job["name"])
+        arguments: list[Any] = [getattr(torch, d) for d in job["dtypes"]]
+        if job["has_seed"]:
+            arguments.append(SEED_EXAMPLE)
+        options = {**OPTIONS, "num_warps": job["num_warps"], **job["constexprs"]}
+        function.warmup(*arguments, grid=(1,), **options)
+        return ""
+    except Exception as error:  # reported by the first launch instead
+        return f"{job['path']}: {type(error).__name__}: {error}"

@@ -1,0 +1,288 @@
+"""Index arithmetic of the loop-level IR: integer expressions over loop variables.
+
+An :class:`Index` is ``const + sum(coef * atom)`` where an atom is a loop variable
+(:class:`Var`, ``0 <= v < size``), a floor division or a modulo of an index by a positive
+constant, or an :class:`Indirect` index read from a tensor inside the kernel (gather).
+Construction simplifies as it goes, so views compose into short expressions::
+
+    x = Var("x", 12)
+    i0, i1 = decompose(x, (3, 4))        # x // 4, x % 4
+    linear((i0, i1), (4, 1))             # x            (split then joined again: no arithmetic)
+    linear((i1, i0), (3, 1))             # 3*(x % 4) + x // 4   (a transpose)
+
+The rules are few and sound for non-negative operands: bounds decide ``e // k == 0`` and
+``e % k == e``; terms whose coefficient divides by ``k`` leave a modulo and move out of a
+division; ``(e // a) // b == e // (a*b)``; and ``c*k*(e // k) + c*(e % k) == c*e``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Var:
+    """A loop variable ranging over ``0 <= name < size``."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class FloorDiv:
+    operand: Index
+    divisor: int
+
+
+@dataclass(frozen=True)
+class Mod:
+    operand: Index
+    divisor: int
+
+
+@dataclass(frozen=True, eq=False)
+class Indirect:
+    """An index value computed in the kernel (an int64 expression of the loop-level IR), known
+    to lie in ``0 <= value < size`` once the lowering has wrapped negatives."""
+
+    value: Any  # kiln.schedule.loops.Expr (not imported: loops imports this module)
+    size: int
+
+
+Atom = Var | FloorDiv | Mod | Indirect
+
+
+def _atom_key(atom: Atom) -> tuple[Any, ...]:
+    if isinstance(atom, Var):
+        return (0, atom.name)
+    if isinstance(atom, FloorDiv):
+        return (1, atom.divisor, _index_key(atom.operand))
+    if isinstance(atom, Mod):
+        return (2, atom.divisor, _index_key(atom.operand))
+    return (3, id(atom.value))
+
+
+def _index_key(index: Index) -> tuple[Any, ...]:
+    return (index.const, tuple((_atom_key(a), c) for a, c in index.terms))
+
+
+@dataclass(frozen=True)
+class Index:
+    """``const + sum(coef * atom)``; terms are sorted and have non-zero coefficients."""
+
+    terms: tuple[tuple[Atom, int], ...] = ()
+    const: int = 0
+
+    @property
+    def is_constant(self) -> bool:
+        return not self.terms
+
+    def __add__(self, other: Index | int) -> Index:
+        other = as_index(other)
+        return _make(_merge(self.terms, other.terms), self.const + other.const)
+
+    def __radd__(self, other: int) -> Index:
+        return self + other
+
+    def __sub__(self, other: Index | int) -> Index:
+        return self + as_index(other) * -1
+
+    def __mul__(self, factor: int) -> Index:
+        if factor == 0:
+            return Index()
+        return Index(tuple((a, c * factor) for a, c in self.terms), self.const * factor)
+
+    __rmul__ = __mul__
+
+    def __floordiv__(self, divisor: int) -> Index:
+        return floordiv(self, divisor)
+
+    def __mod__(self, divisor: int) -> Index:
+        return mod(self, divisor)
+
+    def variables(self) -> set[str]:
+        names: set[str] = set()
+        for atom, _ in self.terms:
+            if isinstance(atom, Var):
+                names.add(atom.name)
+            elif isinstance(atom, (FloorDiv, Mod)):
+                names |= atom.operand.variables()
+        return names
+
+    def indirects(self) -> list[Indirect]:
+        found: list[Indirect] = []
+        for atom, _ in self.terms:
+            if isinstance(atom, Indirect):
+                found.append(atom)
+            elif isinstance(atom, (FloorDiv, Mod)):
+                found += atom.operand.indirects()
+        return found
+
+    def __repr__(self) -> str:
+        return format_index(self, lambda atom: repr(atom))
+
+
+def as_index(value: Index | int) -> Index:
+    return value if isinstance(value, Index) else Index((), int(value))
+
+
+def var(name: str, size: int) -> Index:
+    if size <= 1:
+        return Index()
+    return Index(((Var(name, size), 1),))
+
+
+def indirect(value: Any, size: int) -> Index:
+    return Index(((Indirect(value, size), 1),))
+
+
+def _merge(
+    left: tuple[tuple[Atom, int], ...], right: tuple[tuple[Atom, int], ...]
+) -> list[tuple[Atom, int]]:
+    coefficients: dict[Any, list[Any]] = {}
+    for atom, coef in (*left, *right):
+        key = _atom_key(atom)
+        if key in coefficients:
+            coefficients[key][1] += coef
+        else:
+            coefficients[key] = [atom, coef]
+    return [(atom, coef) for atom, coef in coefficients.values() if coef != 0]
+
+
+def _make(terms: list[tuple[Atom, int]], const: int) -> Index:
+    terms, extra = _recombine(terms)
+    terms.sort(key=lambda term: _atom_key(term[0]))
+    return Index(tuple(terms), const + extra)
+
+
+def _recombine(terms: list[tuple[Atom, int]]) -> tuple[list[tuple[Atom, int]], int]:
+    """Rewrite ``c*k*(e // k) + c*(e % k)`` as ``c*e`` until no pair is left; returns the
+    terms and the constant the rewrites add."""
+    extra = 0
+    changed = True
+    while changed:
+        changed = False
+        by_key = {_atom_key(atom): (atom, coef) for atom, coef in terms}
+        for atom, coef in terms:
+            if not isinstance(atom, Mod):
+                continue
+            quotient = floordiv(atom.operand, atom.divisor)
+            if quotient.const or len(quotient.terms) != 1 or quotient.terms[0][1] != 1:
+                continue
+            partner = by_key.get(_atom_key(quotient.terms[0][0]))
+            if partner is None or partner[1] != coef * atom.divisor:
+                continue
+            used = (_atom_key(atom), _atom_key(partner[0]))
+            rest = tuple(t for t in terms if _atom_key(t[0]) not in used)
+            joined = atom.operand * coef
+            terms = _merge(rest, joined.terms)
+            extra += joined.const
+            changed = True
+            break
+    return terms, extra
+
+
+def bounds(index: Index) -> tuple[int, int]:
+    """Inclusive ``(low, high)`` of ``index`` over all loop-variable values."""
+    low = high = index.const
+    for atom, coef in index.terms:
+        atom_low, atom_high = _atom_bounds(atom)
+        if coef >= 0:
+            low, high = low + coef * atom_low, high + coef * atom_high
+        else:
+            low, high = low + coef * atom_high, high + coef * atom_low
+    return low, high
+
+
+def _atom_bounds(atom: Atom) -> tuple[int, int]:
+    if isinstance(atom, (Var, Indirect)):
+        return 0, max(atom.size - 1, 0)
+    low, high = bounds(atom.operand)
+    if isinstance(atom, FloorDiv):
+        return low // atom.divisor, high // atom.divisor
+    if low >= 0 and high < atom.divisor:
+        return low, high
+    return 0, atom.divisor - 1
+
+
+def floordiv(index: Index, divisor: int) -> Index:
+    if divisor <= 0:
+        raise ValueError(f"floor division by {divisor}")
+    if divisor == 1:
+        return index
+    low, high = bounds(index)
+    if low >= 0 and high < divisor:
+        return Index()
+    whole = [(a, c // divisor) for a, c in index.terms if c % divisor == 0]
+    rest = Index(tuple((a, c) for a, c in index.terms if c % divisor != 0), index.const)
+    rest_low, rest_high = bounds(rest)
+    if whole and rest_low >= 0 and rest_high < divisor:
+        return _make(whole, 0)
+    if whole and rest.const % divisor == 0 and not rest.terms:
+        return _make(whole, rest.const // divisor)
+    if low < 0:
+        raise ValueError(f"floor division of a possibly negative index {index}")
+    if len(index.terms) == 1 and index.const == 0 and index.terms[0][1] == 1:
+        atom = index.terms[0][0]
+        if isinstance(atom, FloorDiv):
+            return floordiv(atom.operand, atom.divisor * divisor)
+    return Index(((FloorDiv(index, divisor), 1),))
+
+
+def mod(index: Index, divisor: int) -> Index:
+    if divisor <= 0:
+        raise ValueError(f"modulo by {divisor}")
+    if divisor == 1:
+        return Index()
+    kept = Index(tuple((a, c) for a, c in index.terms if c % divisor != 0), index.const % divisor)
+    low, high = bounds(kept)
+    if low >= 0 and high < divisor:
+        return kept
+    if bounds(index)[0] < 0:
+        raise ValueError(f"modulo of a possibly negative index {index}")
+    return Index(((Mod(kept, divisor), 1),))
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
+    return tuple(strides)
+
+
+def decompose(flat: Index, shape: Sequence[int]) -> tuple[Index, ...]:
+    """The multi-index of row-major position ``flat`` in ``shape``."""
+    if 0 in shape:  # no positions: the loops never run
+        return tuple(Index() for _ in shape)
+    strides = contiguous_strides(shape)
+    return tuple(
+        Index() if size == 1 else mod(floordiv(flat, stride), size) if i else floordiv(flat, stride)
+        for i, (size, stride) in enumerate(zip(shape, strides, strict=True))
+    )
+
+
+def linear(indices: Sequence[Index], strides: Sequence[int], offset: int = 0) -> Index:
+    """``offset + sum(index_i * stride_i)``."""
+    total = as_index(offset)
+    for index, stride in zip(indices, strides, strict=True):
+        total = total + index * stride
+    return total
+
+
+def format_index(index: Index, name_of: Any) -> str:
+    """Source text of ``index``; ``name_of(atom)`` prints variables and indirect atoms."""
+    parts: list[str] = []
+    for atom, coef in index.terms:
+        if isinstance(atom, (FloorDiv, Mod)):
+            inner = format_index(atom.operand, name_of)
+            if len(atom.operand.terms) + bool(atom.operand.const) > 1 or "*" in inner:
+                inner = f"({inner})"
+            text = f"({inner} {'//' if isinstance(atom, FloorDiv) else '%'} {atom.divisor})"
+        else:
+            text = name_of(atom)
+        parts.append(text if coef == 1 else f"{coef}*{text}" if coef > 0 else f"({coef})*{text}")
+    if index.const or not parts:
+        parts.append(str(index.const))
+    return " + ".join(parts)

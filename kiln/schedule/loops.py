@@ -1,0 +1,288 @@
+"""The loop-level IR: kernels as scalar expression DAGs over one or two flat loop variables.
+
+A :class:`Kernel` iterates ``x`` over ``xnumel`` positions (rows, for a reduction kernel) and,
+for a reduction kernel, ``r`` over ``rnumel`` positions of each row. Its body is a set of
+:class:`Store`s whose values are DAGs of :class:`Expr`: loads at :class:`~kiln.schedule.index.Index`
+offsets, constants, elementwise ops (the elementwise prims' :class:`~kiln.ir.op.Op` members, so
+the code generators print the same vocabulary the IR has), reductions over ``r`` and random
+numbers. A value that depends on ``r`` is row-shaped; a :class:`Reduce` removes the ``r``
+dependence, so a softmax kernel reads its row, reduces (max), reduces again (sum of exp) and
+stores the normalized row, with every intermediate in registers::
+
+    kernel softmax_0: x < 4096, r < 1024
+      t0 = load(arg0, 1024*x + r)
+      t1 = reduce max(t0)
+      t2 = exp(t0 - t1)
+      store(buf0, 1024*x + r, t2 / reduce sum(t2))
+
+Nothing here knows Triton or C++: ``kiln/codegen`` prints kernels for a device.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.ir.op import Op
+from kiln.schedule.index import Index
+
+X = "x"  # the name of the row (or element) loop variable
+R = "r"  # the name of the reduction loop variable
+
+
+class ReduceKind(enum.Enum):
+    SUM = "sum"
+    PROD = "prod"
+    MAX = "max"
+    MIN = "min"
+    ARGMAX = "argmax"
+    ARGMIN = "argmin"
+
+
+class BufferKind(enum.Enum):
+    INPUT = "input"  # a graph input, passed in by the caller (any strides)
+    TEMP = "temp"  # allocated by the program (contiguous), maybe reused
+    EXTERN = "extern"  # returned by an extern call (strides as PyTorch chose)
+
+
+@dataclass(eq=False)
+class Buffer:
+    """Memory a kernel reads or writes: its element type, size and (for inputs and extern
+    results) the strides observed when the program was built."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    kind: BufferKind
+    strides: tuple[int, ...] = ()
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        total = 1
+        for size in self.shape:
+            total *= size
+        return total
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True, eq=False)
+class Expr:
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, eq=False)
+class Const(Expr):
+    value: bool | int | float
+
+
+@dataclass(frozen=True, eq=False)
+class IndexValue(Expr):
+    """An index expression used as a value (iota, positions)."""
+
+    index: Index
+
+
+@dataclass(frozen=True, eq=False)
+class Load(Expr):
+    """``buffer[offset]`` (offset in elements); where ``mask`` is false the value is ``other``."""
+
+    buffer: Buffer
+    offset: Index
+    mask: Expr | None = None
+    other: bool | int | float = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Apply(Expr):
+    """An elementwise prim (``Op.ADD``, ``Op.WHERE``, ``Op.CONVERT`` to ``dtype``, ...)."""
+
+    op: Op
+    args: tuple[Expr, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Reduce(Expr):
+    """A reduction of a row-shaped ``value`` over ``r``. ARGMAX/ARGMIN give the first position
+    (``r``) of the extreme, as int64. Math runs in ``dtype`` (fp32 for 16-bit floats)."""
+
+    kind: ReduceKind
+    value: Expr
+
+
+@dataclass(frozen=True, eq=False)
+class Rand(Expr):
+    """A float32 uniform [0, 1) (or standard normal) number: a pure function of the graph's
+    int64 seed (the 0-d CPU tensor ``seed``, passed to kernels as a scalar argument) and the
+    element's ``offset`` in the stream (Philox-4x32-10 keyed by the seed, counter = offset)."""
+
+    seed: Buffer
+    offset: Index
+    normal: bool = False
+
+
+@dataclass(eq=False)
+class Store:
+    buffer: Buffer
+    offset: Index
+    value: Expr
+
+
+class KernelKind(enum.Enum):
+    POINTWISE = "pointwise"
+    REDUCTION = "reduction"
+
+
+@dataclass(eq=False)
+class Kernel:
+    """One fused loop nest. ``fused`` lists the graph nodes it computes (``op  file:line``)."""
+
+    name: str
+    xnumel: int
+    rnumel: int
+    stores: list[Store]
+    fused: list[str] = field(default_factory=list)
+
+    @property
+    def kind(self) -> KernelKind:
+        return (
+            KernelKind.REDUCTION if self.rnumel > 1 or self.has_reduce() else KernelKind.POINTWISE
+        )
+
+    def has_reduce(self) -> bool:
+        return any(isinstance(e, Reduce) for e in walk([s.value for s in self.stores]))
+
+    def reads(self) -> list[Buffer]:
+        seen: dict[int, Buffer] = {}
+        for expr in walk([s.value for s in self.stores]):
+            if isinstance(expr, Load):
+                seen.setdefault(id(expr.buffer), expr.buffer)
+        return list(seen.values())
+
+    def seed(self) -> Buffer | None:
+        """The seed input when the kernel draws random numbers (a scalar argument)."""
+        for expr in walk([s.value for s in self.stores]):
+            if isinstance(expr, Rand):
+                return expr.seed
+        return None
+
+    def writes(self) -> list[Buffer]:
+        seen: dict[int, Buffer] = {}
+        for store in self.stores:
+            seen.setdefault(id(store.buffer), store.buffer)
+        return list(seen.values())
+
+
+def children(expr: Expr) -> tuple[Expr, ...]:
+    """The operand expressions of ``expr``, including index values inside its offsets."""
+    if isinstance(expr, Apply):
+        return expr.args
+    if isinstance(expr, Reduce):
+        return (expr.value,)
+    if isinstance(expr, Load):
+        found = [atom.value for atom in expr.offset.indirects()]
+        return (*found, expr.mask) if expr.mask is not None else tuple(found)
+    if isinstance(expr, Rand):
+        return tuple(atom.value for atom in expr.offset.indirects())
+    if isinstance(expr, IndexValue):
+        return tuple(atom.value for atom in expr.index.indirects())
+    return ()
+
+
+def walk(roots: list[Expr]) -> Iterator[Expr]:
+    """Every expression reachable from ``roots``, each once, operands before users."""
+    done: set[int] = set()
+    for root in roots:
+        stack: list[tuple[Expr, bool]] = [(root, False)]
+        while stack:
+            expr, expanded = stack.pop()
+            if id(expr) in done:
+                continue
+            if expanded:
+                done.add(id(expr))
+                yield expr
+                continue
+            stack.append((expr, True))
+            stack.extend((child, False) for child in children(expr) if id(child) not in done)
+
+
+def index_of(expr: Expr) -> list[Index]:
+    """The index expressions ``expr`` itself uses (not its operands')."""
+    if isinstance(expr, Load):
+        return [expr.offset]
+    if isinstance(expr, Rand):
+        return [expr.offset]
+    if isinstance(expr, IndexValue):
+        return [expr.index]
+    return []
+
+
+def depends_on_r(exprs: list[Expr]) -> dict[int, bool]:
+    """For every expression reachable from ``exprs``: whether it varies along ``r``."""
+    result: dict[int, bool] = {}
+    for expr in walk(exprs):
+        if isinstance(expr, Reduce):
+            result[id(expr)] = False
+            continue
+        uses_r = any(R in index.variables() for index in index_of(expr))
+        result[id(expr)] = uses_r or any(result[id(c)] for c in children(expr))
+    return result
+
+
+def reduction_phase(exprs: list[Expr]) -> dict[int, int]:
+    """For every expression: how many nested reductions must finish before it can be
+    computed (a value read straight from memory is phase 0; softmax's sum is phase 1)."""
+    phase: dict[int, int] = {}
+    for expr in walk(exprs):
+        below = max((phase[id(c)] for c in children(expr)), default=0)
+        phase[id(expr)] = below + 1 if isinstance(expr, Reduce) else below
+    return phase
+
+
+def format_kernel(kernel: Kernel) -> str:
+    """A readable listing of ``kernel`` (for explain, logs and tests)."""
+    from kiln.schedule.index import format_index
+
+    names: dict[int, str] = {}
+
+    def name(expr: Expr) -> str:
+        return names[id(expr)]
+
+    def idx(index: Index) -> str:
+        return format_index(index, lambda a: a.name if hasattr(a, "name") else name(a.value))
+
+    lines = [f"kernel {kernel.name}: x < {kernel.xnumel}, r < {kernel.rnumel}"]
+    for expr in walk([s.value for s in kernel.stores]):
+        names[id(expr)] = f"t{len(names)}"
+        lines.append(f"  {name(expr)} = {_describe(expr, name, idx)}")
+    for store in kernel.stores:
+        lines.append(f"  store({store.buffer.name}, {idx(store.offset)}, {name(store.value)})")
+    return "\n".join(lines)
+
+
+def _describe(expr: Expr, name: Any, idx: Any) -> str:
+    if isinstance(expr, Const):
+        return repr(expr.value)
+    if isinstance(expr, IndexValue):
+        return f"index({idx(expr.index)})"
+    if isinstance(expr, Load):
+        masked = f", mask={name(expr.mask)}, other={expr.other!r}" if expr.mask else ""
+        return f"load({expr.buffer.name}, {idx(expr.offset)}{masked})"
+    if isinstance(expr, Apply):
+        args = ", ".join(name(a) for a in expr.args)
+        return f"{expr.op.printed_name}({args})" + (
+            f" -> {expr.dtype}" if expr.op is Op.CONVERT else ""
+        )
+    if isinstance(expr, Reduce):
+        return f"reduce_{expr.kind.value}({name(expr.value)})"
+    if isinstance(expr, Rand):
+        kind = "randn" if expr.normal else "rand"
+        return f"{kind}(seed, {idx(expr.offset)})"
+    raise TypeError(type(expr).__name__)

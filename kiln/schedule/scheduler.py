@@ -1,0 +1,484 @@
+"""Fusion: group a graph's work into kernels and extern calls, in an order that runs.
+
+The scheduler walks the graph once, in order. For each node it decides:
+
+- **view** (permute, slice, most reshapes, ...) of a value in memory: no work, a new strided
+  :class:`~kiln.schedule.program.View` of the same buffer;
+- **extern** (matmul, convolution, attention, sort, scatter, ...): an
+  :class:`~kiln.schedule.program.ExternCall` whose operands must be in memory;
+- **reduction**: joins a kernel over the same rows (same operand shape and reduced dims) when
+  its body can be computed there, so softmax, layer norm and variance are one kernel, or
+  starts a new one;
+- **pointwise** values that must be in memory (graph outputs, extern operands, values reused
+  by several consumers that cost too much to recompute) join a kernel that already touches
+  the same data (vertical and horizontal fusion; the epilogue of a row kernel) or start one.
+  Every other pointwise value is inlined into the kernels that read it.
+
+A value may join an earlier kernel only when everything it reads from memory is produced
+before that kernel, so the step order stays valid. After grouping, stores nobody reads are
+dropped (a softmax's max never reaches memory) and a buffer plan reuses dead buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.ir.graph import Graph, InputKind, Node, Value
+from kiln.ir.op import Op, op_def
+from kiln.schedule import index as ix
+from kiln.schedule.index import Index
+from kiln.schedule.loops import Buffer, BufferKind, Kernel, Load, R, Store, X, walk
+from kiln.schedule.lowering import (
+    EXTERN_OPS,
+    REDUCE_KINDS,
+    Lowering,
+    MultiIndex,
+    NotFusable,
+    RowSpace,
+    lowerable,
+    reduced_dims,
+    shape_of,
+)
+from kiln.schedule.program import ExternCall, Program, Step, View
+from kiln.schedule.views import VIEW_OPS, is_dense, view_of
+
+RECOMPUTE_LIMIT = 6  # a value several consumers read is stored once it costs more ops than this
+MAX_MEMBERS = 16  # values one kernel may compute and store
+SEARCH_DEPTH = 6  # how many recent kernels a value tries to join
+
+
+@dataclass(eq=False)
+class Group:
+    """A kernel being formed: the values it computes, over ``numel`` elements or ``rows``."""
+
+    position: int
+    numel: int
+    rows: RowSpace | None = None
+    members: list[Value] = field(default_factory=list)
+    reductions: set[Value] = field(default_factory=set)
+    touched: set[Value] = field(default_factory=set)
+    # A pointwise kernel walks ``shape`` in memory order of its first stored value: dims in
+    # ``order``, outermost first, so stores (and loads of like-laid-out inputs) are contiguous.
+    shape: tuple[int, ...] = ()
+    order: tuple[int, ...] = ()
+
+    def index_of(self, value: Value, x: Index, r: Index) -> MultiIndex | None:
+        """The multi-index of ``value`` at the group's loop position, if it fits the loops."""
+        shape = shape_of(value)
+        numel = _numel(shape)
+        if self.rows is None:
+            if numel != self.numel:
+                return None
+            if shape != self.shape or self.order == tuple(range(len(shape))):
+                return ix.decompose(x, shape)
+            digits = ix.decompose(x, [shape[d] for d in self.order])
+            index: list[Index] = [Index()] * len(shape)
+            for dim, digit in zip(self.order, digits, strict=True):
+                index[dim] = digit
+            return tuple(index)
+        if shape == self.rows.shape:
+            return self.rows.full_index(x, r)
+        if numel == self.rows.xnumel:
+            return ix.decompose(x, shape)
+        return None
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+class Scheduler:
+    def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device):
+        self.graph = graph
+        self.device = device
+        self.users = graph.users()
+        self.outputs = [*graph.outputs, *(new for _, new in graph.mutations)]
+        self.layouts: dict[Value, View] = {}
+        self.producer: dict[Value, int] = {}  # value in memory -> step making it (-1: input)
+        self.steps: list[Group | ExternCall] = []
+        self.buffers: dict[Value, Buffer] = {}  # values a group stores
+        self.inputs: list[Buffer] = []
+        self._cost: dict[Value, int] = {}
+        for value, tensor in zip(graph.inputs, inputs, strict=True):
+            buffer = Buffer(
+                value.name,
+                tuple(tensor.shape),
+                tensor.dtype,
+                tensor.device,
+                BufferKind.INPUT,
+                tuple(tensor.stride()),
+            )
+            self.inputs.append(buffer)
+            self.layouts[value] = View(buffer, buffer.shape, buffer.strides, 0)
+            self.producer[value] = -1
+        self.needs_memory = self._values_needing_memory()
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    def _values_needing_memory(self) -> set[Value]:
+        needed = set(self.outputs)
+        for node in self.graph.nodes:
+            if not self._in_kernels(node):
+                needed.update(node.input_values())
+        for node in reversed(self.graph.nodes):  # a needed view needs its base in memory
+            if node.op in VIEW_OPS and node.output in needed:
+                needed.update(node.input_values())
+        return needed
+
+    def _in_kernels(self, node: Node) -> bool:
+        if node.op in EXTERN_OPS or not lowerable(node.op):
+            return False
+        devices = {v.type.device for v in node.outputs}
+        devices |= {v.type.device for v in node.input_values() if v.kind is not InputKind.RNG_SEED}
+        return devices <= {self.device}
+
+    def inline_cost(self, value: Value) -> int:
+        """Elementwise ops recomputed per element when ``value`` is inlined into a consumer."""
+        if value in self.layouts or value.node is None:
+            return 0
+        if value not in self._cost:
+            node = value.node
+            below = sum(self.inline_cost(v) for v in node.input_values())
+            own = 0 if node.op in VIEW_OPS or node.op in (Op.FULL, Op.IOTA) else 1
+            if node.op in (Op.EXP, Op.LOG, Op.TANH, Op.ERF, Op.POW, Op.SIN, Op.COS):
+                own = 3  # transcendental: several instructions
+            self._cost[value] = own + below
+        return self._cost[value]
+
+    def run(self) -> None:
+        for node in self.graph.nodes:
+            if node.op in VIEW_OPS and self._try_view(node):
+                continue
+            if not self._in_kernels(node):
+                self._extern(node)
+            elif node.op in REDUCE_KINDS:
+                self._place_reduction(node.output)
+            else:
+                value = node.output
+                shared = len(self.users.get(value, ())) > 1
+                if value in self.needs_memory or (
+                    shared and self.inline_cost(value) > RECOMPUTE_LIMIT
+                ):
+                    self._place_pointwise(value)
+
+    def _try_view(self, node: Node) -> bool:
+        operand = node.inputs[0]
+        if not isinstance(operand, Value) or operand not in self.layouts:
+            return False
+        layout = view_of(self.layouts[operand], node)
+        if layout is None:
+            return False
+        self.layouts[node.output] = layout
+        self.producer[node.output] = self.producer[operand]
+        return True
+
+    # -- externs ------------------------------------------------------------------------------
+
+    def _extern(self, node: Node) -> None:
+        operands: list[object] = []
+        for operand in node.inputs:
+            if isinstance(operand, Value):
+                if operand not in self.layouts:
+                    self._place_pointwise(operand)  # e.g. a view that needs a copy
+                operands.append(self.layouts[operand])
+            else:
+                operands.append(operand)
+        position = len(self.steps)
+        strides = _extern_strides(node, operands)
+        outputs = []
+        for value, stride in zip(node.outputs, strides, strict=True):
+            shape = shape_of(value)
+            buffer = Buffer(
+                value.name, shape, value.type.dtype, value.type.device, BufferKind.EXTERN, stride
+            )
+            outputs.append(buffer)
+            self.layouts[value] = View(buffer, shape, stride, 0)
+            self.producer[value] = position
+        reason = "" if node.op in EXTERN_OPS else "not handled by the code generator"
+        self.steps.append(ExternCall(node, tuple(operands), tuple(outputs), reason))  # type: ignore[arg-type]
+
+    # -- kernels ------------------------------------------------------------------------------
+
+    def _groups(self) -> list[Group]:
+        groups = [s for s in self.steps if isinstance(s, Group)]
+        return groups[-SEARCH_DEPTH:][::-1]
+
+    def _place_reduction(self, value: Value) -> None:
+        operand = value.node.inputs[0] if value.node else None
+        assert isinstance(operand, Value)
+        rows = RowSpace(shape_of(operand), tuple(sorted(reduced_dims(value.node))))  # type: ignore[arg-type]
+        for group in self._groups():
+            if group.rows == rows and self._join(group, value):
+                return
+        group = self._new_group(rows.xnumel, rows)
+        if not self._join(group, value, require=True):
+            raise AssertionError(f"a reduction cannot start its own kernel: {value.name}")
+
+    def _place_pointwise(self, value: Value) -> None:
+        for group in self._groups():
+            if self._join(group, value):
+                return
+        rows = self._feeding_rows(value)
+        if rows is not None:
+            group = self._new_group(rows.xnumel, rows)
+            if self._join(group, value):
+                return
+            self.steps.remove(group)
+        group = self._new_group(_numel(shape_of(value)), None)
+        group.shape = shape_of(value)
+        group.order = memory_order(self._strides_for(value))
+        self._join(group, value, require=True)
+
+    def _feeding_rows(self, value: Value) -> RowSpace | None:
+        """The rows of a reduction ``value`` feeds (through inlined elementwise work) over
+        ``value``'s own shape: computing ``value`` in that reduction's kernel saves a re-read."""
+        shape = shape_of(value)
+        frontier, seen = [value], {value}
+        while frontier:
+            current = frontier.pop()
+            for user in self.users.get(current, ()):
+                if user.op in REDUCE_KINDS and shape_of(current) == shape:
+                    return RowSpace(shape, tuple(sorted(reduced_dims(user))))
+                if user.op in REDUCE_KINDS or user.op in VIEW_OPS or not self._in_kernels(user):
+                    continue
+                output = user.outputs[0] if len(user.outputs) == 1 else None
+                if output is not None and output not in seen and shape_of(output) == shape:
+                    seen.add(output)
+                    frontier.append(output)
+        return None
+
+    def _new_group(self, numel: int, rows: RowSpace | None) -> Group:
+        group = Group(len(self.steps), numel, rows)
+        self.steps.append(group)
+        return group
+
+    def _join(self, group: Group, value: Value, require: bool = False) -> bool:
+        if len(group.members) >= MAX_MEMBERS:
+            return False
+        x = ix.var(X, group.numel)
+        r = ix.var(R, group.rows.rnumel) if group.rows else Index()
+        index = group.index_of(value, x, r)
+        if index is None:
+            return False
+        is_reduction = value.node is not None and value.node.op in REDUCE_KINDS
+        reductions = group.reductions | {value} if is_reduction else group.reductions
+        lowering = Lowering(self.layouts, {*group.members, value}, x, r, group.rows, reductions)
+        try:
+            lowering.load(value, index)
+        except (NotFusable, ValueError):
+            if require:
+                raise
+            return False
+        if any(self.producer[v] >= group.position for v in lowering.loaded):
+            return False
+        if not require and group.members and not lowering.touched & group.touched:
+            return False  # nothing shared: fusing would save no memory traffic
+        group.members.append(value)
+        group.touched |= lowering.touched
+        if is_reduction:
+            group.reductions.add(value)
+        self._store_in(group, value)
+        return True
+
+    def _strides_for(self, value: Value) -> tuple[int, ...]:
+        """The layout of a value a kernel stores: channels-last when it feeds a convolution on
+        the GPU (cuDNN's fast path), the layout of a same-shaped dense input it is computed
+        from (as eager's elementwise ops keep ``channels_last``), else contiguous."""
+        shape = shape_of(value)
+        contiguous = ix.contiguous_strides(shape)
+        feeds_convolution = any(u.op is Op.CONVOLUTION for u in self.users.get(value, ()))
+        if len(shape) == 4 and self.device.type == "cuda" and feeds_convolution:
+            return channels_last_strides(shape)
+        layout = self._source_layout(value, shape)
+        if layout is not None and is_dense(layout) and 0 not in layout.strides:
+            return strides_in_order(shape, memory_order(layout.strides))
+        return contiguous
+
+    def _source_layout(self, value: Value, shape: tuple[int, ...]) -> View | None:
+        """The layout of the first same-shaped value in memory that ``value``'s inlined
+        elementwise work reads (depth-first, operands in order)."""
+        stack, seen = [value], {value}
+        while stack:
+            current = stack.pop()
+            node = current.node
+            if node is None or node.op in REDUCE_KINDS or node.op in VIEW_OPS:
+                continue
+            for operand in reversed(list(node.input_values())):
+                if operand in seen or shape_of(operand) != shape:
+                    continue
+                seen.add(operand)
+                if operand in self.layouts:
+                    return self.layouts[operand]
+                stack.append(operand)
+        return None
+
+    def _store_in(self, group: Group, value: Value) -> None:
+        shape = shape_of(value)
+        strides = ix.contiguous_strides(shape)
+        if group.rows is None and shape == group.shape:
+            strides = strides_in_order(shape, group.order)
+        buffer = Buffer(
+            value.name,
+            shape,
+            value.type.dtype,
+            value.type.device,
+            BufferKind.TEMP,
+            strides,
+        )
+        self.buffers[value] = buffer
+        self.layouts[value] = View(buffer, shape, buffer.strides, 0)
+        self.producer[value] = group.position
+
+    # -- the program --------------------------------------------------------------------------
+
+    def program(self) -> Program:
+        built: list[Step] = [
+            self._build(step) if isinstance(step, Group) else step for step in self.steps
+        ]
+        outputs = [self.layouts[v] for v in self.outputs]
+        used = _used_buffers(built, outputs)
+        steps: list[Step] = []
+        for step in built:
+            if isinstance(step, Kernel):
+                step.stores = [s for s in step.stores if id(s.buffer) in used]
+                if not step.stores:
+                    continue  # a kernel with xnumel == 0 stays: the wrapper allocates its outputs
+            steps.append(step)
+        program = Program(self.graph.name, self.inputs, steps, outputs)
+        plan_buffers(program)
+        return program
+
+    def _build(self, group: Group) -> Kernel:
+        x = ix.var(X, group.numel)
+        r = ix.var(R, group.rows.rnumel) if group.rows else Index()
+        lowering = Lowering(self.layouts, set(group.members), x, r, group.rows, group.reductions)
+        stores = []
+        for value in group.members:
+            index = group.index_of(value, x, r)
+            assert index is not None
+            buffer = self.buffers[value]
+            offset = ix.linear(index, buffer.strides)
+            stores.append(Store(buffer, offset, lowering.load(value, index)))
+        nodes = sorted(lowering.nodes.values(), key=self.graph.nodes.index)
+        name = f"k{group.position}_" + "_".join(_short_names(nodes))
+        fused = [f"{n.op.printed_name}  {n.origin}".rstrip() for n in nodes]
+        # An empty row reduces to the identity (a constant), leaving no loop over r.
+        rnumel = max(group.rows.rnumel, 1) if group.rows else 1
+        return Kernel(name, group.numel, rnumel, stores, fused)
+
+
+def memory_order(strides: Sequence[int]) -> tuple[int, ...]:
+    """Dims from the largest stride to the smallest (ties keep the logical order)."""
+    return tuple(sorted(range(len(strides)), key=lambda d: -strides[d]))
+
+
+def strides_in_order(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides of ``shape`` with dims laid out in ``order`` (outermost first)."""
+    strides = [0] * len(shape)
+    running = 1
+    for dim in reversed(order):
+        strides[dim] = running
+        running *= max(shape[dim], 1)
+    return tuple(strides)
+
+
+def channels_last_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    return strides_in_order(shape, (0, 2, 3, 1))
+
+
+def _short_names(nodes: list[Node]) -> list[str]:
+    names: list[str] = []
+    for node in nodes:
+        api = node.origin.api.rsplit(".", 1)[-1].strip("_") or node.op.printed_name
+        api = "".join(ch if ch.isalnum() else "_" for ch in api)[:16]
+        if api not in names and node.op not in VIEW_OPS:
+            names.append(api)
+    return names[:3] or ["copy"]
+
+
+def _extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
+    """Output strides of an extern call, from running its reference impl on meta tensors
+    laid out like the operands; contiguous when that fails (the runtime checks)."""
+    metas = [
+        torch.empty_strided(o.shape, o.strides, dtype=o.buffer.dtype, device="meta")
+        if isinstance(o, View)
+        else o
+        for o in operands
+    ]
+    try:
+        with torch.no_grad():
+            result = op_def(node.op).impl(node.attrs, *metas)
+        results = result if isinstance(result, tuple) else (result,)
+        strides = [tuple(t.stride()) for t in results]
+        if all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in results):
+            return strides
+    except Exception:  # an opaque function without meta support
+        pass
+    return [ix.contiguous_strides(shape_of(v)) for v in node.outputs]
+
+
+def _used_buffers(steps: list[Step], outputs: list[View]) -> set[int]:
+    used = {id(view.buffer) for view in outputs}
+    for step in steps:
+        if isinstance(step, ExternCall):
+            used |= {id(o.buffer) for o in step.operands if isinstance(o, View)}
+            continue
+        written = {id(s.buffer) for s in step.stores}
+        for expr in walk([s.value for s in step.stores]):
+            if isinstance(expr, Load) and id(expr.buffer) not in written:
+                used.add(id(expr.buffer))
+    return used
+
+
+def step_reads(step: Step) -> list[Buffer]:
+    if isinstance(step, ExternCall):
+        return [o.buffer for o in step.operands if isinstance(o, View)]
+    return step.reads()
+
+
+def step_writes(step: Step) -> list[Buffer]:
+    return list(step.outputs) if isinstance(step, ExternCall) else step.writes()
+
+
+def plan_buffers(program: Program) -> None:
+    """Free each temporary after its last reader and let later kernels reuse its memory."""
+    keep = {id(view.buffer) for view in program.outputs} | {id(b) for b in program.inputs}
+    last: dict[int, int] = {}
+    buffers: dict[int, Buffer] = {}
+    for position, step in enumerate(program.steps):
+        for buffer in [*step_writes(step), *step_reads(step)]:
+            last[id(buffer)] = position
+            buffers[id(buffer)] = buffer
+    program.dead_after = [[] for _ in program.steps]
+    for key, position in last.items():
+        if key not in keep:
+            program.dead_after[position].append(buffers[key])
+    pool: dict[tuple[object, ...], list[Buffer]] = {}
+    for position, step in enumerate(program.steps):
+        if isinstance(step, Kernel):
+            for buffer in step.writes():
+                if buffer.kind is not BufferKind.TEMP:
+                    continue
+                free = pool.get(_reuse_key(buffer))
+                if free:
+                    program.reuses[id(buffer)] = free.pop()
+        for buffer in program.dead_after[position]:
+            if buffer.kind is BufferKind.TEMP:
+                pool.setdefault(_reuse_key(buffer), []).append(buffer)
+
+
+def _reuse_key(buffer: Buffer) -> tuple[object, ...]:
+    return (buffer.device, buffer.dtype, buffer.numel)
+
+
+def schedule(graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device) -> Program:
+    """The program computing ``graph`` on ``device`` for inputs laid out like ``inputs``."""
+    scheduler = Scheduler(graph, inputs, device)
+    scheduler.run()
+    return scheduler.program()

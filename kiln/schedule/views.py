@@ -1,0 +1,99 @@
+"""Strided views: which movement prims keep data where it is, and the layout they give.
+
+A value in memory is a :class:`~kiln.schedule.program.View` (buffer, shape, strides, offset).
+Permute, broadcast, expand, slice, squeeze, unsqueeze and most reshapes of a view are views
+again, with no data moved: ``x.t()`` of a contiguous ``[4, 6]`` buffer is shape ``[6, 4]`` with
+strides ``(1, 6)``. Kernels then read it through those strides, and extern calls (``mm``) get
+the strided tensor PyTorch would have passed. Flip (negative strides) and reshapes that would
+need a copy are not views; kernels compute those by index arithmetic instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ir.graph import Node
+from kiln.ir.op import Op
+from kiln.ir.types import concrete_shape
+from kiln.schedule.program import View
+
+VIEW_OPS = frozenset(
+    {Op.RESHAPE, Op.PERMUTE, Op.BROADCAST, Op.EXPAND, Op.SLICE, Op.SQUEEZE, Op.UNSQUEEZE}
+)
+
+
+def view_of(view: View, node: Node) -> View | None:
+    """The layout of ``node``'s output when its operand is laid out as ``view``, or None when
+    the op would have to move data."""
+    op, attrs = node.op, node.attrs
+    shape, strides = list(view.shape), list(view.strides)
+    out_shape = concrete_shape(node.output.type.shape)
+    if op is Op.PERMUTE:
+        return View(view.buffer, out_shape, tuple(strides[d] for d in attrs.dims), view.offset)
+    if op is Op.BROADCAST:
+        new = [0] * len(out_shape)
+        for i, out_dim in enumerate(attrs.dims):
+            new[out_dim] = strides[i] if shape[i] == out_shape[out_dim] else 0
+        return View(view.buffer, out_shape, tuple(new), view.offset)
+    if op is Op.EXPAND:
+        pairs = zip(shape, out_shape, strides, strict=True)
+        new = [st if size == out_size else 0 for size, out_size, st in pairs]
+        return View(view.buffer, out_shape, tuple(new), view.offset)
+    if op is Op.SLICE:
+        offset = view.offset + attrs.start * strides[attrs.dim]
+        strides[attrs.dim] *= attrs.step
+        return View(view.buffer, out_shape, tuple(strides), offset)
+    if op is Op.SQUEEZE:
+        kept = [st for d, st in enumerate(strides) if d not in attrs.dims]
+        return View(view.buffer, out_shape, tuple(kept), view.offset)
+    if op is Op.UNSQUEEZE:
+        rest = iter(strides)
+        new = [1 if d in attrs.dims else next(rest) for d in range(len(out_shape))]
+        return View(view.buffer, out_shape, tuple(new), view.offset)
+    if op is Op.RESHAPE:
+        reshaped = reshape_strides(tuple(shape), tuple(strides), out_shape)
+        return None if reshaped is None else View(view.buffer, out_shape, reshaped, view.offset)
+    return None
+
+
+def reshape_strides(
+    shape: tuple[int, ...], strides: tuple[int, ...], new_shape: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """Strides of ``new_shape`` viewing the same elements, or None when a copy is needed."""
+    if shape == new_shape:
+        return strides
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel == 0 or _is_contiguous(shape, strides):
+        result = [1] * len(new_shape)
+        for i in range(len(new_shape) - 2, -1, -1):
+            result[i] = result[i + 1] * max(new_shape[i + 1], 1)
+        return tuple(result)
+    try:
+        meta = torch.empty_strided(shape, strides, device="meta")
+        return tuple(meta.view(new_shape).stride())
+    except RuntimeError:
+        return None
+
+
+def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def is_dense(view: View) -> bool:
+    """Whether the view covers its elements without gaps or overlaps in some dim order."""
+    pairs = sorted(
+        (st, size) for size, st in zip(view.shape, view.strides, strict=True) if size != 1
+    )
+    expected = 1
+    for stride, size in pairs:
+        if stride != expected:
+            return False
+        expected *= size
+    return True

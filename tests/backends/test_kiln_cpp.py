@@ -1,0 +1,15 @@
+"""The op table through the ``kiln`` backend's C++ code generator (on CPU tensors), against
+every row's reference implementation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.ir import Op
+from tests.backends.op_table import ROW_IDS, ROWS, check_row
+
+
+@pytest.mark.parametrize(("op", "dtype"), ROWS, ids=ROW_IDS)
+def test_row(op: Op, dtype: torch.dtype) -> None:
+    check_row(op, dtype, "cpp")

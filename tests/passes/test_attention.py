@@ -1,0 +1,206 @@
+"""fuse_attention: hand-written attention becomes one sdpa node computing the same outputs, and
+anything that is not exactly attention (or whose values something else reads) is left alone."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln.ir import Graph, InputKind, Op, interpret, verify
+from kiln.passes import fuse_attention, optimize
+
+B, H, L, S, D = 2, 3, 4, 5, 8
+
+
+def _qkv(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(B, H, n, D, dtype=dtype) for n in (L, S, S))
+
+
+def _fresh_inputs(graph: Graph) -> list[torch.Tensor]:
+    """New random tensors for every input (constants keep their value)."""
+    inputs = []
+    for value in graph.inputs:
+        shape, dtype = value.type.shape, value.type.dtype
+        if value.kind is InputKind.CONSTANT:
+            inputs.append(graph.constants[value.name])
+        elif dtype == torch.bool:
+            mask = torch.rand(shape) > 0.3
+            mask[..., 0] = True  # no row hidden entirely
+            inputs.append(mask)
+        elif dtype.is_floating_point:
+            inputs.append(torch.randn(shape, dtype=dtype))
+        else:  # the RNG seed
+            inputs.append(torch.randint(0, 2**31, shape, dtype=dtype))
+    return inputs
+
+
+def _fused(fn: Callable[..., Any], *args: Any) -> tuple[Graph, list[torch.Tensor], list[Any]]:
+    """(graph after the pass, outputs before, outputs after) on fresh inputs."""
+    graph = kiln.trace(fn, *args)
+    inputs = _fresh_inputs(graph)
+    expected = interpret(graph, inputs)
+    fused = verify(fuse_attention(graph))
+    return fused, expected, interpret(fused, inputs)
+
+
+def _ops(graph: Graph) -> list[Op]:
+    return [node.op for node in graph.nodes]
+
+
+def _by_div(q: Any, k: Any, v: Any, mask: Any) -> Any:
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D) + mask, dim=-1) @ v
+
+
+def _by_mul(q: Any, k: Any, v: Any) -> Any:
+    return torch.softmax(q @ k.transpose(-2, -1) * D**-0.5, dim=-1) @ v
+
+
+def _query_scaled(q: Any, k: Any, v: Any) -> Any:
+    return torch.softmax((q * D**-0.5) @ k.transpose(-2, -1), dim=-1) @ v
+
+
+def _unscaled(q: Any, k: Any, v: Any) -> Any:
+    return F.softmax(torch.matmul(q, k.transpose(-1, -2)), dim=-1) @ v
+
+
+def _mask_first(q: Any, k: Any, v: Any, mask: Any) -> Any:
+    return torch.softmax(mask + (q @ k.transpose(-2, -1)) * 0.5, dim=-1) @ v
+
+
+def _three_d(q: Any, k: Any, v: Any) -> Any:
+    return torch.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.25, dim=-1) @ v
+
+
+FUSED = [
+    ("div, float mask", _by_div, (*_qkv(), torch.randn(L, S)), 1 / math.sqrt(D)),
+    ("mul", _by_mul, _qkv(), D**-0.5),
+    ("q scaled first", _query_scaled, _qkv(), D**-0.5),
+    ("no scale", _unscaled, _qkv(), 1.0),
+    ("mask first", _mask_first, (*_qkv(), torch.randn(B, 1, L, S)), 0.5),
+    ("3-d", _three_d, tuple(torch.randn(6, n, D) for n in (L, S, S)), 0.25),
+    ("float64", _by_mul, _qkv(torch.float64), D**-0.5),
+]
+
+
+@pytest.mark.parametrize(("fn", "args", "scale"), [c[1:] for c in FUSED], ids=[c[0] for c in FUSED])
+def test_attention_becomes_one_sdpa(fn: Any, args: Any, scale: float) -> None:
+    fused, expected, actual = _fused(fn, *args)
+    ops = _ops(fused)
+    assert ops.count(Op.SDPA) == 1 and Op.BMM not in ops and Op.EXP not in ops, ops
+    (sdpa,) = [node for node in fused.nodes if node.op is Op.SDPA]
+    assert sdpa.attrs.scale == pytest.approx(scale)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_the_mask_hides_entirely_stay_nan() -> None:
+    """Eager's softmax of a row of -inf is NaN; sdpa alone would give 0."""
+    fused, _, _ = _fused(_by_div, *_qkv(), torch.randn(L, S))
+    mask = torch.zeros(L, S)
+    mask[1] = -math.inf
+    mask[2, :3] = -math.inf
+    inputs = [*_qkv(), mask]
+    expected = _by_div(*inputs)
+    (actual,) = interpret(fused, inputs)
+    assert expected[:, :, 1].isnan().all() and not expected[:, :, 2].isnan().any()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_finite_mask_needs_no_nan_rows() -> None:
+    """A mask made of finite values whatever the inputs (transformers' form) adds no guard."""
+
+    def fn(q: Any, k: Any, v: Any, keep: Any) -> Any:
+        bias = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+        return _by_div(q, k, v, bias)
+
+    fused, expected, actual = _fused(fn, *_qkv(), torch.rand(L, S) > 0.5)
+    ops = _ops(fused)
+    assert ops.count(Op.SDPA) == 1 and Op.NE not in ops and Op.AMAX not in ops, ops
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_pipeline_fuses_and_keeps_gradients() -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    graph = verify(optimize(kiln.trace(_by_mul, q, k, v)))
+    assert _ops(graph) == [Op.SDPA] and graph.outputs[0].type.requires_grad
+
+
+def _with_probabilities(q: Any, k: Any, v: Any) -> Any:
+    probs = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+    return probs @ v, probs
+
+
+def _scores_reused(q: Any, k: Any, v: Any) -> Any:
+    scores = q @ k.transpose(-2, -1)
+    return torch.softmax(scores, dim=-1) @ v + scores.sum()
+
+
+def _other_dim(q: Any, k: Any, v: Any) -> Any:
+    return torch.softmax(q @ k.transpose(-2, -1), dim=-2) @ v
+
+
+def _dropout(q: Any, k: Any, v: Any) -> Any:
+    return F.dropout(torch.softmax(q @ k.transpose(-2, -1), dim=-1), 0.1, training=True) @ v
+
+
+def _masked_fill(q: Any, k: Any, v: Any, keep: Any) -> Any:
+    scores = (q @ k.transpose(-2, -1)).masked_fill(~keep, -math.inf)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _mask_scaled(q: Any, k: Any, v: Any, mask: Any) -> Any:
+    return torch.softmax((q @ k.transpose(-2, -1) + mask) * 0.5, dim=-1) @ v
+
+
+UNCHANGED = [
+    ("probabilities also returned", _with_probabilities, _qkv()),
+    ("scores read elsewhere", _scores_reused, _qkv()),
+    ("softmax over dim -2", _other_dim, _qkv()),
+    ("dropout", _dropout, _qkv()),
+    # masked_fill replaces scores: a NaN key at a hidden position must not reach the output
+    ("masked_fill", _masked_fill, (*_qkv(), torch.rand(B, 1, L, S) > 0.3)),
+    ("mask scaled with the scores", _mask_scaled, (*_qkv(), torch.randn(L, S))),
+    ("bfloat16: converts around the softmax", _by_mul, _qkv(torch.bfloat16)),
+]
+
+
+@pytest.mark.parametrize(("fn", "args"), [c[1:] for c in UNCHANGED], ids=[c[0] for c in UNCHANGED])
+def test_not_attention_is_left_alone(fn: Any, args: Any) -> None:
+    graph = kiln.trace(fn, *args)
+    before = _ops(graph)
+    inputs = _fresh_inputs(graph)
+    expected = interpret(graph, inputs)
+    fused = verify(fuse_attention(graph))
+    assert _ops(fused) == before and Op.SDPA not in before
+    torch.testing.assert_close(interpret(fused, inputs), expected)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_transformers_eager_attention(name: str) -> None:
+    from tiny_models import tiny_bert_config, tiny_gpt2_config
+
+    from kiln.frontends.trace import graph_inputs
+
+    if name == "gpt2":
+        model = transformers.GPT2Model(tiny_gpt2_config(attn_implementation="eager")).eval()
+    else:
+        model = transformers.BertModel(tiny_bert_config(attn_implementation="eager")).eval()
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        graph = kiln.trace(model, torch.randint(0, 99, (2, 7)), attention_mask=mask)
+        inputs = graph_inputs(graph, model, torch.randint(0, 99, (2, 7)), attention_mask=mask)
+        expected = interpret(graph, inputs)
+        fused = verify(fuse_attention(graph))
+        actual = interpret(fused, inputs)
+    ops = _ops(fused)
+    assert ops.count(Op.SDPA) == 2 and Op.BMM not in ops and Op.NE not in ops
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
