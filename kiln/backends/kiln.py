@@ -12,6 +12,7 @@ interpreter with one warning (``KILN_STRICT=1`` raises instead).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -26,7 +27,18 @@ from kiln.errors import BackendError
 from kiln.ir.graph import Graph, InputKind
 from kiln.ir.interpreter import interpret
 from kiln.schedule.evaluate import evaluate_kernel
-from kiln.schedule.loops import Kernel, format_kernel
+from kiln.schedule.index import Index, format_index
+from kiln.schedule.loops import (
+    Apply,
+    Const,
+    IndexValue,
+    Kernel,
+    Load,
+    Rand,
+    Reduce,
+    format_kernel,
+    walk,
+)
 from kiln.schedule.program import Program, kernel_arguments
 from kiln.schedule.scheduler import schedule
 
@@ -41,7 +53,6 @@ class CompiledProgramRecord:
     """What one compilation made, for ``kiln.explain`` and tests."""
 
     graph: str
-    device: str
     codegen: str
     program: Program | None
     seconds: float
@@ -89,21 +100,78 @@ def _cpp(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
 
     if not cpp_compiler_available():
         raise Unavailable("no C++ compiler (g++) on PATH: install one for compiled CPU kernels")
-    runnable = [k for k in kernels if k.xnumel > 0]
-    if not runnable:
-        return {}
-    return load_kernels(runnable, generate_cpp(runnable))
+    unique, same_as = deduplicate([k for k in kernels if k.xnumel > 0])
+    launchers = load_kernels(unique, generate_cpp(unique)) if unique else {}
+    return {name: launchers[original] for name, original in same_as.items()}
 
 
 def _triton(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
+    from kiln.codegen.triton import unsupported_reason
     from kiln.runtime.triton_build import load_triton_kernels, triton_available
 
     interpret = device.type != "cuda"  # CPU tensors: Triton's interpreter (tests, CI)
     reason = triton_available(device, interpret=interpret)
     if reason is not None:
         raise Unavailable(reason)
-    runnable = [k for k in kernels if k.xnumel > 0]
-    return load_triton_kernels(runnable, device, interpret) if runnable else {}
+    unique, same_as = deduplicate([k for k in kernels if k.xnumel > 0])
+    supported = [k for k in unique if unsupported_reason(k) is None]
+    launchers = load_triton_kernels(supported, device, interpret) if supported else {}
+    others = [k for k in unique if k.name not in launchers]
+    for kernel in others:  # a dtype Triton cannot load: PyTorch ops run the kernel
+        _log.info("%s runs as PyTorch ops: %s", kernel.name, unsupported_reason(kernel))
+    launchers.update(_evaluator(others, device))
+    return {name: launchers[original] for name, original in same_as.items()}
+
+
+def deduplicate(kernels: list[Kernel]) -> tuple[list[Kernel], dict[str, str]]:
+    """Kernels that differ only in their names and buffers' names are built once (a network
+    repeats its blocks): the distinct kernels, and each kernel's name -> the one it reuses."""
+    unique: dict[str, Kernel] = {}
+    same_as: dict[str, str] = {}
+    for kernel in kernels:
+        key = kernel_signature(kernel)
+        same_as[kernel.name] = unique.setdefault(key, kernel).name
+    return list(unique.values()), same_as
+
+
+def kernel_signature(kernel: Kernel) -> str:
+    """The kernel's structure with names replaced by positions: equal signatures compile to
+    the same code."""
+    position = {id(b): i for i, b in enumerate(kernel_arguments(kernel))}
+    number: dict[int, int] = {}
+
+    def index(value: Index) -> str:
+        return format_index(
+            value, lambda a: a.name if hasattr(a, "name") else f"%{number[id(a.value)]}"
+        )
+
+    parts = [f"{kernel.xnumel},{kernel.rnumel}"]
+    for expr in walk([store.value for store in kernel.stores]):
+        number[id(expr)] = len(number)
+        fields = [type(expr).__name__, str(expr.dtype)]
+        if isinstance(expr, Load):
+            mask = number[id(expr.mask)] if expr.mask is not None else None
+            fields += [
+                f"@{position[id(expr.buffer)]}",
+                index(expr.offset),
+                f"{mask}",
+                repr(expr.other),
+            ]
+        elif isinstance(expr, Apply):
+            fields += [expr.op.name, *(f"%{number[id(a)]}" for a in expr.args)]
+        elif isinstance(expr, Reduce):
+            fields += [expr.kind.name, f"%{number[id(expr.value)]}"]
+        elif isinstance(expr, Const):
+            fields.append(repr(expr.value))
+        elif isinstance(expr, IndexValue):
+            fields.append(index(expr.index))
+        elif isinstance(expr, Rand):
+            fields += [index(expr.offset), str(expr.normal)]
+        parts.append(" ".join(fields))
+    for store in kernel.stores:
+        buffer, value = store.buffer, number[id(store.value)]
+        parts.append(f"store @{position[id(buffer)]} {buffer.dtype} {index(store.offset)} %{value}")
+    return "\n".join(parts)
 
 
 class Unavailable(BackendError):
@@ -127,15 +195,21 @@ def codegen_for(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "cpp"
 
 
-def graph_device(graph: Graph, inputs: Sequence[torch.Tensor]) -> torch.device:
-    for value, tensor in zip(graph.inputs, inputs, strict=True):
-        if value.kind is not InputKind.RNG_SEED and tensor.device.type != "cpu":
-            return tensor.device
-    for node in graph.nodes:
-        for value in node.outputs:
-            if value.type.device.type != "cpu":
-                return value.type.device
-    return torch.device("cpu")
+def build_kernels(kernels: list[Kernel]) -> tuple[dict[str, Launcher], list[str]]:
+    """Launchers of every kernel, each device's kernels built by that device's generator;
+    also the generators used."""
+    launchers: dict[str, Launcher] = {}
+    by_device: dict[torch.device, list[Kernel]] = {}
+    for kernel in kernels:
+        by_device.setdefault(kernel.device, []).append(kernel)
+    names = []
+    for device, group in by_device.items():
+        name = codegen_for(device)
+        if name not in CODEGENS:
+            raise BackendError(f"unknown code generator {name!r} (KILN_CODEGEN)")
+        names.append(name)
+        launchers.update(CODEGENS[name](group, device))
+    return launchers, names
 
 
 @dataclass
@@ -158,13 +232,10 @@ class KilnProgram:
 
     def _compile(self, inputs: Sequence[torch.Tensor]) -> Runner:
         start = time.perf_counter()
-        device = graph_device(self.graph, inputs)
-        name = codegen_for(device)
+        names: list[str] = []
         try:
-            program = schedule(self.graph, inputs, device)
-            launchers = CODEGENS[name](program.kernels(), device) if name in CODEGENS else None
-            if launchers is None:
-                raise BackendError(f"no {name} code generator is available")
+            program = schedule(self.graph, inputs)
+            launchers, names = build_kernels(program.kernels())
             runner = Wrapper(program, launchers).compile()
         except Exception as error:
             if config.strict:
@@ -182,28 +253,35 @@ class KilnProgram:
                     f"kiln: graph {self.graph.name} runs on the reference interpreter ({reason})",
                     stacklevel=2,
                 )
-            self._record(device, name, None, start, reason)
+            self._record("+".join(names), None, start, reason)
             return lambda tensors: interpret(self.graph, tensors)
-        self._record(device, name, program, start)
+        self._record("+".join(names), program, start)
         return _without_autocast(runner)
 
     def _record(
-        self,
-        device: torch.device,
-        codegen: str,
-        program: Program | None,
-        start: float,
-        fallback: str = "",
+        self, codegen: str, program: Program | None, start: float, fallback: str = ""
     ) -> None:
         seconds = time.perf_counter() - start
-        record = CompiledProgramRecord(
-            self.graph.name, str(device), codegen, program, seconds, fallback
-        )
+        record = CompiledProgramRecord(self.graph.name, codegen, program, seconds, fallback)
         for recorder in RECORDERS:
             recorder.append(record)
-        if _log.isEnabledFor(logging.INFO) and program is not None:
+        if program is not None and _log.isEnabledFor(logging.INFO):
             for kernel in program.kernels():
                 _log.info("%s\n%s", "; ".join(kernel.fused), format_kernel(kernel))
+        if program is not None and config.debug_dir:
+            _dump(self.graph, program)
+
+
+def _dump(graph: Graph, program: Program) -> None:
+    """The graph, its kernels (loop-level IR) and the host program, in the debug directory
+    (the generators dump their kernel sources there too)."""
+    folder = os.path.join(str(config.debug_dir), "programs")
+    os.makedirs(folder, exist_ok=True)
+    listing = "\n\n".join(format_kernel(k) for k in program.kernels())
+    wrapper = Wrapper(program, {}).source()
+    path = os.path.join(folder, f"{graph.name}_{id(program):x}.txt")
+    with open(path, "w") as file:
+        file.write(f"# graph\n{graph}\n\n# kernels\n{listing}\n\n# host program\n{wrapper}")
 
 
 def _without_autocast(runner: Runner) -> Runner:

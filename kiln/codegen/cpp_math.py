@@ -1,8 +1,9 @@
 """The C++ spelling of Kiln's scalar math: types, literals, conversions and elementwise ops.
 
 Values are computed in a *compute type*: float16 and bfloat16 are stored as ``uint16_t`` bits
-and computed in ``float`` (converted at loads and stores with bit operations that vectorize);
-every other dtype is computed in its own C type. :data:`PRELUDE` opens every generated
+and computed in ``float``, converted at loads and stores with bit operations that vectorize
+(g++ 12 has ``_Float16``, but vectorizes its conversions only with AVX512-FP16); bools are 0/1
+bytes; every other dtype is computed in its own C type. :data:`PRELUDE` opens every generated
 translation unit: libmvec declarations (so ``expf`` and friends vectorize without
 ``-ffast-math``), the 16-bit conversions, integer ops with PyTorch's semantics (wrapping
 arithmetic, Python floor division, shifts), ``erfinv`` and Triton's Philox-4x32-10 generator.
@@ -33,7 +34,6 @@ STORAGE_TYPES: dict[torch.dtype, str] = {
     torch.bool: "uint8_t",  # as torch stores it; a C++ bool load does not vectorize in g++
 }
 HALF_TYPES = frozenset({torch.float16, torch.bfloat16})
-INTEGER_TYPES = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
 
 
 def storage_type(dtype: torch.dtype) -> str:
@@ -47,10 +47,6 @@ def compute_type(dtype: torch.dtype) -> str:
     """The C type a value is computed in: ``float`` for 16-bit floats; bools are 0/1 bytes
     (g++ vectorizes no conversion from a C++ ``bool``)."""
     return "float" if dtype in HALF_TYPES else storage_type(dtype)
-
-
-def is_float(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point
 
 
 def literal(value: bool | int | float, dtype: torch.dtype) -> str:
@@ -271,8 +267,6 @@ def spell(op: Op, args: list[str], dtype: torch.dtype) -> str:
         raise NotImplementedError(f"the C++ code generator has no {op.printed_name} for {dtype}")
     return text
 
-
-MATH_FUNCTIONS = sorted({*_LIBM_UNARY.values(), *_LIBM_BINARY.values()})
 
 # glibc's libmvec has vector versions of these (x86-64; the second group since glibc 2.35).
 _SIMD_UNARY_OLD = ("exp", "log", "sin", "cos")

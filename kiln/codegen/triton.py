@@ -43,6 +43,7 @@ from __future__ import annotations
 import enum
 import keyword
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,7 +79,7 @@ INFIX_OPS = frozenset(
     {
         *(Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.NEG, Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE),
         *(Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR, Op.LOGICAL_AND, Op.LOGICAL_OR),
-        *(Op.LOGICAL_XOR, Op.WHERE, Op.MAXIMUM, Op.MINIMUM, Op.FMOD),
+        *(Op.LOGICAL_XOR, Op.WHERE, Op.MAXIMUM, Op.MINIMUM),
     }
 )
 MAX_PERSISTENT_RBLOCK = 16384
@@ -472,8 +473,8 @@ class _Printer:
         if self.rmask:
             self.emit("rmask = rindex < rnumel")
 
-    def emit_exprs(self, exprs: object) -> None:
-        for expr in exprs:  # type: ignore[attr-defined]
+    def emit_exprs(self, exprs: Iterable[Expr]) -> None:
+        for expr in exprs:
             if not self.emitted(expr):
                 self.emit_expr(expr)
 

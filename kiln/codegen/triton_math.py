@@ -10,6 +10,9 @@ rint). ``TRITON_INTERPRET=1`` cannot run any libdevice call (triton issue #8825)
 kernels call the ``_kiln_*`` helpers below instead: fp32-accurate compositions of ``tl``
 primitives (Kahan's expm1/log1p, Cephes' atanf, Giles' erfinv plus a Newton step, ...). The
 helpers are ``@triton.jit`` functions emitted into the kernel's module when used.
+
+Reductions are spelled here too: identities for masked lanes, the NaN-propagating max/min
+(``tl.max`` ignores NaN), first-index argmax/argmin, and the per-lane loop steps.
 """
 
 from __future__ import annotations

@@ -149,6 +149,7 @@ class Kernel:
     rnumel: int
     stores: list[Store]
     fused: list[str] = field(default_factory=list)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def kind(self) -> KernelKind:

@@ -56,6 +56,7 @@ class Group:
 
     position: int
     numel: int
+    device: torch.device
     rows: RowSpace | None = None
     members: list[Value] = field(default_factory=list)
     reductions: set[Value] = field(default_factory=set)
@@ -94,9 +95,8 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device):
+    def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor]):
         self.graph = graph
-        self.device = device
         self.users = graph.users()
         self.outputs = [*graph.outputs, *(new for _, new in graph.mutations)]
         self.layouts: dict[Value, View] = {}
@@ -136,7 +136,7 @@ class Scheduler:
             return False
         devices = {v.type.device for v in node.outputs}
         devices |= {v.type.device for v in node.input_values() if v.kind is not InputKind.RNG_SEED}
-        return devices <= {self.device}
+        return len(devices) == 1  # a kernel runs on one device; a transfer is an extern
 
     def inline_cost(self, value: Value) -> int:
         """Elementwise ops recomputed per element when ``value`` is inlined into a consumer."""
@@ -216,7 +216,7 @@ class Scheduler:
         for group in self._groups():
             if group.rows == rows and self._join(group, value):
                 return
-        group = self._new_group(rows.xnumel, rows)
+        group = self._new_group(rows.xnumel, value.type.device, rows)
         if not self._join(group, value, require=True):
             raise AssertionError(f"a reduction cannot start its own kernel: {value.name}")
 
@@ -226,11 +226,11 @@ class Scheduler:
                 return
         rows = self._feeding_rows(value)
         if rows is not None:
-            group = self._new_group(rows.xnumel, rows)
+            group = self._new_group(rows.xnumel, value.type.device, rows)
             if self._join(group, value):
                 return
             self.steps.remove(group)
-        group = self._new_group(_numel(shape_of(value)), None)
+        group = self._new_group(_numel(shape_of(value)), value.type.device, None)
         group.shape = shape_of(value)
         group.order = memory_order(self._strides_for(value))
         self._join(group, value, require=True)
@@ -253,13 +253,13 @@ class Scheduler:
                     frontier.append(output)
         return None
 
-    def _new_group(self, numel: int, rows: RowSpace | None) -> Group:
-        group = Group(len(self.steps), numel, rows)
+    def _new_group(self, numel: int, device: torch.device, rows: RowSpace | None) -> Group:
+        group = Group(len(self.steps), numel, device, rows)
         self.steps.append(group)
         return group
 
     def _join(self, group: Group, value: Value, require: bool = False) -> bool:
-        if len(group.members) >= MAX_MEMBERS:
+        if len(group.members) >= MAX_MEMBERS or group.device != value.type.device:
             return False
         x = ix.var(X, group.numel)
         r = ix.var(R, group.rows.rnumel) if group.rows else Index()
@@ -293,7 +293,7 @@ class Scheduler:
         shape = shape_of(value)
         contiguous = ix.contiguous_strides(shape)
         feeds_convolution = any(u.op is Op.CONVOLUTION for u in self.users.get(value, ()))
-        if len(shape) == 4 and self.device.type == "cuda" and feeds_convolution:
+        if len(shape) == 4 and value.type.device.type == "cuda" and feeds_convolution:
             return channels_last_strides(shape)
         layout = self._source_layout(value, shape)
         if layout is not None and is_dense(layout) and 0 not in layout.strides:
@@ -370,7 +370,7 @@ class Scheduler:
         fused = [f"{n.op.printed_name}  {n.origin}".rstrip() for n in nodes]
         # An empty row reduces to the identity (a constant), leaving no loop over r.
         rnumel = max(group.rows.rnumel, 1) if group.rows else 1
-        return Kernel(name, group.numel, rnumel, stores, fused)
+        return Kernel(name, group.numel, rnumel, stores, fused, group.device)
 
 
 def memory_order(strides: Sequence[int]) -> tuple[int, ...]:
@@ -477,8 +477,9 @@ def _reuse_key(buffer: Buffer) -> tuple[object, ...]:
     return (buffer.device, buffer.dtype, buffer.numel)
 
 
-def schedule(graph: Graph, inputs: Sequence[torch.Tensor], device: torch.device) -> Program:
-    """The program computing ``graph`` on ``device`` for inputs laid out like ``inputs``."""
-    scheduler = Scheduler(graph, inputs, device)
+def schedule(graph: Graph, inputs: Sequence[torch.Tensor]) -> Program:
+    """The program computing ``graph`` for inputs laid out like ``inputs``. Kernels run on
+    one device each (a mixed-device graph gets kernels per device, transfers are externs)."""
+    scheduler = Scheduler(graph, inputs)
     scheduler.run()
     return scheduler.program()

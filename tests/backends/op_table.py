@@ -6,6 +6,7 @@ Each test module (one per code generator) parametrizes :func:`check_row`.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -15,6 +16,10 @@ from kiln.backends.kiln import KilnProgram
 from kiln.config import config
 from kiln.ir import Graph, GraphBuilder, Op, Tag, TensorType, op_def, registered_ops
 from kiln.ops import prims
+
+# The device samples are made on: CI runs CPU tensors (the Triton generator through Triton's
+# interpreter); on a GPU machine, KILN_TEST_DEVICE=cuda runs the compiled Triton kernels.
+DEVICE = torch.device(os.environ.get("KILN_TEST_DEVICE", "cpu"))
 
 ROWS = [(row.op, dtype) for row in registered_ops() for dtype in sorted(row.dtypes, key=str)]
 ROW_IDS = [f"{o.name.lower()}-{d}".replace("torch.", "") for o, d in ROWS]
@@ -80,7 +85,7 @@ def check_row(op: Op, dtype: torch.dtype, codegen: str, exact: bool = False) -> 
     row = op_def(op)
     assert row.samples is not None
     random = Tag.RANDOM in row.tags
-    samples = row.samples(dtype, torch.device("cpu"))
+    samples = row.samples(dtype, DEVICE)
     graph, tensors, counts = graph_of(op, [(sample.inputs, sample.attrs) for sample in samples])
     actual = iter(run_compiled(graph, tensors, codegen))
     for sample, count in zip(samples, counts, strict=True):

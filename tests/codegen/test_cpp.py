@@ -96,10 +96,11 @@ def run(
     kernel: Kernel, inputs: dict[str, torch.Tensor], seed: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Run ``kernel`` (built alone) on tensors named like its buffers; the buffers it writes
-    are allocated here (filled with 7s, so an unwritten element shows) unless given."""
+    are allocated here (7 or False, so an unwritten element shows) unless given."""
     tensors = dict(inputs)
-    for written in kernel.writes():
-        tensors.setdefault(written.name, torch.full(written.shape, 7, dtype=written.dtype))
+    for out in kernel.writes():
+        canary = torch.full(out.shape, 7) if out.dtype != BOOL else torch.zeros(out.shape)
+        tensors.setdefault(out.name, canary.to(out.dtype))
     build([kernel])[kernel.name](*_arguments(kernel, tensors, seed))
     return tensors
 
@@ -249,19 +250,14 @@ def test_float_ops_keep_nan_inf_and_signed_zero_semantics() -> None:
     values = torch.tensor(SPECIAL, dtype=F32)
     n = values.numel()
     x = var("x", n)
-    source = buffer("in0", (n,), F32)
-    other = buffer("in1", (n,), F32)
+    a, b = load(buffer("in0", (n,), F32), x), load(buffer("in1", (n,), F32), x)
     unary = [op for op in FLOAT_UNARY if op is not Op.CONVERT]
     binary = [Op.MAXIMUM, Op.MINIMUM, Op.FLOOR_DIV, Op.REMAINDER, Op.FMOD, Op.POW, Op.DIV]
     stores = []
     for i, op in enumerate(unary):
         dtype = BOOL if op in {Op.ISNAN, Op.ISINF, Op.LOGICAL_NOT} else F32
-        stores.append(
-            Store(buffer(f"u{i}", (n,), dtype), x, apply(op, load(source, x), dtype=dtype))
-        )
-    for i, op in enumerate(binary):
-        value = apply(op, load(source, x), load(other, x))
-        stores.append(Store(buffer(f"b{i}", (n,), F32), x, value))
+        stores.append(Store(buffer(f"u{i}", (n,), dtype), x, apply(op, a, dtype=dtype)))
+    stores += [Store(buffer(f"b{i}", (n,), F32), x, apply(op, a, b)) for i, op in enumerate(binary)]
     rhs = torch.tensor([1.0, math.nan, 2.0, 0.0, 3.0, -0.0, math.inf, -1.5, 2.0, 0.0, -7.0, 1.0])
     tensors = run(Kernel("special_values", n, 1, stores), {"in0": values, "in1": rhs})
     for i, op in enumerate(unary):
@@ -346,17 +342,18 @@ def test_indirect_load_gathers_rows() -> None:
     table, index = buffer("table", (vocab, cols), F32), buffer("index", (rows,), I64)
     gathered = load(table, indirect(load(index, i), vocab) * cols + j)
     positions = IndexValue(I64, i * cols + j)
-    scattered = indirect(load(buffer("perm", (rows,), I64), i), rows) * cols + j
+    flipped = IndexValue(I64, i * -1 + (rows - 1))
+    scattered = indirect(apply(Op.ADD, flipped, const(0, I64)), rows) * cols + j
     stores = [
         Store(buffer("out", (rows, cols), F32), x, gathered),
         Store(buffer("pos", (rows, cols), I64), x, positions),
-        Store(buffer("scattered", (rows, cols), F32), scattered, gathered),  # out[perm[i]] = ..
+        Store(buffer("scattered", (rows, cols), F32), scattered, gathered),  # a computed row
     ]
     kernel = Kernel("gather", rows * cols, 1, stores)
-    index, perm = torch.randint(0, vocab, (rows,)), torch.randperm(rows)
-    tensors = run(kernel, {"table": torch.randn(vocab, cols), "index": index, "perm": perm})
+    index = torch.randint(0, vocab, (rows,))
+    tensors = run(kernel, {"table": torch.randn(vocab, cols), "index": index})
     assert_close(tensors["out"], tensors["table"][index], 0, 0)
-    assert_close(tensors["scattered"][perm], tensors["table"][index], 0, 0)
+    assert_close(tensors["scattered"], tensors["table"][index].flip(0), 0, 0)
     assert torch.equal(tensors["pos"].reshape(-1), torch.arange(rows * cols))
 
 

@@ -88,6 +88,17 @@ def load(source: Buffer, offset: Index, mask: Expr | None = None, other: Any = 0
     return Load(source.dtype, source, offset, mask, other)
 
 
+def pointwise(name: str, x: Index, values: dict[str, Expr]) -> Kernel:
+    """A kernel over ``x`` storing each value into a new buffer named by its key."""
+    n = max(1, *(atom.size for atom, _ in x.terms)) if x.terms else 1
+    return Kernel(name, n, 1, [Store(buffer(k, (n,), v.dtype), x, v) for k, v in values.items()])
+
+
+def outputs(kernel: Kernel) -> dict[str, torch.Tensor]:
+    """Uninitialized tensors for the buffers ``kernel`` stores to."""
+    return {s.buffer.name: torch.empty(s.buffer.shape, dtype=s.buffer.dtype) for s in kernel.stores}
+
+
 def run(
     kernel: Kernel,
     tensors: dict[str, torch.Tensor],
@@ -191,28 +202,26 @@ SPECIAL_RHS = [1.0, math.nan, 2.0, 0.0, 3.0, -0.0, math.inf, -1.5, 2.0, 0.0, -7.
 def test_float_ops_keep_nan_inf_semantics(dtype: torch.dtype) -> None:
     """Special values through every float unary op, NaN through the binary extrema and the
     rounding divisions, as eager gives them."""
-    values = torch.tensor(SPECIAL, dtype=dtype)
     rhs = torch.tensor(SPECIAL_RHS, dtype=dtype)
-    n = values.numel()
+    n = rhs.numel()
     x = var("x", n)
     a, b = load(buffer("in0", (n,), dtype), x), load(buffer("in1", (n,), dtype), x)
     unary = [r.op for r in ELEMENTWISE if Tag.UNARY in r.tags and F32 in r.dtypes]
     unary.remove(Op.CONVERT)
     binary = [Op.MAXIMUM, Op.MINIMUM, Op.FLOOR_DIV, Op.REMAINDER, Op.FMOD, Op.POW, Op.DIV, Op.ATAN2]
-    stores = []
-    for i, op in enumerate(unary):
-        out = BOOL if op in {Op.ISNAN, Op.ISINF, Op.LOGICAL_NOT} else dtype
-        stores.append(Store(buffer(f"u{i}", (n,), out), x, apply(op, a, dtype=out)))
-    for i, op in enumerate(binary):
-        stores.append(Store(buffer(f"b{i}", (n,), dtype), x, apply(op, a, b)))
-    tensors = {"in0": values, "in1": rhs}
-    tensors.update({s.buffer.name: torch.empty(n, dtype=s.buffer.dtype) for s in stores})
-    run(Kernel("special_values", n, 1, stores), tensors)
+    bools = {Op.ISNAN, Op.ISINF, Op.LOGICAL_NOT}
+    values = {
+        f"u{i}": apply(op, a, dtype=BOOL if op in bools else dtype) for i, op in enumerate(unary)
+    }
+    values.update({f"b{i}": apply(op, a, b) for i, op in enumerate(binary)})
+    kernel = pointwise("special_values", x, values)
+    tensors = {"in0": torch.tensor(SPECIAL, dtype=dtype), "in1": rhs, **outputs(kernel)}
+    run(kernel, tensors)
     for i, op in enumerate(unary):
         rtol, atol = _tolerance(op, F32)
-        assert_close(tensors[f"u{i}"], op_def(op).impl(None, values), rtol, atol)
+        assert_close(tensors[f"u{i}"], op_def(op).impl(None, tensors["in0"]), rtol, atol)
     for i, op in enumerate(binary):
-        assert_close(tensors[f"b{i}"], op_def(op).impl(None, values, rhs), 1e-5, 1e-6)
+        assert_close(tensors[f"b{i}"], op_def(op).impl(None, tensors["in0"], rhs), 1e-5, 1e-6)
 
 
 def test_interpreter_math_is_fp32_accurate_over_wide_ranges() -> None:
@@ -226,17 +235,18 @@ def test_interpreter_math_is_fp32_accurate_over_wide_ranges() -> None:
     }  # fmt: skip
     n = 4000
     x = var("x", n)
-    stores, inputs = [], {}
-    for i, (op, (low, high)) in enumerate(ranges.items()):
+    inputs = {}
+    for i, (low, high) in enumerate(ranges.values()):
         values = torch.linspace(low, high, n, dtype=F64).to(F32)
-        values[:200] = torch.logspace(-30, -1, 200) * torch.sign(torch.randn(200))
-        values[:200] = values[:200].clamp(low, high)
+        tiny = torch.logspace(-30, -1, 200) * torch.sign(torch.randn(200))
+        values[:200] = tiny.clamp(low, high)
         inputs[f"in{i}"] = values
-        stores.append(
-            Store(buffer(f"out{i}", (n,), F32), x, apply(op, load(buffer(f"in{i}", (n,), F32), x)))
-        )
-    tensors = {**inputs, **{s.buffer.name: torch.empty(n) for s in stores}}
-    run(Kernel("wide_math", n, 1, stores), tensors)
+    loads = [load(buffer(f"in{i}", (n,), F32), x) for i in range(len(ranges))]
+    kernel = pointwise(
+        "wide_math", x, {f"out{i}": apply(op, loads[i]) for i, op in enumerate(ranges)}
+    )
+    tensors = {**inputs, **outputs(kernel)}
+    run(kernel, tensors)
     for i, op in enumerate(ranges):
         expected = op_def(op).impl(None, inputs[f"in{i}"].double()).float()
         assert_close(tensors[f"out{i}"], expected, 2e-6 if op is not Op.ERFINV else 1e-5, 1e-6)
@@ -249,12 +259,11 @@ def test_pow_with_constant_exponents_and_negative_bases() -> None:
     base[:4] = torch.tensor([0.0, -0.0, -1.0, 1.0])
     exponents = [2.0, 3.0, 0.5, -0.5, -1.0, -2.0, 1.0, 0.0, 2.5, -3.0]
     a = load(buffer("a", (n,), F32), x)
-    stores = [
-        Store(buffer(f"o{i}", (n,), F32), x, apply(Op.POW, a, const(e)))
-        for i, e in enumerate(exponents)
-    ]
-    tensors = {"a": base, **{f"o{i}": torch.empty(n) for i in range(len(exponents))}}
-    run(Kernel("pows", n, 1, stores), tensors)
+    kernel = pointwise(
+        "pows", x, {f"o{i}": apply(Op.POW, a, const(e)) for i, e in enumerate(exponents)}
+    )
+    tensors = {"a": base, **outputs(kernel)}
+    run(kernel, tensors)
     for i, e in enumerate(exponents):
         assert_close(tensors[f"o{i}"], torch.pow(base, e), 1e-5, 1e-6)
 
@@ -264,10 +273,13 @@ def test_integer_division_family_by_zero_does_not_crash() -> None:
     x = var("x", n)
     a, b = (load(buffer(name, (n,), I32), x) for name in ("a", "b"))
     ops = [Op.FLOOR_DIV, Op.REMAINDER, Op.FMOD]
-    stores = [Store(buffer(f"o{i}", (n,), I32), x, apply(op, a, b)) for i, op in enumerate(ops)]
-    tensors = {"a": torch.arange(n, dtype=I32) - 4, "b": torch.zeros(n, dtype=I32)}
-    tensors.update({f"o{i}": torch.empty(n, dtype=I32) for i in range(len(ops))})
-    run(Kernel("divide_by_zero", n, 1, stores), tensors)  # any values; the process survives
+    kernel = pointwise("divide_by_zero", x, {f"o{i}": apply(op, a, b) for i, op in enumerate(ops)})
+    tensors = {
+        "a": torch.arange(n, dtype=I32) - 4,
+        "b": torch.zeros(n, dtype=I32),
+        **outputs(kernel),
+    }
+    run(kernel, tensors)  # any values; the process survives
 
 
 def test_converts_round_like_eager() -> None:
@@ -279,26 +291,18 @@ def test_converts_round_like_eager() -> None:
         [1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 2.5, -2.5, 1e-3, 3e38, -7.9, 0.0, 7.9]
     )
     a = load(buffer("a", (n,), F32), x)
-    small = load(buffer("s", (n,), I8), x)
-    stores = [
-        Store(buffer("bf", (n,), BF16), x, apply(Op.CONVERT, a, dtype=BF16)),
-        Store(buffer("hf", (n,), F16), x, apply(Op.CONVERT, a, dtype=F16)),
-        Store(
-            buffer("back", (n,), F32),
-            x,
-            apply(Op.CONVERT, apply(Op.CONVERT, a, dtype=BF16), dtype=F32),
-        ),
-        Store(buffer("ints", (n,), I32), x, apply(Op.CONVERT, a, dtype=I32)),
-        Store(buffer("flags", (n,), BOOL), x, apply(Op.CONVERT, a, dtype=BOOL)),
-        Store(
-            buffer("u8", (n,), U8),
-            x,
-            apply(Op.CONVERT, apply(Op.MUL, small, const(3, I8)), dtype=U8),
-        ),
-    ]
-    tensors = {"a": ties, "s": torch.arange(n, dtype=I8) * 20 - 90}
-    tensors.update({s.buffer.name: torch.empty(n, dtype=s.buffer.dtype) for s in stores})
-    run(Kernel("converts", n, 1, stores), tensors)
+    tripled = apply(Op.MUL, load(buffer("s", (n,), I8), x), const(3, I8))
+    values = {
+        "bf": apply(Op.CONVERT, a, dtype=BF16),
+        "hf": apply(Op.CONVERT, a, dtype=F16),
+        "back": apply(Op.CONVERT, apply(Op.CONVERT, a, dtype=BF16), dtype=F32),
+        "ints": apply(Op.CONVERT, a, dtype=I32),
+        "flags": apply(Op.CONVERT, a, dtype=BOOL),
+        "u8": apply(Op.CONVERT, tripled, dtype=U8),
+    }
+    kernel = pointwise("converts", x, values)
+    tensors = {"a": ties, "s": torch.arange(n, dtype=I8) * 20 - 90, **outputs(kernel)}
+    run(kernel, tensors)
     assert torch.equal(tensors["bf"], ties.to(BF16))
     assert torch.equal(tensors["hf"], ties.to(F16))
     assert torch.equal(tensors["back"], ties.to(BF16).float())
@@ -413,21 +417,18 @@ def test_zero_dim_operands_broadcast_over_blocks() -> None:
     above = apply(Op.GT, threshold, const(0.0), dtype=BOOL)
     both = apply(Op.LOGICAL_AND, above, flag, dtype=BOOL)
     a = load(buffer("a", (n,), F32), x)
-    stores = [
-        Store(buffer("o", (n,), F32), x, apply(Op.WHERE, above, a, const(2.5))),
-        Store(buffer("p", (n,), F32), x, apply(Op.WHERE, both, const(-1.0), a)),
-        Store(buffer("q", (n,), F32), x, apply(Op.ATAN2, threshold, a)),
-        Store(
-            buffer("r", (n,), BOOL),
-            x,
-            apply(Op.LOGICAL_AND, above, apply(Op.GT, a, const(0.0), dtype=BOOL), dtype=BOOL),
-        ),
-    ]
+    positive = apply(Op.GT, a, const(0.0), dtype=BOOL)
+    values = {
+        "o": apply(Op.WHERE, above, a, const(2.5)),
+        "p": apply(Op.WHERE, both, const(-1.0), a),
+        "q": apply(Op.ATAN2, threshold, a),
+        "r": apply(Op.LOGICAL_AND, above, positive, dtype=BOOL),
+    }
+    kernel = pointwise("zero_dim", x, values)
     for t, f in ((1.0, True), (-1.0, True), (1.0, False)):
         tensors = {"t": torch.tensor(t), "f": torch.tensor(f), "a": torch.randn(n)}
-        tensors.update({name: torch.empty(n) for name in "opq"})
-        tensors["r"] = torch.empty(n, dtype=BOOL)
-        run(Kernel("zero_dim", n, 1, stores), tensors)
+        tensors.update(outputs(kernel))
+        run(kernel, tensors)
         a_ = tensors["a"]
         assert_close(tensors["o"], a_ if t > 0 else torch.full((n,), 2.5), 0, 0)
         assert_close(tensors["p"], torch.full((n,), -1.0) if t > 0 and f else a_, 0, 0)
@@ -743,16 +744,11 @@ def test_libdevice_only_outside_the_interpreter() -> None:
     n = 8
     x = var("x", n)
     a = load(buffer("a", (n,), F32), x)
-    stores = [
-        Store(buffer(f"o{i}", (n,), F32), x, apply(op, a))
-        for i, op in enumerate((Op.TANH, Op.ERFINV))
-    ]
-    kernel = Kernel("tanh_erfinv", n, 1, stores)
+    kernel = pointwise("tanh_erfinv", x, {"t": apply(Op.TANH, a), "e": apply(Op.ERFINV, a)})
     compiled = generate_triton(kernel, interpret=False).source
     interpreted = generate_triton(kernel, interpret=True).source
-    assert (
-        "libdevice.tanh(" in compiled and "from triton.language.extra import libdevice" in compiled
-    )
+    assert "from triton.language.extra import libdevice" in compiled
+    assert "libdevice.tanh(" in compiled and "libdevice.erfinv(" in compiled
     assert "libdevice" not in interpreted and "_kiln_tanh(" in interpreted
 
 
@@ -838,6 +834,69 @@ def test_precompile_workers_report_failures_without_raising() -> None:
     assert len(errors) == 2 and all(str(triton_build.module_path(source)) in e for e in errors)
 
 
+class _FakeCompiled:
+    """A compiled kernel: ``[grid]`` gives the low-level runner, which records fast launches."""
+
+    def __init__(self, log: list[tuple[Any, ...]]) -> None:
+        self.log = log
+        self.fail = False
+
+    def __getitem__(self, grid: Any) -> Any:
+        def runner(*args: Any) -> None:
+            if self.fail:
+                raise TypeError("the launcher's signature changed")
+            self.log.append(("fast", grid, args))
+
+        return runner
+
+
+class _FakeJit:
+    """A JITFunction: ``fn[grid](*args, **options)`` records the launch, returns the kernel."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.compiled = _FakeCompiled(self.log)
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **options: Any) -> _FakeCompiled:
+            self.log.append(("slow", grid, args, options))
+            return self.compiled
+
+        return launch
+
+
+def test_compiled_launches_take_the_fast_path_while_the_specialization_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first launch goes through ``kernel[grid]`` (constexprs and options by keyword);
+    later ones call the compiled kernel's runner with the bound arguments (tensors, seed,
+    constexprs) until the alignment changes or the runner fails."""
+    aligned = lambda tensors, extra: (tuple(t.data_ptr() % 16 for t in tensors), len(extra))
+    monkeypatch.setattr(triton_build, "_specialization", aligned)
+    monkeypatch.setattr(triton_build, "_fast_launch_supported", lambda: True)
+    source = generate_triton(_rand_kernel(), interpret=False)
+    fake = _FakeJit()
+    launch = triton_build.TritonLauncher(source, Path("dropout.py"), fake)
+    tensors = [torch.empty(4096, dtype=d) for d in source.argument_dtypes]
+    launch(*tensors, seed=7)
+    launch(*tensors, 7)  # the wrapper passes the seed positionally
+    options = {"XBLOCK": 1024, "enable_fp_fusion": True, "num_warps": 4}
+    assert fake.log == [
+        ("slow", (4, 1, 1), (*tensors, 7), options),
+        ("fast", (4, 1, 1), (*tensors, 7, 1024)),
+    ]
+    launch(tensors[0][1:], *tensors[1:], seed=7)  # misaligned: another specialization
+    assert [entry[0] for entry in fake.log] == ["slow", "fast", "slow"]
+    fake.compiled.fail = True
+    launch(*tensors, seed=8)
+    assert [entry[0] for entry in fake.log] == [
+        "slow",
+        "fast",
+        "slow",
+        "slow",
+    ] and not launch.fast_ok
+
+
 def test_load_triton_kernels_gives_the_backend_interface() -> None:
     kernels = [_gelu_kernel(10, F32), _softmax_kernel(3, 4, F32)]
     launchers = triton_build.load_triton_kernels(kernels, CPU, interpret=True)
@@ -913,13 +972,8 @@ def _every_op_kernel(dtype: torch.dtype) -> Kernel:
                 apply(Op.WHERE, flag, const(True if dtype == BOOL else 2, dtype), b),
             ]
         else:
-            out = (
-                BOOL
-                if (Tag.NONDIFFERENTIABLE in row.tags and Tag.UNARY in row.tags)
-                or Tag.COMPARISON in row.tags
-                else dtype
-            )
-            out = BOOL if row.op in {Op.LOGICAL_AND, Op.LOGICAL_OR, Op.LOGICAL_XOR} else out
+            arity = 1 if Tag.UNARY in row.tags else 2
+            out = row.impl(None, *[torch.ones(1, dtype=dtype)] * arity).dtype
             operands = (a,) if Tag.UNARY in row.tags else (a, b)
             values = [apply(row.op, *operands, dtype=out)]
             if Tag.BINARY in row.tags:

@@ -23,7 +23,7 @@ from tests.backends.op_table import run_compiled
 def scheduled(fn: Callable[..., Any], *args: Any) -> Program:
     graph = optimize(kiln.trace(fn, *args))
     inputs = graph_inputs(graph, fn, *args)
-    program = schedule(graph, inputs, torch.device("cpu"))
+    program = schedule(graph, inputs)
     for got, want in zip(
         run_compiled(graph, inputs, "evaluate"), interpret(graph, inputs), strict=True
     ):

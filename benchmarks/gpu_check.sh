@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Correctness of the generated Triton kernels on the GPU: the whole op table compiled for
+# CUDA (CI runs the same table through Triton's interpreter on CPU tensors).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.
+python -c "import torch, triton, sys; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
+KILN_TEST_DEVICE=cuda python -m pytest -q -n 8 tests/backends/test_kiln_triton.py "$@"
