@@ -51,7 +51,11 @@ def main() -> None:
         want = fn(*args)
         error = (out.float() - want.float()).abs().max().item()
         t_kiln, t_eager = steady(compiled, *args), steady(fn, *args)
-        print(f"{name:12s} err {error:.2e} first {first:.2f}s kiln {t_kiln*1e6:.0f}us eager {t_eager*1e6:.0f}us", flush=True)
+        print(
+            f"{name:12s} err {error:.2e} first {first:.2f}s "
+            f"kiln {t_kiln * 1e6:.0f}us eager {t_eager * 1e6:.0f}us",
+            flush=True,
+        )
     print(kiln.explain(cases["softmax"][0], x).kernels, flush=True)
 
 

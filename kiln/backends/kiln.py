@@ -57,6 +57,8 @@ class CompiledProgramRecord:
     program: Program | None
     seconds: float
     fallback: str = ""  # why the graph runs on the reference interpreter instead
+    phases: dict[str, float] = field(default_factory=dict)  # schedule / build / first run
+    unique_kernels: int = 0
 
     def kernel_lines(self) -> list[str]:
         """One line per kernel (the ops it fuses and the user lines they come from) and per
@@ -218,9 +220,14 @@ class KilnProgram:
 
     graph: Graph
     variants: dict[tuple[object, ...], Runner] = field(default_factory=dict)
+    # Extern results PyTorch laid out otherwise than the schedule assumed (node id ->
+    # strides): a variant that saw one is rebuilt once, assuming what PyTorch does.
+    observed: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.user = [i for i, v in enumerate(self.graph.inputs) if v.kind is InputKind.USER]
+        self._stale = False
+        self._rebuilt: set[tuple[object, ...]] = set()
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         key = tuple(inputs[i].stride() for i in self.user)
@@ -228,15 +235,27 @@ class KilnProgram:
         if runner is None:
             runner = self.variants[key] = self._compile(inputs)
         with torch.no_grad():
-            return runner(inputs)
+            results = runner(inputs)
+        if self._stale:
+            self._stale = False
+            if key not in self._rebuilt:  # once: layouts that keep changing just get copied
+                self._rebuilt.add(key)
+                del self.variants[key]
+        return results
+
+    def _observe(self, node: object, strides: list[tuple[int, ...]]) -> None:
+        self.observed[id(node)] = strides
+        self._stale = True
 
     def _compile(self, inputs: Sequence[torch.Tensor]) -> Runner:
         start = time.perf_counter()
         names: list[str] = []
         try:
-            program = schedule(self.graph, inputs)
+            program = schedule(self.graph, inputs, self.observed)
+            scheduled = time.perf_counter()
             launchers, names = build_kernels(program.kernels())
-            runner = Wrapper(program, launchers).compile()
+            runner = Wrapper(program, launchers, self._observe).compile()
+            self._phases = {"schedule": scheduled - start, "build": time.perf_counter() - scheduled}
         except Exception as error:
             if config.strict:
                 raise
@@ -263,6 +282,9 @@ class KilnProgram:
     ) -> None:
         seconds = time.perf_counter() - start
         record = CompiledProgramRecord(self.graph.name, codegen, program, seconds, fallback)
+        record.phases = getattr(self, "_phases", {})
+        if program is not None:
+            record.unique_kernels = len({kernel_signature(k) for k in program.kernels()})
         for recorder in RECORDERS:
             recorder.append(record)
         if program is not None and _log.isEnabledFor(logging.INFO):

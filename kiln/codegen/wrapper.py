@@ -28,14 +28,21 @@ from kiln.schedule.loops import Buffer, BufferKind, Kernel
 from kiln.schedule.program import ExternCall, Program, View, kernel_arguments
 
 Launcher = Callable[..., Any]
+LayoutReport = Callable[[Any, list[tuple[int, ...]]], None]  # (graph node, actual strides)
 
 
 class Wrapper:
     """Prints the host program of ``program``; ``launchers`` maps kernel names to callables
     taking tensors in kernel-argument order (and the seed when the kernel draws numbers)."""
 
-    def __init__(self, program: Program, launchers: dict[str, Launcher]) -> None:
+    def __init__(
+        self,
+        program: Program,
+        launchers: dict[str, Launcher],
+        on_layout: LayoutReport | None = None,
+    ) -> None:
         self.program = program
+        self.on_layout = on_layout
         self.namespace: dict[str, Any] = {
             "torch": torch,
             "empty_strided": torch.empty_strided,
@@ -111,7 +118,7 @@ class Wrapper:
 
     def _extern(self, call: ExternCall, position: int) -> None:
         function = f"extern_{position}"
-        self.namespace[function] = extern_function(call)
+        self.namespace[function] = extern_function(call, self.on_layout)
         operands = ", ".join(
             self.view(o) if isinstance(o, View) else repr(o) for o in call.operands
         )
@@ -126,9 +133,12 @@ class Wrapper:
         return run
 
 
-def extern_function(call: ExternCall) -> Callable[..., list[torch.Tensor]]:
+def extern_function(
+    call: ExternCall, on_layout: LayoutReport | None = None
+) -> Callable[..., list[torch.Tensor]]:
     """Runs the node's reference implementation and lays its results out as the kernels that
-    read them expect (a copy only when PyTorch chose other strides than the meta run)."""
+    read them expect: when PyTorch chose other strides than the schedule assumed, a copy, and
+    ``on_layout(node, strides)`` so the next compilation assumes what PyTorch does."""
     impl = op_def(call.node.op).impl
     attrs = call.node.attrs
     layouts = [(b.shape, b.strides) for b in call.outputs]
@@ -136,6 +146,10 @@ def extern_function(call: ExternCall) -> Callable[..., list[torch.Tensor]]:
     def run(*operands: Any) -> list[torch.Tensor]:
         result = impl(attrs, *operands)
         results = result if isinstance(result, tuple) else (result,)
+        if all(_same_layout(t, *layout) for t, layout in zip(results, layouts, strict=True)):
+            return list(results)
+        if on_layout is not None:
+            on_layout(call.node, [tuple(t.stride()) for t in results])
         return [
             t if _same_layout(t, shape, strides) else _restride(t, shape, strides)
             for t, (shape, strides) in zip(results, layouts, strict=True)

@@ -13,12 +13,14 @@ from kiln.passes.attention import fuse_attention
 from kiln.passes.conv_bn import fold_conv_batchnorm
 from kiln.passes.cse import eliminate_common_subexpressions
 from kiln.passes.dce import eliminate_dead_code
+from kiln.passes.matmul_padding import pad_matmul
 
 # The pattern rewrites run first, on the graph as the translations wrote it (CSE could give a
 # pattern's values extra readers); CSE and DCE then clean up after them.
 PIPELINE = [
     fuse_attention,
     fold_conv_batchnorm,
+    pad_matmul,
     eliminate_common_subexpressions,
     eliminate_dead_code,
 ]
@@ -37,4 +39,5 @@ __all__ = [
     "fold_conv_batchnorm",
     "fuse_attention",
     "optimize",
+    "pad_matmul",
 ]

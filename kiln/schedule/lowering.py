@@ -279,6 +279,11 @@ def _operand(node: Node, i: int) -> Value:
 
 
 def elementwise(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> Expr:
+    exponent = node.inputs[1] if node.op is Op.POW else None
+    if exponent in (2, 3) and isinstance(node.inputs[0], Value) and not isinstance(exponent, bool):
+        base = lowering.load(node.inputs[0], index)  # x**2, x**3 as products (as eager does)
+        square = lowering.apply(Op.MUL, (base, base), value.type.dtype)
+        return square if exponent == 2 else lowering.apply(Op.MUL, (square, base), value.type.dtype)
     tensors = [o for o in node.inputs if isinstance(o, Value)]
     scalar_dtype = value.type.dtype if node.op is Op.WHERE else tensors[0].type.dtype
     if node.op is Op.CONVERT:

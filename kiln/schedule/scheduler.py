@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.ir.graph import Graph, InputKind, Node, Value
+from kiln.ir.graph import Graph, InputKind, Node, Origin, Value
 from kiln.ir.op import Op, op_def
+from kiln.ops.attrs import ConvertAttrs
 from kiln.schedule import index as ix
 from kiln.schedule.index import Index
 from kiln.schedule.loops import Buffer, BufferKind, Kernel, Load, R, Store, X, walk
@@ -95,8 +96,15 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor]):
+    def __init__(
+        self,
+        graph: Graph,
+        inputs: Sequence[torch.Tensor],
+        observed: dict[int, list[tuple[int, ...]]] | None = None,
+    ):
         self.graph = graph
+        self.observed = observed or {}  # id(node) -> extern output strides seen at run time
+        self._node_order = {id(node): i for i, node in enumerate(graph.nodes)}
         self.users = graph.users()
         self.outputs = [*graph.outputs, *(new for _, new in graph.mutations)]
         self.layouts: dict[Value, View] = {}
@@ -152,6 +160,23 @@ class Scheduler:
         return self._cost[value]
 
     def run(self) -> None:
+        self._walk()
+        self._densify_outputs()
+
+    def _densify_outputs(self) -> None:
+        """An output that is a gapped view of a buffer the program made (a padded matmul's
+        columns) is copied out dense, as eager returns it; views of inputs stay views."""
+        for position, value in enumerate(self.outputs):
+            layout = self.layouts[value]
+            if layout.buffer.kind is BufferKind.INPUT or is_dense(layout) or 0 in layout.shape:
+                continue
+            copy = Node(Op.CONVERT, (value,), ConvertAttrs(value.type.dtype), origin=_origin(value))
+            copy.outputs = (Value(f"{value.name}_dense", value.type, copy),)
+            self.users.setdefault(value, []).append(copy)
+            self._place_pointwise(copy.outputs[0])
+            self.outputs[position] = copy.outputs[0]
+
+    def _walk(self) -> None:
         for node in self.graph.nodes:
             if node.op in VIEW_OPS and self._try_view(node):
                 continue
@@ -190,7 +215,7 @@ class Scheduler:
             else:
                 operands.append(operand)
         position = len(self.steps)
-        strides = _extern_strides(node, operands)
+        strides = self.observed.get(id(node)) or _extern_strides(node, operands)
         outputs = []
         for value, stride in zip(node.outputs, strides, strict=True):
             shape = shape_of(value)
@@ -365,12 +390,17 @@ class Scheduler:
             buffer = self.buffers[value]
             offset = ix.linear(index, buffer.strides)
             stores.append(Store(buffer, offset, lowering.load(value, index)))
-        nodes = sorted(lowering.nodes.values(), key=self.graph.nodes.index)
+        order = self._node_order
+        nodes = sorted(lowering.nodes.values(), key=lambda n: order.get(id(n), len(order)))
         name = f"k{group.position}_" + "_".join(_short_names(nodes))
         fused = [f"{n.op.printed_name}  {n.origin}".rstrip() for n in nodes]
         # An empty row reduces to the identity (a constant), leaving no loop over r.
         rnumel = max(group.rows.rnumel, 1) if group.rows else 1
         return Kernel(name, group.numel, rnumel, stores, fused, group.device)
+
+
+def _origin(value: Value) -> Origin:
+    return value.node.origin if value.node is not None else Origin("copy")
 
 
 def memory_order(strides: Sequence[int]) -> tuple[int, ...]:
@@ -404,7 +434,17 @@ def _short_names(nodes: list[Node]) -> list[str]:
 
 def _extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
     """Output strides of an extern call, from running its reference impl on meta tensors
-    laid out like the operands; contiguous when that fails (the runtime checks)."""
+    laid out like the operands; contiguous when that fails. The wrapper checks them at run
+    time, and a mismatch is learned for the next compilation (``observed``)."""
+    if node.op is Op.CONVOLUTION and len(shape_of(node.output)) == 4:
+        # Meta convolutions answer contiguous; cuDNN and oneDNN answer channels-last when
+        # the input or the weight is channels-last (PyTorch's suggest_memory_format).
+        laid_out = [o for o in operands[:2] if isinstance(o, View) and len(o.shape) == 4]
+        if any(
+            o.strides == channels_last_strides(o.shape) != ix.contiguous_strides(o.shape)
+            for o in laid_out
+        ):
+            return [channels_last_strides(shape_of(node.output))]
     metas = [
         torch.empty_strided(o.shape, o.strides, dtype=o.buffer.dtype, device="meta")
         if isinstance(o, View)
@@ -477,9 +517,15 @@ def _reuse_key(buffer: Buffer) -> tuple[object, ...]:
     return (buffer.device, buffer.dtype, buffer.numel)
 
 
-def schedule(graph: Graph, inputs: Sequence[torch.Tensor]) -> Program:
+def schedule(
+    graph: Graph,
+    inputs: Sequence[torch.Tensor],
+    observed: dict[int, list[tuple[int, ...]]] | None = None,
+) -> Program:
     """The program computing ``graph`` for inputs laid out like ``inputs``. Kernels run on
-    one device each (a mixed-device graph gets kernels per device, transfers are externs)."""
-    scheduler = Scheduler(graph, inputs)
+    one device each (a mixed-device graph gets kernels per device, transfers are externs).
+    ``observed``: extern output strides seen at run time (by node id), where PyTorch chose
+    another layout than the meta run predicted."""
+    scheduler = Scheduler(graph, inputs, observed)
     scheduler.run()
     return scheduler.program()
