@@ -53,6 +53,14 @@ def _padding(node: Node) -> tuple[int, int] | None:
 
 
 def _pad_last(value: Value, amount: int, dim: int) -> Value:
+    """``value`` zero-padded by ``amount`` at the end of ``dim``. A transposed operand (a
+    ``linear`` weight) is padded before its transpose, so the kernel that writes the padded
+    copy reads and writes along the same rows."""
+    node = value.node
+    if node is not None and node.op is Op.PERMUTE and node.attrs.dims == (1, 0):
+        source = node.inputs[0]
+        assert isinstance(source, Value)
+        return prims.call(Op.PERMUTE, _pad_last(source, amount, 1 - dim), dims=(1, 0))
     rank = value.type.rank
     high = tuple(amount if d == dim else 0 for d in range(rank))
     return prims.call(Op.PAD, value, low=(0,) * rank, high=high, value=0)
