@@ -4,6 +4,8 @@
 ``KILN_DEBUG_DIR``  where graphs and kernels are dumped (default: none).
 ``KILN_STRICT``  "1" makes backend failures raise instead of falling back to eager.
 ``KILN_CACHE_DIR``  where built kernels are cached on disk (default: ``~/.cache/kiln``).
+``KILN_COMPILE_THREADS``  threads compiling GPU kernels before their first launch (default 8).
+``KILN_COMPILE_WORKERS``  ``threads`` (default) or ``processes`` (separate compile processes).
 ``KILN_CODEGEN``  force one kernel code generator: ``triton`` (on CPU: Triton's interpreter),
                   ``cpp`` or ``evaluate`` (PyTorch ops; the scheduler's oracle).
 """
@@ -35,6 +37,14 @@ class Config:
     # the kernel code generator for every device ("triton", "cpp", "evaluate"); empty: Triton
     # on CUDA, C++ on CPU. "triton" on CPU runs kernels in Triton's interpreter (CI).
     codegen: str = field(default_factory=lambda: os.environ.get("KILN_CODEGEN", ""))
+    # GPU kernels compile before the first launch on this many threads of this process
+    # (1: one after another); "processes" in compile_workers uses worker processes instead.
+    compile_threads: int = field(
+        default_factory=lambda: int(os.environ.get("KILN_COMPILE_THREADS", "8"))
+    )
+    compile_workers: str = field(
+        default_factory=lambda: os.environ.get("KILN_COMPILE_WORKERS", "threads")
+    )
 
 
 config = Config()

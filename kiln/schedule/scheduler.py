@@ -445,6 +445,16 @@ def _extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]
             for o in laid_out
         ):
             return [channels_last_strides(shape_of(node.output))]
+    if node.op is Op.SDPA and node.output.type.device.type == "cuda":
+        # The flash, memory-efficient and cuDNN kernels write [B, S, H, D] and return its
+        # [B, H, S, D] transpose (meta answers contiguous).
+        shape = shape_of(node.output)
+        if len(shape) == 4:
+            return [strides_in_order(shape, (0, 2, 1, 3)), *_meta_strides(node, operands)[1:]]
+    return _meta_strides(node, operands)
+
+
+def _meta_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
     metas = [
         torch.empty_strided(o.shape, o.strides, dtype=o.buffer.dtype, device="meta")
         if isinstance(o, View)
