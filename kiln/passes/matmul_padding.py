@@ -70,7 +70,7 @@ def _emit(node: Node, pad_k: int, pad_n: int, builder: GraphBuilder) -> None:
     a, b = node.inputs[-2], node.inputs[-1]
     assert isinstance(a, Value) and isinstance(b, Value)
     n = concrete_shape(b.type.shape)[1]
-    with torch.no_grad(), builder.origin_scope(node.origin):
+    with builder.origin_scope(node.origin):
         if pad_k:
             a, b = _pad_last(a, pad_k, 1), _pad_last(b, pad_k, 0)
         if pad_n:

@@ -53,3 +53,19 @@ def test_aligned_or_float32_matmuls_are_left_alone() -> None:
         a, w = torch.randn(8, 264, dtype=dtype), torch.randn(n, 264, dtype=dtype)
         graph = kiln.trace(lambda a, w: a @ w.t(), a, w)
         assert Op.PAD not in _ops(pad_matmul(graph))
+
+
+def test_gradients_flow_through_the_padded_matmul() -> None:
+    a = torch.randn(16, 264, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(301, 264, dtype=torch.bfloat16, requires_grad=True)
+
+    def head(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (a @ w.t()).float().square().mean()
+
+    head(a, w).backward()
+    expected = a.grad, w.grad
+    a.grad = w.grad = None
+    kiln.compile(head)(a, w).backward()
+    assert a.grad is not None and w.grad is not None
+    for got, want in zip((a.grad, w.grad), expected, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
