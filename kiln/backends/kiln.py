@@ -26,6 +26,7 @@ from kiln.config import config, logger
 from kiln.errors import BackendError
 from kiln.ir.graph import Graph, InputKind
 from kiln.ir.interpreter import interpret
+from kiln.ir.op import Op
 from kiln.schedule.evaluate import evaluate_kernel
 from kiln.schedule.index import Index, format_index
 from kiln.schedule.loops import (
@@ -257,7 +258,9 @@ class KilnProgram:
             runner = Wrapper(program, launchers, self._observe).compile()
             self._phases = {"schedule": scheduled - start, "build": time.perf_counter() - scheduled}
         except Exception as error:
-            if config.strict:
+            if config.strict or _draws_random_numbers(self.graph):
+                # A graph with random ops cannot fall back alone: the interpreter draws other
+                # numbers than the kernels, and a forward/backward pair must see the same mask.
                 raise
             if isinstance(error, Unavailable):
                 reason = str(error)
@@ -304,6 +307,10 @@ def _dump(graph: Graph, program: Program) -> None:
     path = os.path.join(folder, f"{graph.name}_{id(program):x}.txt")
     with open(path, "w") as file:
         file.write(f"# graph\n{graph}\n\n# kernels\n{listing}\n\n# host program\n{wrapper}")
+
+
+def _draws_random_numbers(graph: Graph) -> bool:
+    return any(node.op in (Op.RANDOM_UNIFORM, Op.RANDOM_NORMAL) for node in graph.nodes)
 
 
 def _without_autocast(runner: Runner) -> Runner:

@@ -167,11 +167,11 @@ def scaled_dot_product_attention(
 ) -> Value:
     query, key, value, attn_mask = common.autocast("sdpa", query, key, value, attn_mask)
     _check_attention_operands(query, key, value)
-    if attn_mask is not None and attn_mask.type.dtype == torch.bool:
-        if query.type.device.type == "cuda":
-            # CUDA's fused kernels take additive masks (a boolean one sends PyTorch to the slow
-            # math path); True (attend) -> 0, False -> -inf is the same attention.
-            attn_mask = _float_mask(prims.logical_not(attn_mask), query.type.dtype, "attn_mask")
+    boolean_mask = attn_mask is not None and attn_mask.type.dtype == torch.bool
+    if boolean_mask and query.type.device.type == "cuda":
+        # CUDA's fused kernels take additive masks (a boolean one sends PyTorch to the slow
+        # math path); True (attend) -> 0, False -> -inf is the same attention.
+        attn_mask = _float_mask(prims.logical_not(attn_mask), query.type.dtype, "attn_mask")
     if dropout_p > 0.0:
         return attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     result = prims.sdpa(
