@@ -9,6 +9,8 @@ import torch
 from kiln.ir import Op
 from tests.backends.op_table import ROW_IDS, ROWS, check_row
 
+pytest.importorskip("triton")
+
 
 @pytest.mark.parametrize(("op", "dtype"), ROWS, ids=ROW_IDS)
 def test_row(op: Op, dtype: torch.dtype) -> None:
