@@ -5,4 +5,4 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.
 python -c "import torch, triton, sys; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
-KILN_TEST_DEVICE=cuda python -m pytest -q -n 8 tests/backends/test_kiln_triton.py "$@"
+KILN_TEST_DEVICE=cuda python -m pytest -q -n 12 tests/backends/test_kiln_triton.py "$@"
