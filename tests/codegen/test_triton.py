@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tempfile
-from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,31 +20,20 @@ import kiln  # noqa: F401  (registers the op rows)
 from kiln.codegen.triton import (
     Blocks,
     Form,
-    TritonSource,
-    UnsupportedKernel,
     choose_blocks,
     generate_triton,
 )
-from kiln.config import config
-from kiln.errors import BackendError
 from kiln.ir.op import Op, Tag, op_def, registered_ops
 from kiln.ops.attrs import ArgReduceAttrs, ConvertAttrs, ReduceAttrs
 from kiln.schedule.index import Index, decompose, indirect, linear, var
 from kiln.schedule.loops import (
-    Apply,
-    Buffer,
-    BufferKind,
-    Const,
-    Expr,
     IndexValue,
     Kernel,
-    Load,
     Rand,
     Reduce,
     ReduceKind,
     Store,
 )
-from kiln.schedule.program import kernel_arguments
 
 triton = pytest.importorskip("triton")
 from kiln.runtime import triton_build  # noqa: E402  (needs triton)
@@ -57,68 +42,24 @@ CPU = torch.device("cpu")
 F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
 I8, U8, I32, I64, BOOL = torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _cache_dir() -> Iterator[None]:
-    """Generated modules go to a per-run directory, not the user's cache."""
-    previous = config.cache_dir
-    with tempfile.TemporaryDirectory(prefix="kiln-test-triton-") as directory:
-        config.cache_dir = directory
-        yield
-    config.cache_dir = previous
-
+from tests.codegen.triton_kernels import (  # noqa: E402, F401  (_cache_dir: an autouse fixture)
+    _cache_dir,
+    _gelu_kernel,
+    _layer_norm_kernel,
+    _scalar,
+    _softmax_kernel,
+    apply,
+    assert_close,
+    buffer,
+    const,
+    load,
+    outputs,
+    pointwise,
+    run,
+)
 
 # ---------------------------------------------------------------------------------------------
 # building and running kernels by hand
-
-
-def buffer(name: str, shape: Sequence[int], dtype: torch.dtype) -> Buffer:
-    return Buffer(name, tuple(shape), dtype, CPU, BufferKind.TEMP)
-
-
-def apply(op: Op, *args: Expr, dtype: torch.dtype | None = None) -> Apply:
-    return Apply(dtype or args[-1].dtype, op, tuple(args))
-
-
-def const(value: bool | int | float, dtype: torch.dtype = F32) -> Const:
-    return Const(dtype, value)
-
-
-def load(source: Buffer, offset: Index, mask: Expr | None = None, other: Any = 0) -> Load:
-    return Load(source.dtype, source, offset, mask, other)
-
-
-def pointwise(name: str, x: Index, values: dict[str, Expr]) -> Kernel:
-    """A kernel over ``x`` storing each value into a new buffer named by its key."""
-    n = max(1, *(atom.size for atom, _ in x.terms)) if x.terms else 1
-    return Kernel(name, n, 1, [Store(buffer(k, (n,), v.dtype), x, v) for k, v in values.items()])
-
-
-def outputs(kernel: Kernel) -> dict[str, torch.Tensor]:
-    """Uninitialized tensors for the buffers ``kernel`` stores to."""
-    return {s.buffer.name: torch.empty(s.buffer.shape, dtype=s.buffer.dtype) for s in kernel.stores}
-
-
-def run(
-    kernel: Kernel,
-    tensors: dict[str, torch.Tensor],
-    seed: int | None = None,
-    blocks: Blocks | None = None,
-) -> TritonSource:
-    """Generate ``kernel`` for the interpreter and run it on tensors named like its buffers."""
-    source = generate_triton(kernel, interpret=True, blocks=blocks)
-    launch = triton_build.build_triton(source)
-    arguments = [tensors[b.name] for b in kernel_arguments(kernel)]
-    launch(*arguments, seed=seed)
-    return source
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    if not actual.dtype.is_floating_point:
-        assert torch.equal(actual, expected), (actual, expected)
-        return
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,12 +84,6 @@ def _draw(op: Op, dtype: torch.dtype, attrs: Any) -> list[torch.Tensor]:
         sample = next((s for s in samples if s.attrs == attrs), samples[0])
         draws.append([t.reshape(-1) for t in sample.inputs])
     return [torch.cat(parts) for parts in zip(*draws, strict=True)]
-
-
-def _scalar(op: Op, dtype: torch.dtype) -> bool | int | float:
-    if dtype == BOOL:
-        return True
-    return 1.5 if dtype.is_floating_point else (2 if op in {Op.SHIFT_LEFT, Op.SHIFT_RIGHT} else 3)
 
 
 def _tolerance(op: Op, dtype: torch.dtype) -> tuple[float, float]:
@@ -313,20 +248,6 @@ def test_converts_round_like_eager() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # shapes, layouts, masks, gathers
-
-
-def _gelu_kernel(n: int, dtype: torch.dtype) -> Kernel:
-    """out = gelu(a + b) * 2 + y."""
-    x = var("x", n)
-    a, b, y = (buffer(name, (n,), dtype) for name in ("a", "b", "y"))
-    v = apply(Op.ADD, load(a, x), load(b, x))
-    inner = apply(Op.ERF, apply(Op.MUL, v, const(0.7071067811865476, dtype)))
-    gelu = apply(
-        Op.MUL, apply(Op.MUL, v, const(0.5, dtype)), apply(Op.ADD, inner, const(1.0, dtype))
-    )
-    value = apply(Op.ADD, apply(Op.MUL, gelu, const(2.0, dtype)), load(y, x))
-    fused = ["add  model.py:3", "gelu  model.py:4", "mul  model.py:4", "add  model.py:5"]
-    return Kernel(f"gelu_{n}", n, 1, [Store(buffer("out", (n,), dtype), x, value)], fused)
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 1000])
@@ -549,28 +470,6 @@ def test_full_reduction_to_a_scalar_and_zero_rows() -> None:
     run(_reduce_kernel(ReduceKind.SUM, (0, 4), F32, F32), tensors)
 
 
-def _softmax_kernel(rows: int, cols: int, dtype: torch.dtype) -> Kernel:
-    x, r = var("x", rows), var("r", cols)
-    v = load(buffer("a", (rows, cols), dtype), x * cols + r)
-    shifted = apply(Op.SUB, v, Reduce(dtype, ReduceKind.MAX, v))
-    e = apply(Op.EXP, shifted)
-    value = apply(Op.DIV, e, Reduce(dtype, ReduceKind.SUM, e))
-    fused = [
-        "amax  model.py:7",
-        "sub  model.py:7",
-        "exp  model.py:7",
-        "sum  model.py:7",
-        "div  model.py:7",
-    ]
-    return Kernel(
-        "softmax_0",
-        rows,
-        cols,
-        [Store(buffer("out", (rows, cols), dtype), x * cols + r, value)],
-        fused,
-    )
-
-
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_softmax_nests_reductions(form: str, dtype: torch.dtype) -> None:
@@ -586,28 +485,6 @@ def test_softmax_nests_reductions(form: str, dtype: torch.dtype) -> None:
         assert source.source.count("tl.load(") == 1 and source.source.count("tl.exp(") == 1
     else:
         assert source.source.count("for roffset in range(0, rnumel, RBLOCK):") == 3
-
-
-def _layer_norm_kernel(rows: int, cols: int, dtype: torch.dtype) -> Kernel:
-    """mean and rstd stored per row; y = (x - mean) * rstd * w + b stored per element."""
-    x, r = var("x", rows), var("r", cols)
-    v = load(buffer("a", (rows, cols), dtype), x * cols + r)
-    mean = apply(
-        Op.DIV, Reduce(F32, ReduceKind.SUM, apply(Op.CONVERT, v, dtype=F32)), const(float(cols))
-    )
-    centered = apply(Op.SUB, apply(Op.CONVERT, v, dtype=F32), mean)
-    variance = apply(
-        Op.DIV, Reduce(F32, ReduceKind.SUM, apply(Op.MUL, centered, centered)), const(float(cols))
-    )
-    rstd = apply(Op.RSQRT, apply(Op.ADD, variance, const(1e-5)))
-    w, b = load(buffer("w", (cols,), F32), r), load(buffer("b", (cols,), F32), r)
-    y = apply(Op.ADD, apply(Op.MUL, apply(Op.MUL, centered, rstd), w), b)
-    stores = [
-        Store(buffer("y", (rows, cols), dtype), x * cols + r, apply(Op.CONVERT, y, dtype=dtype)),
-        Store(buffer("mean", (rows,), F32), x, mean),
-        Store(buffer("rstd", (rows,), F32), x, rstd),
-    ]
-    return Kernel("layer_norm_0", rows, cols, stores, ["layer_norm  model.py:9"])
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -711,342 +588,3 @@ def test_rand_follows_the_philox_contract_and_randn_is_normal() -> None:
     assert torch.equal(again["u"], tensors["u"]) and torch.equal(again["z"], tensors["z"])
     run(kernel, again, seed=seed + 1)
     assert not torch.equal(again["u"], tensors["u"])
-
-
-# ---------------------------------------------------------------------------------------------
-# source text, heuristics and the runtime
-
-
-def test_source_is_readable_and_names_what_it_fuses() -> None:
-    source = generate_triton(_gelu_kernel(4096, BF16), interpret=False)
-    text = source.source
-    assert "def gelu_4096(out_ptr, y_ptr, b_ptr, a_ptr, XBLOCK: tl.constexpr):" in text
-    assert "# fused:\n#   add  model.py:3\n#   gelu  model.py:4" in text
-    assert "xmask" not in text  # 4096 % 1024 == 0: no predication
-    assert ".to(tl.float32)" in text and ".to(tl.bfloat16)" in text
-    assert source.arguments == ("out", "y", "b", "a") and source.grid == (4, 1, 1)
-    assert (source.constexprs, source.num_warps) == ({"XBLOCK": 1024}, 4)
-    compile(text, "gelu.py", "exec")  # valid Python
-
-
-def test_module_docstring_example_is_what_the_generator_prints() -> None:
-    import kiln.codegen.triton as module
-
-    doc = module.__doc__ or ""
-    example = doc[doc.index("    @triton.jit") : doc.index("with ``XBLOCK")].rstrip()
-    expected = "\n".join(line.removeprefix("    ") for line in example.splitlines())
-    source = generate_triton(_softmax_kernel(4096, 1000, BF16), interpret=False)
-    assert expected in source.source
-    assert (source.constexprs, source.num_warps) == ({"XBLOCK": 4, "RBLOCK": 1024}, 8)
-
-
-def test_libdevice_only_outside_the_interpreter() -> None:
-    n = 8
-    x = var("x", n)
-    a = load(buffer("a", (n,), F32), x)
-    kernel = pointwise("tanh_erfinv", x, {"t": apply(Op.TANH, a), "e": apply(Op.ERFINV, a)})
-    compiled = generate_triton(kernel, interpret=False).source
-    interpreted = generate_triton(kernel, interpret=True).source
-    assert "from triton.language.extra import libdevice" in compiled
-    assert "libdevice.tanh(" in compiled and "libdevice.erfinv(" in compiled
-    assert "libdevice" not in interpreted and "_kiln_tanh(" in interpreted
-
-
-def test_block_heuristics() -> None:
-    softmax = choose_blocks(_softmax_kernel(16384, 4096, BF16), interpret=False)
-    assert softmax == Blocks(Form.PERSISTENT, 1, 4096, 8)
-    small_rows = choose_blocks(_softmax_kernel(4096, 100, F32), interpret=False)
-    assert (small_rows.form, small_rows.rblock, small_rows.xblock) == (Form.PERSISTENT, 128, 32)
-    long_rows = choose_blocks(_softmax_kernel(64, 50000, F32), interpret=False)
-    assert long_rows.form is Form.LOOPED and long_rows.xblock == 1
-    pointwise = choose_blocks(_gelu_kernel(10**6, F32), interpret=False)
-    assert pointwise == Blocks(Form.POINTWISE, 1024, 1, 4)
-    assert choose_blocks(_gelu_kernel(5, F32), interpret=False) == Blocks(Form.POINTWISE, 8, 1, 1)
-
-
-def test_64_bit_indexing_when_offsets_reach_2_to_the_31() -> None:
-    big = _gelu_kernel(2**31 + 8, F32)
-    assert "tl.program_id(0).to(tl.int64)" in generate_triton(big, interpret=False).source
-    assert "to(tl.int64)" not in generate_triton(_gelu_kernel(2**20, F32), interpret=False).source
-    rows = _softmax_kernel(70000, 40000, F32)
-    text = generate_triton(rows, interpret=False).source
-    assert "tl.program_id(0).to(tl.int64)" in text and "[None, :].to(tl.int64)" in text
-
-
-def test_unsupported_dtypes_are_reported() -> None:
-    n = 4
-    x = var("x", n)
-    kernel = Kernel(
-        "complex",
-        n,
-        1,
-        [Store(buffer("o", (n,), torch.complex64), x, load(buffer("a", (n,), torch.complex64), x))],
-    )
-    with pytest.raises(UnsupportedKernel, match="complex64"):
-        generate_triton(kernel, interpret=True)
-
-
-def test_modules_are_cached_by_source_hash_and_dumped(tmp_path: Path) -> None:
-    source = generate_triton(_gelu_kernel(16, F32), interpret=True)
-    previous = config.debug_dir
-    config.debug_dir = str(tmp_path)
-    try:
-        triton_build.build_triton(source)
-    finally:
-        config.debug_dir = previous
-    path = triton_build.module_path(source)
-    assert path.read_text() == source.source and path.stem == triton_build.source_digest(source)
-    assert (tmp_path / "triton" / "gelu_16_interpret.py").read_text() == source.source
-
-
-def test_a_broken_kernel_names_its_source_file() -> None:
-    good = generate_triton(_gelu_kernel(16, F32), interpret=True)
-    broken = dataclasses.replace(
-        good, source=good.source.replace("tl.erf(", "tl.no_such_function(")
-    )
-    launch = triton_build.build_triton(broken)
-    tensors = [torch.zeros(16) for _ in range(4)]
-    with pytest.raises(BackendError, match=str(triton_build.module_path(broken))):
-        launch(*tensors)
-    with pytest.raises(TypeError, match="takes 4 tensors"):
-        launch(*tensors[:3])
-
-
-def test_availability_precompile_and_interpret_mode_restore_state() -> None:
-    assert triton_build.triton_available("cpu", interpret=True) is None
-    reason = triton_build.triton_available("cpu")
-    assert reason is not None and "CUDA" in reason
-    triton_build.precompile([generate_triton(_gelu_kernel(16, F32), interpret=True)], [CPU])
-    import triton.language as tl
-
-    before = (os.environ.get("TRITON_INTERPRET"), tl.sum, tl.rand)
-    with triton_build.interpret_mode(), triton_build.interpret_mode():
-        assert os.environ["TRITON_INTERPRET"] == "1" and tl.sum is not before[1]
-    assert (os.environ.get("TRITON_INTERPRET"), tl.sum, tl.rand) == before
-
-
-def test_precompile_workers_report_failures_without_raising() -> None:
-    """The worker processes import kiln, read their jobs and report each failure (here: no
-    CUDA) as one line; the first launch would then compile and raise."""
-    source = generate_triton(_gelu_kernel(16, F32), interpret=False)
-    jobs = [triton_build._job(source, 0) for _ in range(2)]
-    errors = triton_build._compile_in_workers(jobs)
-    assert len(errors) == 2 and all(str(triton_build.module_path(source)) in e for e in errors)
-
-
-class _FakeCompiled:
-    """A compiled kernel: ``[grid]`` gives the low-level runner, which records fast launches."""
-
-    def __init__(self, log: list[tuple[Any, ...]]) -> None:
-        self.log = log
-        self.fail = False
-
-    def __getitem__(self, grid: Any) -> Any:
-        def runner(*args: Any) -> None:
-            if self.fail:
-                raise TypeError("the launcher's signature changed")
-            self.log.append(("fast", grid, args))
-
-        return runner
-
-
-class _FakeJit:
-    """A JITFunction: ``fn[grid](*args, **options)`` records the launch, returns the kernel."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[Any, ...]] = []
-        self.compiled = _FakeCompiled(self.log)
-
-    def __getitem__(self, grid: Any) -> Any:
-        def launch(*args: Any, **options: Any) -> _FakeCompiled:
-            self.log.append(("slow", grid, args, options))
-            return self.compiled
-
-        return launch
-
-
-def test_compiled_launches_take_the_fast_path_while_the_specialization_holds(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The first launch goes through ``kernel[grid]`` (constexprs and options by keyword);
-    later ones call the compiled kernel's runner with the bound arguments (tensors, seed,
-    constexprs) until the alignment changes or the runner fails."""
-    aligned = lambda tensors, extra: (tuple(t.data_ptr() % 16 for t in tensors), len(extra))
-    monkeypatch.setattr(triton_build, "_specialization", aligned)
-    monkeypatch.setattr(triton_build, "_fast_launch_supported", lambda: True)
-    source = generate_triton(_rand_kernel(), interpret=False)
-    fake = _FakeJit()
-    launch = triton_build.TritonLauncher(source, Path("dropout.py"), fake)
-    tensors = [torch.empty(4096, dtype=d) for d in source.argument_dtypes]
-    launch(*tensors, seed=7)
-    launch(*tensors, 7)  # the wrapper passes the seed positionally
-    options = {"XBLOCK": 1024, "enable_fp_fusion": True, "num_warps": 4}
-    assert fake.log == [
-        ("slow", (4, 1, 1), (*tensors, 7), options),
-        ("fast", (4, 1, 1), (*tensors, 7, 1024)),
-    ]
-    launch(tensors[0][1:], *tensors[1:], seed=7)  # misaligned: another specialization
-    assert [entry[0] for entry in fake.log] == ["slow", "fast", "slow"]
-    fake.compiled.fail = True
-    launch(*tensors, seed=8)
-    assert [entry[0] for entry in fake.log] == [
-        "slow",
-        "fast",
-        "slow",
-        "slow",
-    ] and not launch.fast_ok
-
-
-def test_load_triton_kernels_gives_the_backend_interface() -> None:
-    kernels = [_gelu_kernel(10, F32), _softmax_kernel(3, 4, F32)]
-    launchers = triton_build.load_triton_kernels(kernels, CPU, interpret=True)
-    assert set(launchers) == {"gelu_10", "softmax_0"}
-    data = torch.randn(3, 4)
-    out = torch.empty(3, 4)
-    launchers["softmax_0"](out, data)
-    assert_close(out, torch.softmax(data, 1), 1e-5, 1e-6)
-
-
-# ---------------------------------------------------------------------------------------------
-# GPU sources compile (to sm_90 PTX and cubin, with Triton's bundled ptxas; no GPU needed)
-
-POINTER_TYPES = {
-    F32: "*fp32", F64: "*fp64", F16: "*fp16", BF16: "*bf16", I8: "*i8", U8: "*u8",
-    I32: "*i32", I64: "*i64", BOOL: "*i1",
-}  # fmt: skip
-
-
-def compile_for_gpu(source: TritonSource) -> Any:
-    """``source`` compiled as the first launch would on an H100 (16-byte aligned pointers)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler import compile as triton_compile
-
-    function = getattr(triton_build._import(triton_build.write_module(source), False), source.name)
-    names = function.arg_names
-    pointers = names[: len(source.arguments)]
-    signature = {n: POINTER_TYPES[d] for n, d in zip(pointers, source.argument_dtypes, strict=True)}
-    if source.has_seed:
-        signature["seed"] = "i64"
-    signature.update({name: "constexpr" for name in source.constexprs})
-    constexprs = {(names.index(k),): v for k, v in source.constexprs.items()}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(source.arguments))}
-    ast = ASTSource(function, signature, constexprs=constexprs, attrs=attrs)
-    options = {**triton_build.OPTIONS, "num_warps": source.num_warps}
-    return triton_compile(ast, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-@pytest.fixture(scope="module")
-def gpu_compiler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    previous = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    try:
-        compile_for_gpu(generate_triton(_gelu_kernel(16, F32), interpret=False))
-    except Exception as error:  # no nvidia backend or ptxas here
-        pytest.skip(f"cannot compile for sm_90 here: {type(error).__name__}: {error}")
-    yield
-    if previous is None:
-        os.environ.pop("TRITON_CACHE_DIR", None)
-    else:
-        os.environ["TRITON_CACHE_DIR"] = previous
-
-
-def _every_op_kernel(dtype: torch.dtype) -> Kernel:
-    """One pointwise kernel applying every elementwise op that takes ``dtype`` (libdevice
-    spellings included), plus conversions to every dtype."""
-    n = 128  # one element per thread keeps the compile short
-    x = var("x", n)
-    a, b = load(buffer("a", (n,), dtype), x), load(buffer("b", (n,), dtype), x)
-    flag = load(buffer("flag", (n,), BOOL), x)
-    stores = []
-    for row in ELEMENTWISE:
-        if dtype not in row.dtypes and not (dtype == F64 and F32 in row.dtypes):
-            continue
-        if row.op is Op.CONVERT:
-            values = [
-                apply(Op.CONVERT, a, dtype=t) for t in (F32, F64, F16, BF16, I8, U8, I32, I64, BOOL)
-            ]
-        elif row.op is Op.WHERE:
-            values = [
-                apply(Op.WHERE, flag, a, b),
-                apply(Op.WHERE, flag, const(True if dtype == BOOL else 2, dtype), b),
-            ]
-        else:
-            arity = 1 if Tag.UNARY in row.tags else 2
-            out = row.impl(None, *[torch.ones(1, dtype=dtype)] * arity).dtype
-            operands = (a,) if Tag.UNARY in row.tags else (a, b)
-            values = [apply(row.op, *operands, dtype=out)]
-            if Tag.BINARY in row.tags:
-                values.append(apply(row.op, a, const(_scalar(row.op, dtype), dtype), dtype=out))
-        for value in values:
-            stores.append(Store(buffer(f"o{len(stores)}", (n,), value.dtype), x, value))
-    return Kernel(f"every_op_{str(dtype)[6:]}", n, 1, stores)
-
-
-def _every_reduction_kernel(dtype: torch.dtype) -> Kernel:
-    rows, cols = 33, 300
-    x, r = var("x", rows), var("r", cols)
-    v = load(buffer("a", (rows, cols), dtype), x * cols + r)
-    stores = []
-    for kind in ReduceKind:
-        out = I64 if kind in (ReduceKind.ARGMAX, ReduceKind.ARGMIN) else dtype
-        stores.append(Store(buffer(f"o{len(stores)}", (rows,), out), x, Reduce(out, kind, v)))
-    return Kernel(f"every_reduction_{str(dtype)[6:]}", rows, cols, stores)
-
-
-def _rand_kernel() -> Kernel:
-    n = 4096
-    x = var("x", n)
-    seed = buffer("seed", (), I64)
-    keep = apply(Op.LT, Rand(F32, seed, x), const(0.9), dtype=BOOL)
-    value = apply(
-        Op.WHERE,
-        keep,
-        apply(Op.MUL, load(buffer("a", (n,), BF16), x), const(1 / 0.9, BF16)),
-        const(0.0, BF16),
-    )
-    stores = [
-        Store(buffer("o", (n,), BF16), x, value),
-        Store(buffer("z", (n,), F32), x, Rand(F32, seed, x, normal=True)),
-    ]
-    return Kernel("dropout", n, 1, stores)
-
-
-GPU_KERNELS = {
-    **{
-        f"every_op_{str(d)[6:]}": (lambda d=d: _every_op_kernel(d))
-        for d in (F32, BF16, F16, F64, I32, I64, BOOL)
-    },
-    **{
-        f"every_reduction_{str(d)[6:]}": (lambda d=d: _every_reduction_kernel(d))
-        for d in (F32, BF16, I32)
-    },
-    "layer_norm": lambda: _layer_norm_kernel(4096, 4096, BF16),
-    "softmax_long_rows": lambda: _softmax_kernel(64, 50000, BF16),
-    "dropout": _rand_kernel,
-    "int64_indices": lambda: _gelu_kernel(2**31 + 8, BF16),
-}
-
-
-@pytest.mark.parametrize("name", GPU_KERNELS)
-def test_gpu_sources_compile(name: str, gpu_compiler: None) -> None:
-    kernel = GPU_KERNELS[name]()
-    source = generate_triton(kernel, interpret=False)
-    assert "cubin" in compile_for_gpu(source).asm
-    if name.startswith("every_reduction"):
-        looped = dataclasses.replace(
-            choose_blocks(kernel, False), form=Form.LOOPED, xblock=2, rblock=64
-        )
-        assert (
-            "cubin" in compile_for_gpu(generate_triton(kernel, interpret=False, blocks=looped)).asm
-        )
-
-
-def test_persistent_softmax_reads_once_and_exps_once_per_element(gpu_compiler: None) -> None:
-    """bf16 [16384, 4096]: one row per program, 8 warps, 16 elements per thread: the PTX has
-    two 16-byte loads, 16 ex2 (one exp per element) and two 16-byte stores per thread."""
-    source = generate_triton(_softmax_kernel(16384, 4096, BF16), interpret=False)
-    assert (source.constexprs, source.num_warps) == ({"XBLOCK": 1, "RBLOCK": 4096}, 8)
-    ptx = compile_for_gpu(source).asm["ptx"]
-    assert ptx.count("ex2.approx") == 16
-    assert ptx.count("ld.global.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 2
