@@ -84,7 +84,11 @@ def explain_script(script: str, script_args: list[str], verbose: bool = False) -
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(path.resolve().parent))  # as `python script.py` would
+    from kiln.backends.kiln import RECORDERS
+
     status = 0
+    records: list[Any] = []
+    RECORDERS.append(records)
     with recording(fresh=False) as log:
         try:
             runpy.run_path(str(path), run_name="__main__")
@@ -95,8 +99,9 @@ def explain_script(script: str, script_args: list[str], verbose: bool = False) -
             status = 1
         finally:
             sys.argv, sys.path[:] = saved_argv, saved_path
+            RECORDERS.remove(records)
     recompiles = kiln.counters.recompiles[recompiles_before:]
-    print(format_explanation(script, log, recompiles, verbose), file=sys.stderr)
+    print(format_explanation(script, log, recompiles, verbose, records), file=sys.stderr)
     return status
 
 
@@ -110,7 +115,11 @@ def _exit_status(code: Any) -> int:
 
 
 def format_explanation(
-    script: str, log: list[tuple[str, Any]], recompiles: list[tuple[str, str]], verbose: bool
+    script: str,
+    log: list[tuple[str, Any]],
+    recompiles: list[tuple[str, str]],
+    verbose: bool,
+    records: list[Any] | None = None,
 ) -> str:
     """One section per compiled function, in the order they first compiled: its graphs, graph
     breaks (with source lines), frames run uncompiled, externs, recompiles and kernels."""
@@ -133,8 +142,13 @@ def format_explanation(
             lines += [f"--- graph {i} ---\n{graph}" for i, graph in enumerate(report.graphs)]
         lines.append(f"recompiles ({len(reasons[name])}):")
         lines += [f"  guard failed: {reason}" for reason in reasons[name]]
-        # TODO(issue 5): list the generated kernels once the code generators exist.
-        lines.append("kernels: none yet (graphs run on the reference interpreter)")
+    records = records or []
+    lines.append(f"\nkernels ({len(records)} compiled program(s), forward and backward graphs):")
+    for record in records:
+        lines.append(
+            f"  {record.graph} [{record.codegen or 'interpreter'}, {record.seconds:.2f} s]"
+        )
+        lines += [f"    {line.split(': ', 1)[1]}" for line in record.kernel_lines()]
     return "\n".join(lines)
 
 

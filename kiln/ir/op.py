@@ -168,8 +168,10 @@ class OpDef:
     tags: frozenset[Tag] = frozenset()
     dtypes: frozenset[torch.dtype] = frozenset()  # dtypes the samples cover
     samples: SampleFn | None = None
-    vjp: Callable[..., Any] | None = None  # TODO(issue 4): reverse-mode rules in prims
-    lowering: Callable[..., Any] | None = None  # TODO(issue 5): loop-level lowering
+    vjp: Callable[..., Any] | None = None  # reverse-mode rule in prims (kiln/autodiff applies it)
+    # How an op lowers to loops lives in kiln/schedule/lowering.py (one rule per op), which
+    # needs the loop-level IR: a later stage the IR may not import.
+    lowering: Callable[..., Any] | None = None
     doc: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 

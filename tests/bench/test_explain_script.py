@@ -1,4 +1,5 @@
-"""``kiln explain SCRIPT.py [args]``: runs the script, then reports graphs, breaks, recompiles."""
+"""``kiln explain SCRIPT.py [args]``: runs the script, then reports graphs, breaks, recompiles,
+kernels."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_explain_reports_graphs_breaks_and_recompiles(
     assert "  graph 0: step, 3 nodes" in err  # relu (le, where), then mul
     assert f'IO in step at {script}:9: print("halfway")' in err
     assert "recompiles (1):" in err
-    assert "kernels: none yet" in err
+    assert "compiled program(s), forward and backward graphs):" in err
+    assert "k0_sum (x<1, r<5): sum  [train_step.py:10]" in err  # each kernel with its user line
 
 
 def test_explain_script_errors_and_exit_codes(
