@@ -50,6 +50,7 @@ from kiln.ops.attrs import (
     SortAttrs,
     TopkAttrs,
 )
+from kiln.ops.extern_shapes import with_formula
 from kiln.ops.sampling import FLOATS, make_tensor
 
 INT64 = frozenset({torch.int64})
@@ -182,7 +183,7 @@ def extern(
     return register(
         OpDef(
             op,
-            meta=meta_by_running(op, impl, fake=fake),
+            meta=with_formula(op, meta_by_running(op, impl, fake=fake)),
             impl=impl,
             attrs=attrs,
             tags=frozenset({Tag.EXTERN}),

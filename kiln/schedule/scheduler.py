@@ -46,6 +46,8 @@ from kiln.schedule.lowering import (
 from kiln.schedule.program import ExternCall, Program, Step, View
 from kiln.schedule.views import VIEW_OPS, is_dense, view_of
 
+# Externs whose results PyTorch allocates contiguous (convolutions: unless channels-last, above).
+CONTIGUOUS_RESULTS = frozenset({Op.MM, Op.BMM, Op.ADDMM, Op.BADDBMM, Op.CONVOLUTION, Op.SDPA})
 RECOMPUTE_LIMIT = 6  # a value several consumers read is stored once it costs more ops than this
 MAX_MEMBERS = 16  # values one kernel may compute and store
 SEARCH_DEPTH = 6  # how many recent kernels a value tries to join
@@ -451,6 +453,10 @@ def _extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]
         shape = shape_of(node.output)
         if len(shape) == 4:
             return [strides_in_order(shape, (0, 2, 1, 3)), *_meta_strides(node, operands)[1:]]
+    if node.op in CONTIGUOUS_RESULTS:
+        # Known answers save the meta run (its first call imports PyTorch's meta registrations,
+        # about a second); a wrong guess costs one copy and is learned (see the docstring).
+        return [ix.contiguous_strides(shape_of(v)) for v in node.outputs]
     return _meta_strides(node, operands)
 
 
