@@ -18,8 +18,6 @@ matmuls of at least 256 along the padded size are touched.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from kiln.ir.builder import GraphBuilder
@@ -27,6 +25,7 @@ from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.op import Op
 from kiln.ir.types import concrete_shape
 from kiln.ops import prims
+from kiln.passes.rewriting import rewrite_nodes, take_over
 
 ALIGNMENT = 8
 MIN_SIZE = 256
@@ -66,7 +65,8 @@ def _pad_last(value: Value, amount: int, dim: int) -> Value:
     return prims.call(Op.PAD, value, low=(0,) * rank, high=high, value=0)
 
 
-def _emit(node: Node, pad_k: int, pad_n: int, builder: GraphBuilder) -> None:
+def _emit(node: Node, builder: GraphBuilder) -> None:
+    pad_k, pad_n = _padding(node) or (0, 0)
     a, b = node.inputs[-2], node.inputs[-1]
     assert isinstance(a, Value) and isinstance(b, Value)
     n = concrete_shape(b.type.shape)[1]
@@ -85,26 +85,10 @@ def _emit(node: Node, pad_k: int, pad_n: int, builder: GraphBuilder) -> None:
             result = prims.addmm(bias, a, b, beta=node.attrs.beta, alpha=node.attrs.alpha)
         if pad_n:
             result = prims.call(Op.SLICE, result, dim=1, start=0, stop=n, step=1)
-    output = node.output
-    final = result.node
-    assert final is not None
-    final.outputs = (output,)
-    output.node = final
+    take_over(node.output, result)
 
 
 def pad_matmul(graph: Graph) -> Graph:
     """``graph`` with misaligned 16-bit GPU matmuls padded to multiples of 8."""
-    plans = {node: _padding(node) for node in graph.nodes}
-    if not any(plans.values()):
-        return graph
-    result = copy.copy(graph)
-    result.nodes = []
-    builder = GraphBuilder(result)
-    with builder:
-        for node in graph.nodes:
-            plan = plans[node]
-            if plan is None:
-                result.nodes.append(node)
-            else:
-                _emit(node, *plan, builder)
-    return result
+    chosen = {node for node in graph.nodes if _padding(node) is not None}
+    return rewrite_nodes(graph, chosen, _emit)

@@ -16,8 +16,6 @@ rounded once. Max and min split the same way; arg-reductions and products are le
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from kiln.ir.builder import GraphBuilder
@@ -25,6 +23,7 @@ from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.op import Op
 from kiln.ir.types import concrete_shape
 from kiln.ops import prims
+from kiln.passes.rewriting import rewrite_nodes, take_over
 
 SPLIT_OPS = (Op.SUM, Op.AMAX, Op.AMIN)
 MAX_ROWS = 4096  # split only reductions with fewer output elements than this
@@ -58,9 +57,10 @@ def _plan(node: Node) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return tuple(trailing), leading
 
 
-def _emit(
-    node: Node, trailing: tuple[int, ...], leading: tuple[int, ...], builder: GraphBuilder
-) -> None:
+def _emit(node: Node, builder: GraphBuilder) -> None:
+    plan = _plan(node)
+    assert plan is not None
+    trailing, leading = plan
     source = node.inputs[0]
     assert isinstance(source, Value)
     dtype = source.type.dtype
@@ -72,26 +72,10 @@ def _emit(
         result = prims.call(node.op, partial, dims=leading)
         if widen:
             result = prims.convert(result, dtype=dtype)
-    output = node.output
-    final = result.node
-    assert final is not None
-    final.outputs = (output,)
-    output.node = final
+    take_over(node.output, result)
 
 
 def split_reductions(graph: Graph) -> Graph:
     """``graph`` with reductions over leading and trailing dims split in two."""
-    plans = {node: _plan(node) for node in graph.nodes}
-    if not any(plans.values()):
-        return graph
-    result = copy.copy(graph)
-    result.nodes = []
-    builder = GraphBuilder(result)
-    with builder:
-        for node in graph.nodes:
-            plan = plans[node]
-            if plan is None:
-                result.nodes.append(node)
-            else:
-                _emit(node, *plan, builder)
-    return result
+    chosen = {node for node in graph.nodes if _plan(node) is not None}
+    return rewrite_nodes(graph, chosen, _emit)
