@@ -70,6 +70,12 @@ from kiln.schedule.program import kernel_arguments
 
 PARALLEL_MIN_WORK = 32768  # elements (x * r) below which a kernel runs on one thread
 COLUMN_BLOCK = 256  # rows reduced side by side when a reduction reads along columns
+# A row-shaped transcendental two ``r`` loops need (softmax's exp) is kept in a per-row array
+# by the first loop and read by the later ones, for rows up to this long (array on the stack).
+ROW_CACHE_LIMIT = 16384
+TRANSCENDENTAL = frozenset(
+    {Op.EXP, Op.EXP2, Op.EXPM1, Op.LOG, Op.LOG1P, Op.LOG2, Op.TANH, Op.ERF, Op.SIGMOID, Op.POW}
+)
 INT32_LIMIT = 2**31 - 1
 
 
@@ -237,6 +243,9 @@ class _KernelPrinter:
         self.work = kernel.xnumel * max(kernel.rnumel, 1)
         self.parallel = threads > 1 and self.work >= PARALLEL_MIN_WORK
         self.accumulators: dict[int, _Accumulator] = {}
+        self.row_cache: dict[int, str] = {}  # expression id -> the per-row array keeping it
+        self.cached: set[int] = set()  # cached expressions an earlier r loop already stored
+        self.caching: set[int] = set()  # those the current r loop stores
 
     # -- names and the signature ----------------------------------------------------------
 
@@ -344,6 +353,11 @@ class _KernelPrinter:
                 continue
             if isinstance(expr, Reduce):
                 raise AssertionError(f"{self.kernel.name}: a reduction used before its loop")
+            array = self.row_cache.get(id(expr)) if target is block and row is not None else None
+            if array is not None and id(expr) in self.cached:  # computed by an earlier loop
+                target.add(f"const {compute_type(expr.dtype)} {self.name(expr)} = {array}[r];")
+                target.defined.add(id(expr))
+                continue
             if not expanded:
                 stack.append((expr, True))
                 stack += [(child, False) for child in reversed(children(expr))]
@@ -351,6 +365,9 @@ class _KernelPrinter:
             ctype = compute_type(expr.dtype)
             target.add(f"const {ctype} {self.name(expr)} = {self.render(expr)};")
             target.defined.add(id(expr))
+            if array is not None:
+                target.add(f"{array}[r] = {self.name(expr)};")
+                self.caching.add(id(expr))
 
     def store_phase(self, store: Store) -> int:
         return max(self.phase[id(expr)] for expr in _store_needs(store))
@@ -416,6 +433,8 @@ class _KernelPrinter:
             body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
         body.add(f"for ({t} x = 0; x < {kernel.xnumel}; ++x) {{")
         row = body.child()
+        if not split_rows:
+            self.plan_row_cache(reduces, r_stores, phases, row)
         row_stores = [s for s in kernel.stores if not self.per_position(s)]
         self.row_stores(row_stores, 0, row)
         for loop in range(1, phases + 2):
@@ -426,6 +445,35 @@ class _KernelPrinter:
             self.row_stores(row_stores, loop, row)
         body.lines += row.lines
         body.add("}")
+
+    def plan_row_cache(
+        self, reduces: list[Reduce], r_stores: list[Store], phases: int, row: _Block
+    ) -> None:
+        """Per-row arrays for row-shaped transcendentals that more than one ``r`` loop needs:
+        softmax's ``exp(x - max)`` is computed once per element, not once per loop."""
+        if self.kernel.rnumel > ROW_CACHE_LIMIT:
+            return
+        loops_of: dict[int, set[int]] = {}
+        for loop in range(1, phases + 2):
+            roots = [r.value for r in reduces if self.phase[id(r)] == loop]
+            roots += [
+                e for s in r_stores if self.store_phase(s) + 1 == loop for e in _store_needs(s)
+            ]
+            for expr in _walk_row(roots):
+                if (
+                    isinstance(expr, Apply)
+                    and expr.op in TRANSCENDENTAL
+                    and self.r_dependent[id(expr)]
+                ):
+                    loops_of.setdefault(id(expr), set()).add(loop)
+        shared = [key for key, loops in loops_of.items() if len(loops) > 1]
+        for number, key in enumerate(shared):
+            self.row_cache[key] = f"row{number}"
+        for expr in walk(self.roots):
+            if id(expr) in self.row_cache:
+                row.add(
+                    f"{compute_type(expr.dtype)} {self.row_cache[id(expr)]}[{self.kernel.rnumel}];"
+                )
 
     def reads_columns(self, reduces: list[Reduce], r_stores: list[Store]) -> bool:
         """Whether the reduced values read memory along columns: some load is contiguous in
@@ -535,10 +583,27 @@ class _KernelPrinter:
         row.add(f"for ({self.index_type} r = 0; r < {self.kernel.rnumel}; ++r) {{")
         row.lines += loop.lines
         row.add("}")
+        self.cached |= self.caching
+        self.caching = set()
         for acc in accumulators:
             ctype = compute_type(acc.reduce.dtype)
             row.add(f"const {ctype} {self.name(acc.reduce)} = {acc.result()};")
             row.defined.add(id(acc.reduce))
+
+
+def _walk_row(roots: list[Expr]) -> list[Expr]:
+    """The expressions ``roots`` compute in one ``r`` loop: not inside reductions (an earlier
+    loop's results, read per row)."""
+    seen: dict[int, Expr] = {}
+    stack = list(roots)
+    while stack:
+        expr = stack.pop()
+        if id(expr) in seen:
+            continue
+        seen[id(expr)] = expr
+        if not isinstance(expr, Reduce):
+            stack += list(children(expr))
+    return list(seen.values())
 
 
 def _store_needs(store: Store) -> list[Expr]:
