@@ -28,7 +28,6 @@ the output, while ``sdpa`` adds its mask and would spread it.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from kiln.ir.graph import Graph, InputKind, Node, Value
 from kiln.ir.op import Op, op_def
 from kiln.ops import prims
 from kiln.ops.attrs import BroadcastAttrs, ReduceAttrs, SdpaAttrs, UnsqueezeAttrs
+from kiln.passes.rewriting import rewrite_nodes
 
 _DTYPES = (torch.float32, torch.float64)
 _VIEWS = (Op.RESHAPE, Op.PERMUTE, Op.BROADCAST, Op.EXPAND, Op.UNSQUEEZE, Op.SQUEEZE, Op.SLICE)
@@ -386,13 +386,9 @@ def fuse_attention(graph: Graph) -> Graph:
     for node in sorted(views, key=order.__getitem__, reverse=True):
         if reader.read_only_by([node], removed) and operands.isdisjoint(node.outputs):
             removed.add(node)
-    result = copy.copy(graph)
-    result.nodes = []
-    builder = GraphBuilder(result)
-    with builder:
-        for node in graph.nodes:
-            if node in matches:
-                _emit(matches[node], builder)
-            elif node not in removed:
-                result.nodes.append(node)
-    return result
+
+    def emit(node: Node, builder: GraphBuilder) -> None:
+        if node in matches:  # other removed nodes emit nothing
+            _emit(matches[node], builder)
+
+    return rewrite_nodes(graph, removed | set(matches), emit)

@@ -27,7 +27,6 @@ BatchNorm (batch statistics) is left as it is.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, fields
 
 import torch
@@ -36,6 +35,7 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.op import Op
 from kiln.ops import prims
+from kiln.passes.rewriting import rewrite_nodes
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -156,13 +156,9 @@ def fold_conv_batchnorm(graph: Graph) -> Graph:
             readers = users[view.output]
             if view.output not in external and all(reader in removed for reader in readers):
                 removed.add(view)
-    result = copy.copy(graph)
-    result.nodes = []
-    builder = GraphBuilder(result)
-    with builder:
-        for node in graph.nodes:
-            if node in folds:
-                _emit(folds[node], builder)
-            elif node not in removed:
-                result.nodes.append(node)
-    return result
+
+    def emit(node: Node, builder: GraphBuilder) -> None:
+        if node in folds:  # other removed nodes emit nothing
+            _emit(folds[node], builder)
+
+    return rewrite_nodes(graph, removed | set(folds), emit)
