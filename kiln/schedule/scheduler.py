@@ -29,6 +29,7 @@ import torch
 from kiln.ir.graph import Graph, InputKind, Node, Origin, Value
 from kiln.ir.op import Op, op_def
 from kiln.ops.attrs import ConvertAttrs
+from kiln.ops.externs import sdpa_backward
 from kiln.schedule import index as ix
 from kiln.schedule.index import Index
 from kiln.schedule.loops import Buffer, BufferKind, Kernel, Load, R, Store, X, walk
@@ -447,12 +448,19 @@ def _extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]
             for o in laid_out
         ):
             return [channels_last_strides(shape_of(node.output))]
-    if node.op is Op.SDPA and node.output.type.device.type == "cuda":
-        # The flash, memory-efficient and cuDNN kernels write [B, S, H, D] and return its
-        # [B, H, S, D] transpose (meta answers contiguous).
-        shape = shape_of(node.output)
-        if len(shape) == 4:
-            return [strides_in_order(shape, (0, 2, 1, 3)), *_meta_strides(node, operands)[1:]]
+    if node.op is Op.SDPA and len(shape_of(node.output)) == 4:
+        # The flash kernels (CUDA's and the CPU one), memory-efficient and cuDNN kernels write
+        # [B, S, H, D] and return its [B, H, S, D] transpose (meta answers contiguous; the math
+        # fallback's contiguous result is learned at run time).
+        return [strides_in_order(shape_of(node.output), (0, 2, 1, 3))]
+    if node.op is Op.EXTERN and node.attrs.fn is sdpa_backward:
+        # Its gradients of q, k and v come back laid out as the flash kernels' outputs.
+        return [
+            strides_in_order(shape, (0, 2, 1, 3))
+            if len(shape) == 4
+            else ix.contiguous_strides(shape)
+            for shape in (shape_of(v) for v in node.outputs)
+        ]
     if node.op in CONTIGUOUS_RESULTS:
         # Known answers save the meta run (its first call imports PyTorch's meta registrations,
         # about a second); a wrong guess costs one copy and is learned (see the docstring).

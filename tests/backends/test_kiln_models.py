@@ -87,3 +87,22 @@ def test_training_step_matches_eager(codegen: str, name: str) -> None:
         scale = want.grad.abs().max().clamp(min=1e-6)
         error = (got.grad - want.grad).abs().max() / scale
         assert error < 1e-4, f"{name_}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("codegen", ["cpp"], indirect=True)
+def test_attention_layouts_are_predicted_so_nothing_rebuilds(codegen: str) -> None:
+    """SDPA and its backward return the flash kernels' [B, S, H, D] layout; the schedule
+    predicts it, so no extern result is copied and no graph is compiled a second time."""
+    from kiln.backends.kiln import RECORDERS
+
+    model, args = tiny_bert()
+    model.train()
+    records: list[Any] = []
+    RECORDERS.append(records)
+    try:
+        compiled = kiln.compile(model)
+        for _ in range(2):
+            _first(compiled(*args)).float().square().mean().backward()
+    finally:
+        RECORDERS.remove(records)
+    assert [r.graph.rsplit("_", 1)[-1] for r in records] == ["forward", "backward"]
