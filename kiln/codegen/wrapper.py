@@ -61,8 +61,6 @@ class Wrapper:
 
     def view(self, view: View) -> str:
         name = self.name(view.buffer)
-        if view.is_whole and view.buffer.kind is not BufferKind.INPUT:
-            return name
         if view.is_whole:
             return name
         offset = (
