@@ -459,7 +459,7 @@ class _KernelPrinter:
             roots += [
                 e for s in r_stores if self.store_phase(s) + 1 == loop for e in _store_needs(s)
             ]
-            for expr in _walk_row(roots):
+            for expr in walk(roots, into_reduces=False):
                 if (
                     isinstance(expr, Apply)
                     and expr.op in TRANSCENDENTAL
@@ -589,21 +589,6 @@ class _KernelPrinter:
             ctype = compute_type(acc.reduce.dtype)
             row.add(f"const {ctype} {self.name(acc.reduce)} = {acc.result()};")
             row.defined.add(id(acc.reduce))
-
-
-def _walk_row(roots: list[Expr]) -> list[Expr]:
-    """The expressions ``roots`` compute in one ``r`` loop: not inside reductions (an earlier
-    loop's results, read per row)."""
-    seen: dict[int, Expr] = {}
-    stack = list(roots)
-    while stack:
-        expr = stack.pop()
-        if id(expr) in seen:
-            continue
-        seen[id(expr)] = expr
-        if not isinstance(expr, Reduce):
-            stack += list(children(expr))
-    return list(seen.values())
 
 
 def _store_needs(store: Store) -> list[Expr]:

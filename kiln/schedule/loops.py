@@ -197,8 +197,10 @@ def children(expr: Expr) -> tuple[Expr, ...]:
     return ()
 
 
-def walk(roots: list[Expr]) -> Iterator[Expr]:
-    """Every expression reachable from ``roots``, each once, operands before users."""
+def walk(roots: list[Expr], into_reduces: bool = True) -> Iterator[Expr]:
+    """Every expression reachable from ``roots``, each once, operands before users.
+    ``into_reduces=False`` yields a :class:`Reduce` without its operand (what one ``r`` loop
+    computes when the reduction finished in an earlier loop)."""
     done: set[int] = set()
     for root in roots:
         stack: list[tuple[Expr, bool]] = [(root, False)]
@@ -206,7 +208,7 @@ def walk(roots: list[Expr]) -> Iterator[Expr]:
             expr, expanded = stack.pop()
             if id(expr) in done:
                 continue
-            if expanded:
+            if expanded or (isinstance(expr, Reduce) and not into_reduces):
                 done.add(id(expr))
                 yield expr
                 continue
