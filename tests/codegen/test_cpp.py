@@ -12,7 +12,7 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,51 +28,44 @@ from kiln.ir.op import Op, Tag, op_def, registered_ops
 from kiln.ops.attrs import ArgReduceAttrs, ConvertAttrs, ReduceAttrs
 from kiln.ops.sampling import make_tensor
 from kiln.runtime import cpp_build
-from kiln.schedule.index import Index, decompose, indirect, linear, var
+from kiln.schedule.index import decompose, indirect, linear, var
 from kiln.schedule.loops import (
-    Apply,
     Buffer,
     BufferKind,
-    Const,
-    Expr,
     IndexValue,
     Kernel,
-    Load,
     Rand,
     Reduce,
     ReduceKind,
     Store,
 )
 from kiln.schedule.program import kernel_arguments
+from tests.codegen.ir_builders import (  # noqa: F401  (the shared builders)
+    BF16,
+    BOOL,
+    CPU,
+    F16,
+    F32,
+    F64,
+    I8,
+    I32,
+    I64,
+    U8,
+    apply,
+    buffer,
+    const,
+    load,
+)
 
 pytestmark = pytest.mark.skipif(
     not cpp_build.cpp_compiler_available(), reason="no C++ compiler on PATH"
 )
 
-CPU = torch.device("cpu")
-F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
-I32, I64, BOOL = torch.int32, torch.int64, torch.bool
 THREADS = 2
 _CACHE: dict[str, Path] = {}
 
 # ---------------------------------------------------------------------------------------------
 # building kernels by hand
-
-
-def buffer(name: str, shape: Sequence[int], dtype: torch.dtype) -> Buffer:
-    return Buffer(name, tuple(shape), dtype, CPU, BufferKind.TEMP)
-
-
-def apply(op: Op, *args: Expr, dtype: torch.dtype | None = None) -> Apply:
-    return Apply(dtype or args[-1].dtype, op, tuple(args))
-
-
-def const(value: bool | int | float, dtype: torch.dtype = F32) -> Const:
-    return Const(dtype, value)
-
-
-def load(source: Buffer, offset: Index, mask: Expr | None = None, other: float = 0) -> Load:
-    return Load(source.dtype, source, offset, mask, other)
 
 
 @pytest.fixture(scope="session", autouse=True)

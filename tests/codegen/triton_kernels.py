@@ -4,8 +4,7 @@ through Triton's interpreter (shared by ``test_triton.py`` and ``test_triton_run
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,41 +19,32 @@ from kiln.config import config
 from kiln.ir.op import Op
 from kiln.schedule.index import Index, var
 from kiln.schedule.loops import (
-    Apply,
-    Buffer,
-    BufferKind,
-    Const,
     Expr,
     Kernel,
-    Load,
     Reduce,
     ReduceKind,
     Store,
 )
 from kiln.schedule.program import kernel_arguments
+from tests.codegen.ir_builders import (  # noqa: F401  (re-exported to the tests)
+    BF16,
+    BOOL,
+    CPU,
+    F16,
+    F32,
+    F64,
+    I8,
+    I32,
+    I64,
+    U8,
+    apply,
+    buffer,
+    const,
+    load,
+)
 
 triton = pytest.importorskip("triton")
 from kiln.runtime import triton_build  # noqa: E402  (needs triton)
-
-CPU = torch.device("cpu")
-F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
-I8, U8, I32, I64, BOOL = torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool
-
-
-def buffer(name: str, shape: Sequence[int], dtype: torch.dtype) -> Buffer:
-    return Buffer(name, tuple(shape), dtype, CPU, BufferKind.TEMP)
-
-
-def apply(op: Op, *args: Expr, dtype: torch.dtype | None = None) -> Apply:
-    return Apply(dtype or args[-1].dtype, op, tuple(args))
-
-
-def const(value: bool | int | float, dtype: torch.dtype = F32) -> Const:
-    return Const(dtype, value)
-
-
-def load(source: Buffer, offset: Index, mask: Expr | None = None, other: Any = 0) -> Load:
-    return Load(source.dtype, source, offset, mask, other)
 
 
 def pointwise(name: str, x: Index, values: dict[str, Expr]) -> Kernel:
