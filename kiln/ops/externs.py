@@ -411,19 +411,33 @@ def sdpa_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
+    wanted: tuple[bool, ...] = (True, True, True, True),
     **options: Any,
 ) -> tuple[torch.Tensor, ...]:
-    """The gradients of q, k, v and a floating mask, by re-running the forward under autograd
-    (eager's backend choice and its backward); ``options``: the fields of :class:`SdpaAttrs`."""
+    """The gradients of those of q, k, v and a floating mask that ``wanted`` names, by
+    re-running the forward under autograd (eager's backend choice and its backward);
+    ``options``: the fields of :class:`SdpaAttrs`.
+
+    Only wanted operands require grad in the re-run: a mask that requires grad rules out the
+    flash and cuDNN kernels (PyTorch falls back to the memory-efficient kernel and computes
+    the mask's gradient too), which made attention's backward 4-7x slower than eager's on
+    BERT and GPT-2, whose masks are inputs."""
     with torch.inference_mode(False), torch.enable_grad():
-        leaves = [_grad_leaf(t) for t in (q, k, v, mask)]
+        leaves: list[Any] = [
+            _grad_leaf(t) if want else t for t, want in zip((q, k, v, mask), wanted, strict=True)
+        ]
         out = _sdpa(SdpaAttrs(**options), *leaves)
         return tuple(_autograd([out], leaves, [grad]))
 
 
 def _sdpa_vjp(attrs: SdpaAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
-    results = extern_call(sdpa_backward, (grads[0], *inputs), _fields(attrs))
-    return _spread(inputs, results)
+    wanted = tuple(_is_float(item) and item.type.requires_grad for item in inputs)
+    results = extern_call(sdpa_backward, (grads[0], *inputs, wanted), _fields(attrs))
+    found = list(results) if isinstance(results, list | tuple) else [results]
+    spread: list[Value | None] = [None] * len(inputs)
+    for index, grad in zip([i for i, w in enumerate(wanted) if w], found, strict=True):
+        spread[index] = grad
+    return tuple(spread)
 
 
 SDPA_CASES: tuple[Case, ...] = (

@@ -233,3 +233,28 @@ def test_explain_reports_saved_values() -> None:
     assert "saved for the backward:" in str(report)
     with torch.no_grad():
         assert not kiln.explain(layer, x, w).saved  # inference keeps nothing
+
+
+def test_attention_backward_asks_only_for_the_gradients_it_needs() -> None:
+    """A mask that needs no gradient is not made a grad leaf in the backward's re-run (that
+    would rule out PyTorch's flash and cuDNN kernels); q, k and v still get eager's grads."""
+    from kiln.ops.externs import sdpa_backward
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> Any:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+    bias = torch.randn(2, 1, 5, 5)
+    compiled = kiln.compile(attend, options={"strict": True})
+    got = _grads(compiled, q, k, v, bias)
+    for a, b in zip(got, _grads(attend, q, k, v, bias), strict=True):
+        torch.testing.assert_close(a, b)
+    backward = _training_graph(compiled).plan.backward
+    calls = [n for n in backward.nodes if n.op.name == "EXTERN" and n.attrs.fn is sdpa_backward]
+    assert len(calls) == 1 and len(calls[0].outputs) == 3
+    # With the mask requiring grad, its gradient comes back too.
+    bias.requires_grad_(True)
+    for a, b in zip(
+        _grads(kiln.compile(attend), q, k, v, bias), _grads(attend, q, k, v, bias), strict=True
+    ):
+        torch.testing.assert_close(a, b)
