@@ -349,9 +349,35 @@ def _index_impl(attrs: IndexAttrs, x: torch.Tensor, *indices: torch.Tensor) -> t
 def _index_put_impl(
     attrs: IndexPutAttrs, x: torch.Tensor, values: torch.Tensor, *indices: torch.Tensor
 ) -> torch.Tensor:
+    if attrs.accumulate and _atomic_add_pays(attrs, x, indices):
+        return _index_add(attrs.dims[0], x, values, indices[0])
     # aten.index_put takes None for a full slice, which torch.index_put does not.
     placed = _full_indices(attrs.dims, indices)
     return torch.ops.aten.index_put(x, placed, values, attrs.accumulate)
+
+
+def _atomic_add_pays(attrs: IndexPutAttrs, x: torch.Tensor, indices: Sequence[Any]) -> bool:
+    """Whether ``x[index] += values`` should run as ``index_add`` (atomic adds) instead of
+    ``index_put``: on CUDA, one integer index, 32/64-bit floats, deterministic mode off.
+    CUDA's ``index_put(accumulate=True)`` sorts the indices first; on BERT-base's embedding
+    gradients (8192 indices into 30522 rows of 768) that took 1.8 ms against eager's
+    ``embedding_dense_backward`` at about 0.1 ms."""
+    return (
+        x.is_cuda
+        and len(indices) == 1
+        and indices[0].dtype in (torch.int32, torch.int64)
+        and x.dtype in (torch.float32, torch.float64)
+        and not torch.are_deterministic_algorithms_enabled()
+    )
+
+
+def _index_add(
+    dim: int, x: torch.Tensor, values: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    before, after = x.shape[:dim], x.shape[dim + 1 :]
+    values = values.expand(*before, *index.shape, *after).reshape(*before, index.numel(), *after)
+    index = torch.where(index < 0, index + x.shape[dim], index).reshape(-1)  # as index_put wraps
+    return x.index_add(dim, index, values)
 
 
 @dataclass(frozen=True)
