@@ -29,7 +29,7 @@ import torch
 from kiln.ir.graph import Graph, InputKind, Node, Origin, Value
 from kiln.ir.op import Op, op_def
 from kiln.ops.attrs import ConvertAttrs
-from kiln.ops.externs import sdpa_backward
+from kiln.ops.externs import convolution_backward, sdpa_backward
 from kiln.schedule import index as ix
 from kiln.schedule.index import Index
 from kiln.schedule.loops import Buffer, BufferKind, Kernel, Load, R, Store, X, walk
@@ -320,8 +320,7 @@ class Scheduler:
         from (as eager's elementwise ops keep ``channels_last``), else contiguous."""
         shape = shape_of(value)
         contiguous = ix.contiguous_strides(shape)
-        feeds_convolution = any(u.op is Op.CONVOLUTION for u in self.users.get(value, ()))
-        if len(shape) == 4 and value.type.device.type == "cuda" and feeds_convolution:
+        if self._wants_channels_last(value):
             return channels_last_strides(shape)
         layout = self._source_layout(value, shape)
         if layout is not None and is_dense(layout) and 0 not in layout.strides:
@@ -346,11 +345,21 @@ class Scheduler:
                 stack.append(operand)
         return None
 
+    def _wants_channels_last(self, value: Value) -> bool:
+        """Whether ``value`` feeds a convolution (or its backward) on the GPU."""
+        feeds_convolution = any(_is_convolution(u) for u in self.users.get(value, ()))
+        return len(shape_of(value)) == 4 and value.type.device.type == "cuda" and feeds_convolution
+
     def _store_in(self, group: Group, value: Value) -> None:
         shape = shape_of(value)
         strides = ix.contiguous_strides(shape)
         if group.rows is None and shape == group.shape:
             strides = strides_in_order(shape, group.order)
+        elif group.rows is not None and shape == group.rows.shape:
+            # A row kernel's full-size results (a BatchNorm backward's gradients) follow the
+            # layout of what they are computed from, channels-last for a convolution's: a
+            # contiguous one made the kernel store across the channels-last rows it reads.
+            strides = self._strides_for(value)
         buffer = Buffer(
             value.name,
             shape,
@@ -419,6 +428,15 @@ def strides_in_order(shape: Sequence[int], order: Sequence[int]) -> tuple[int, .
         strides[dim] = running
         running *= max(shape[dim], 1)
     return tuple(strides)
+
+
+def _is_convolution(node: Node) -> bool:
+    """A convolution or its backward (whose gradient and input operands cuDNN wants laid out
+    like the forward's: a contiguous gradient made it transpose every one, and made the
+    kernel writing it store across the channels-last rows it reads)."""
+    return node.op is Op.CONVOLUTION or (
+        node.op is Op.EXTERN and node.attrs.fn is convolution_backward
+    )
 
 
 def channels_last_strides(shape: Sequence[int]) -> tuple[int, ...]:
