@@ -216,23 +216,35 @@ class Aliasing(Guard):
         return f"{self.source} {'is' if self.same else 'is not'} {self.other}"
 
 
+def storages_separate(written: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> bool:
+    """No two ``written`` tensors share a storage, and none shares one with ``others``."""
+    mine = {t.untyped_storage().data_ptr() for t in written}
+    if len(mine) != len(written):
+        return False
+    return not any(t.untyped_storage().data_ptr() in mine for t in others)
+
+
 @dataclass(frozen=True)
 class SeparateMemory(Guard):
-    """A tensor the graph writes to shares no storage with another input (as at capture)."""
+    """The tensors a graph writes to share no storage with each other or with the other
+    inputs (as at capture). One guard for all pairs, checked in linear time: a ResNet-50 in
+    training writes 159 BatchNorm buffers among 480 inputs, and one check per pair cost more
+    host time per step (about 50 ms) than its GPU work."""
 
-    other: Source | None = None
+    written: tuple[Source, ...] = ()
+    others: tuple[Source, ...] = ()
 
     rank = 4
 
     def check(self, binder: Binder) -> str:
-        assert self.source is not None and self.other is not None
-        return (
-            f"{self.source.expr(binder)}.untyped_storage().data_ptr() != "
-            f"{self.other.expr(binder)}.untyped_storage().data_ptr()"
-        )
+        function = binder.bind(storages_separate, "storages_separate")
+        written = "".join(f"{s.expr(binder)}, " for s in self.written)
+        others = "".join(f"{s.expr(binder)}, " for s in self.others)
+        return f"{function}(({written}), ({others}))"
 
     def describe(self) -> str:
-        return f"{self.source} and {self.other} do not share memory"
+        names = ", ".join(str(s) for s in self.written)
+        return f"written inputs {names} share no memory with each other or other inputs"
 
 
 def global_state() -> tuple[Any, ...]:

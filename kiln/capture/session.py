@@ -34,6 +34,7 @@ from kiln.capture.guards import (
     TensorMatch,
     TypeIs,
     global_state,
+    storages_separate,
 )
 from kiln.capture.sources import Attr, Source
 from kiln.frontends.proxy import ProxyTensor
@@ -223,16 +224,22 @@ class Session:
     def guard_distinct_mutated_inputs(self) -> bool:
         """Inputs the graph writes to must not share memory with other inputs (the graph
         treats them as independent). False when they do at capture: then it cannot be used."""
+        if not self.graph.mutations:
+            return True
         by_value = dict(self.inputs)
-        for target, _ in self.graph.mutations:
-            written = self.input_tensors[target]
-            for value, source in self.inputs:
-                if value is target:
-                    continue
-                other = self.input_tensors[value]
-                if written.untyped_storage().data_ptr() == other.untyped_storage().data_ptr():
-                    return False
-                self.add_guard(SeparateMemory(by_value[target], "written input", source))
+        targets = list(dict.fromkeys(target for target, _ in self.graph.mutations))
+        others = [value for value, _ in self.inputs if value not in set(targets)]
+        written = [self.input_tensors[target] for target in targets]
+        if not storages_separate(written, [self.input_tensors[value] for value in others]):
+            return False
+        self.add_guard(
+            SeparateMemory(
+                None,
+                "written input",
+                tuple(by_value[target] for target in targets),
+                tuple(by_value[value] for value in others),
+            )
+        )
         return True
 
     # --- new objects ---------------------------------------------------------------------

@@ -581,3 +581,25 @@ def test_closure_cell_changed_never_stale() -> None:
 def _assert_matches(actual: Any, expected: Any) -> None:
     torch.testing.assert_close(actual, expected)
     assert actual.requires_grad == expected.requires_grad
+
+
+def write_then_read(x, y, z):
+    x.add_(1)
+    return y * 2 + z
+
+
+def test_written_input_that_later_shares_memory_recompiles() -> None:
+    """Captured with separate tensors, called with the written input aliasing a read one:
+    the memory guard fails (naming the written input), and the result is eager's."""
+    kiln.reset()
+    compiled = kiln.compile(write_then_read)
+    x, y, z = torch.randn(3), torch.randn(3), torch.randn(3)
+    expected = write_then_read(x.clone(), y, z)
+    torch.testing.assert_close(compiled(x.clone(), y, z), expected)
+    base = torch.randn(4)
+    eager_base = base.clone()
+    expected = write_then_read(eager_base[:3], eager_base[1:], z)
+    torch.testing.assert_close(compiled(base[:3], base[1:], z), expected)
+    torch.testing.assert_close(base, eager_base)
+    assert len(kiln.counters.recompiles) == 1, kiln.counters.recompiles
+    assert "share no memory" in kiln.counters.recompiles[0][1]
