@@ -1,27 +1,53 @@
 """Where a compiled model's GPU time goes: the top CUDA kernels of Kiln (and eager, and
-torch.compile when asked) under torch.profiler, and what Kiln compiled.
+torch.compile when asked) under torch.profiler, a breakdown by kind of kernel (generated
+Triton, cuBLAS/cuDNN externs, copies, other), GPU-busy time against the step's wall time
+(the rest is host overhead), and what Kiln compiled.
 
     python benchmarks/profile_gpu.py --models gpt2,resnet50 [--compilers kiln,eager,torch]
+        [--mode infer|train] [--top 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 import warnings
+from collections import defaultdict
 
 import torch
 
 import kiln
 from kiln.backends.kiln import RECORDERS
-from kiln.bench.models import MODELS, primary_output
+from kiln.bench.models import MODELS
+from kiln.bench.worker import _step
+
+STEPS = 5
 
 
-def profile(name: str, compiler: str, top: int) -> None:
+def kind_of(name: str) -> str:
+    """A coarse category of a CUDA kernel name."""
+    lowered = name.lower()
+    if lowered.startswith("triton") or re.match(r"k_?\d+_", name):
+        return "triton"  # Inductor's triton_* and Kiln's k<position>_<ops>
+    if any(key in lowered for key in ("gemm", "cublas", "sm90", "sm80", "cutlass", "xmma")):
+        return "matmul"
+    if any(key in lowered for key in ("conv", "cudnn", "wgrad", "dgrad", "implicit")):
+        return "conv"
+    if "flash" in lowered or "fmha" in lowered or "attention" in lowered:
+        return "attention"
+    if "memcpy" in lowered or "memset" in lowered or "copy" in lowered:
+        return "copy"
+    return "other"
+
+
+def profile(name: str, compiler: str, mode: str, top: int) -> None:
     spec = MODELS[name]
+    torch.manual_seed(0)
     workload = spec.build(spec.batch)
-    model = workload.model.cuda().eval()
-    inputs = [t.cuda() for t in workload.make_input(torch.Generator().manual_seed(0))]
+    model = workload.model.cuda().train(mode == "train")
+    inputs = tuple(t.cuda() for t in workload.make_input(torch.Generator().manual_seed(0)))
+    step = _step(mode, torch.device("cuda"), torch.bfloat16, list(model.parameters()))
     if compiler == "kiln":
         run = kiln.compile(model)
     elif compiler == "torch":
@@ -30,25 +56,28 @@ def profile(name: str, compiler: str, top: int) -> None:
         run = model
     records: list = []
     RECORDERS.append(records)
-    with (
-        torch.no_grad(),
-        torch.autocast("cuda", dtype=torch.bfloat16),
-        warnings.catch_warnings(record=True) as caught,
-    ):
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start = time.perf_counter()
-        primary_output(run(*inputs))
+        step(run, inputs)
         torch.cuda.synchronize()
         first = time.perf_counter() - start
         for _ in range(3):
-            run(*inputs)
+            step(run, inputs)
         torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            step(run, inputs)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) / STEPS * 1e3
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                run(*inputs)
+            for _ in range(STEPS):
+                step(run, inputs)
             torch.cuda.synchronize()
     RECORDERS.remove(records)
-    print(f"== {name} {compiler}: first call {first:.2f} s", flush=True)
+    print(
+        f"== {name} {mode} {compiler}: first call {first:.2f} s, step {wall_ms:.2f} ms", flush=True
+    )
     for warning in caught:
         print(f"   warning: {str(warning.message)[:300]}")
     for record in records:
@@ -60,21 +89,37 @@ def profile(name: str, compiler: str, top: int) -> None:
         )
         phases = ", ".join(f"{k} {v:.2f} s" for k, v in record.phases.items())
         print(f"   {record.unique_kernels} distinct kernels; {phases}")
-    table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=top, max_name_column_width=60
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    by_kind: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
+    for event in events:
+        kind = kind_of(event.key)
+        by_kind[kind] += event.self_device_time_total / STEPS / 1e3
+        launches[kind] += event.count // STEPS
+    busy = sum(by_kind.values())
+    parts = ", ".join(
+        f"{kind} {ms:.2f} ms/{launches[kind]}"
+        for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])
     )
-    print(table, flush=True)
+    print(f"   GPU busy {busy:.2f} of {wall_ms:.2f} ms per step: {parts}")
+    for event in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(
+            f"   {event.self_device_time_total / STEPS / 1e3:8.3f} ms  x{event.count // STEPS:<4d} "
+            f"[{kind_of(event.key)}] {event.key[:110]}"
+        )
+    print(flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt2")
     parser.add_argument("--compilers", default="kiln")
+    parser.add_argument("--mode", choices=["infer", "train"], default="infer")
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
     for name in args.models.split(","):
         for compiler in args.compilers.split(","):
-            profile(name, compiler, args.top)
+            profile(name, compiler, args.mode, args.top)
 
 
 if __name__ == "__main__":
