@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,3 +56,30 @@ def test_compilers_are_judged_against_eagers_own_variation() -> None:
     beyond = Measurement("kiln", False, max_rel_error=1.3, ok=False)
     _judge(beyond, Measurement("eager", False, max_rel_error=0.1, ok=True))
     assert not beyond.ok and not beyond.notes
+
+
+def test_noise_tensors_are_judged_against_a_float64_oracle(tmp_path: Path) -> None:
+    """A tensor far from eager passes when it is as close to the float64 run as eager is
+    (both are rounding noise around it), and fails when it is not."""
+    from kiln.bench.compare import relative_norm_errors
+    from kiln.bench.worker import Job, Measurement, _judged_by_oracle
+
+    reference = str(tmp_path / "reference.pt")
+    job = Job("m", "train", "kiln", "cpu", "bfloat16", 1, reference)
+    truth = [torch.ones(100), torch.zeros(100) + 1e-6]
+    eager = [torch.ones(100), torch.randn(100, generator=torch.Generator().manual_seed(0))]
+    torch.save(truth, reference + ".fp64")
+    close = [torch.ones(100), torch.randn(100, generator=torch.Generator().manual_seed(1))]
+    far = [torch.ones(100), 10 * torch.randn(100, generator=torch.Generator().manual_seed(1))]
+    names = ["loss", "grad of bias"]
+    for result, verdict in ((close, True), (far, False)):
+        measurement = Measurement("kiln")
+        judged = _judged_by_oracle(
+            job, result, eager, [1], names, relative_norm_errors, measurement
+        )
+        assert judged is verdict
+        assert "grad of bias" in measurement.notes[-1]
+    missing = Job("m", "train", "kiln", "cpu", "bfloat16", 1, str(tmp_path / "none.pt"))
+    assert not _judged_by_oracle(
+        missing, close, eager, [1], names, relative_norm_errors, Measurement("kiln")
+    )
