@@ -286,6 +286,31 @@ def _hint(obj: Any) -> str:
 GuardFunction = Callable[..., bool]
 
 
+def _hoist(binder: Binder) -> str:
+    """Assignments computing each access path used more than once into a local, shortest
+    first (a path's prefix before the path), after which ``binder`` renders those paths as
+    the locals. ResNet-50's guards walked ``self._modules['layer1']._modules['0']...`` from
+    the root for each of its 700 checks (0.65 ms per call on the H100's host).
+
+    Evaluating the paths before the checks keeps the result: every check of a passing guard
+    set evaluates its path, and a path that cannot be evaluated makes the guard fail either
+    way (the function answers False on any exception)."""
+    shared = [source for source, count in binder.uses.items() if count > 1]
+    shared.sort(key=_depth)
+    lines = []
+    for source in shared:
+        expression = source.expr(binder)  # uses the locals of its already-hoisted prefixes
+        name = binder.fresh("p")
+        binder.hoisted[source] = name
+        lines.append(f"        {name} = {expression}\n")
+    return "".join(lines)
+
+
+def _depth(source: Source) -> int:
+    base = getattr(source, "base", None)
+    return 0 if base is None else 1 + _depth(base)
+
+
 def compile_guards(
     guards: Sequence[Guard], params: Sequence[str]
 ) -> tuple[GuardFunction, str, Callable[..., str | None]]:
@@ -293,12 +318,15 @@ def compile_guards(
     failing guard (for recompile reasons; slow, used only on a miss)."""
     ordered = sorted(guards, key=lambda guard: guard.rank)
     binder = Binder()
-    checks = [guard.check(binder) for guard in ordered]
-    body = "\n            and ".join(f"({check})" for check in checks) or "True"
+    checks = [guard.check(binder) for guard in ordered]  # also counts each path's uses
+    prelude = _hoist(binder)
+    hoisted_checks = [guard.check(binder) for guard in ordered]
+    body = "\n            and ".join(f"({check})" for check in hoisted_checks) or "True"
     signature = ", ".join(["___f", *params])
     source = (
         f"def ___guard({signature}):\n"
         f"    try:\n"
+        f"{prelude}"
         f"        return bool(\n            {body}\n        )\n"
         f"    except Exception:\n"
         f"        return False\n"
@@ -311,7 +339,7 @@ def compile_guards(
 
     def compile_singles() -> None:
         # Only on a miss: one small function per guard, to name the first that fails.
-        for guard, check in zip(ordered, checks, strict=True):
+        for guard, check in zip(ordered, checks, strict=True):  # whole paths, no prelude
             code = f"def ___one({signature}):\n    return bool({check})\n"
             one_scope = dict(binder.names)
             exec(compile(code, "<kiln guard>", "exec"), one_scope)

@@ -23,6 +23,10 @@ class Binder:
         self.prefix = prefix
         self.names: dict[str, Any] = {}
         self._by_id: dict[int, str] = {}
+        # Access paths computed once into a local (the guard function's common prefixes):
+        # ``expr`` of such a source is its local's name. ``uses`` counts ``expr`` calls.
+        self.hoisted: dict[Source, str] = {}
+        self.uses: dict[Source, int] = {}
 
     def bind(self, obj: Any, hint: str = "c") -> str:
         """A name bound to ``obj`` (the same name for the same object)."""
@@ -174,6 +178,10 @@ class Attr(Source):
     attr: str
 
     def expr(self, binder: Binder) -> str:
+        hoisted = binder.hoisted.get(self)
+        if hoisted is not None:
+            return hoisted
+        binder.uses[self] = binder.uses.get(self, 0) + 1
         base = self.base.expr(binder)
         if self.attr.isidentifier() and not self.attr.startswith("__"):
             return f"{base}.{self.attr}"
@@ -194,6 +202,10 @@ class Item(Source):
     key: Any
 
     def expr(self, binder: Binder) -> str:
+        hoisted = binder.hoisted.get(self)
+        if hoisted is not None:
+            return hoisted
+        binder.uses[self] = binder.uses.get(self, 0) + 1
         return f"{self.base.expr(binder)}[{binder.literal(self.key)}]"
 
     def name(self) -> str:

@@ -345,6 +345,12 @@ def _hook_holder() -> Any:
     return CompiledKernel
 
 
+def _hook_set(hook: Any) -> bool:
+    """Whether a launch hook is set: not None, and (Triton 3.5 and later keep a ``HookChain``,
+    never None) with something in its chain."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _direct_runner(compiled: Any, grid: tuple[int, int, int]) -> Callable[..., None]:
     """A launch of ``compiled`` that does what ``compiled[grid](*args)`` does (Triton 3.3-3.9:
     the current stream, then the compiled launcher with the kernel's handle and metadata) with
@@ -364,21 +370,10 @@ def _direct_runner(compiled: Any, grid: tuple[int, int, int]) -> Callable[..., N
     gx, gy, gz = grid
 
     def launch(*args: Any) -> None:
-        if hooks.launch_enter_hook is not None:
+        if _hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook):
             runner(*args)
             return
-        run(
-            gx,
-            gy,
-            gz,
-            raw_stream(device),
-            function,
-            packed,
-            None,
-            None,
-            hooks.launch_exit_hook,
-            *args,
-        )
+        run(gx, gy, gz, raw_stream(device), function, packed, None, None, None, *args)
 
     return launch
 
