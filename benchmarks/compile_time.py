@@ -1,5 +1,9 @@
 """Where a GPU model's first call goes: capture, schedule, kernel builds (with and without the
-parallel precompile), first launches. ``python benchmarks/compile_time.py --model gpt2``"""
+parallel precompile), first launches.
+
+    python benchmarks/compile_time.py --model gpt2 [--mode infer|train] [--no-precompile]
+
+``KILN_COMPILE_WORKERS=processes`` compiles in torch-free worker processes first."""
 
 from __future__ import annotations
 
@@ -12,29 +16,31 @@ import kiln
 import kiln.runtime.triton_build as triton_build
 from kiln.backends.kiln import RECORDERS
 from kiln.bench.models import MODELS
+from kiln.bench.worker import _step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="gpt2")
     parser.add_argument("--no-precompile", action="store_true")
+    parser.add_argument("--mode", choices=["infer", "train"], default="infer")
     args = parser.parse_args()
     if args.no_precompile:
         triton_build.precompile = lambda *a, **k: None  # type: ignore[assignment]
     spec = MODELS[args.model]
     workload = spec.build(spec.batch)
-    model = workload.model.cuda().eval()
-    inputs = [t.cuda() for t in workload.make_input(torch.Generator().manual_seed(0))]
+    model = workload.model.cuda().train(args.mode == "train")
+    inputs = tuple(t.cuda() for t in workload.make_input(torch.Generator().manual_seed(0)))
+    step = _step(args.mode, torch.device("cuda"), torch.bfloat16, list(model.parameters()))
     records: list = []
     RECORDERS.append(records)
     compiled = kiln.compile(model)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        for call in range(3):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            compiled(*inputs)
-            torch.cuda.synchronize()
-            print(f"call {call}: {time.perf_counter() - start:.2f} s", flush=True)
+    for call in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(compiled, inputs)
+        torch.cuda.synchronize()
+        print(f"call {call}: {time.perf_counter() - start:.2f} s", flush=True)
     for record in records:
         phases = ", ".join(f"{k} {v:.2f} s" for k, v in record.phases.items())
         print(f"  {record.graph}: {record.unique_kernels} distinct kernels, {phases}")

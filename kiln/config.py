@@ -5,7 +5,8 @@
 ``KILN_STRICT``  "1" makes backend failures raise instead of falling back to eager.
 ``KILN_CACHE_DIR``  where built kernels are cached on disk (default: ``~/.cache/kiln``).
 ``KILN_COMPILE_THREADS``  threads compiling GPU kernels before their first launch (default 8).
-``KILN_COMPILE_WORKERS``  ``threads`` (default) or ``processes`` (separate compile processes).
+``KILN_COMPILE_WORKERS``  ``auto`` (default: worker processes for programs of more than 64
+                          distinct kernels, else threads), ``threads`` or ``processes``.
 ``KILN_CODEGEN``  force one kernel code generator: ``triton`` (on CPU: Triton's interpreter),
                   ``cpp`` or ``evaluate`` (PyTorch ops; the scheduler's oracle).
 """
@@ -38,12 +39,13 @@ class Config:
     # on CUDA, C++ on CPU. "triton" on CPU runs kernels in Triton's interpreter (CI).
     codegen: str = field(default_factory=lambda: os.environ.get("KILN_CODEGEN", ""))
     # GPU kernels compile before the first launch on this many threads of this process
-    # (1: one after another); "processes" in compile_workers uses worker processes instead.
+    # (1: one after another); compile_workers says when torch-free worker processes compile
+    # them first ("auto": for programs of more than 64 distinct kernels).
     compile_threads: int = field(
         default_factory=lambda: int(os.environ.get("KILN_COMPILE_THREADS", "8"))
     )
     compile_workers: str = field(
-        default_factory=lambda: os.environ.get("KILN_COMPILE_WORKERS", "threads")
+        default_factory=lambda: os.environ.get("KILN_COMPILE_WORKERS", "auto")
     )
 
 

@@ -4,7 +4,10 @@ launch paths), and compiles of GPU sources with Triton's bundled ptxas (no GPU n
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -169,13 +172,72 @@ def test_availability_precompile_and_interpret_mode_restore_state() -> None:
     assert (os.environ.get("TRITON_INTERPRET"), tl.sum, tl.rand) == before
 
 
-def test_precompile_workers_report_failures_without_raising() -> None:
-    """The worker processes import kiln, read their jobs and report each failure (here: no
-    CUDA) as one line; the first launch would then compile and raise."""
+def test_precompile_workers_without_a_gpu_report_instead_of_raising() -> None:
+    """Taking Triton's specialization needs its GPU driver: without one the worker path gives
+    one error line and compiles nothing (the threads then report, and the first launch
+    compiles and raises)."""
+    if torch.cuda.is_available():
+        pytest.skip("the machine has a GPU")
     source = generate_triton(_gelu_kernel(16, F32), interpret=False)
-    jobs = [triton_build._job(source, 0) for _ in range(2)]
-    errors = triton_build._compile_in_workers(jobs)
-    assert len(errors) == 2 and all(str(triton_build.module_path(source)) in e for e in errors)
+    errors = triton_build._compile_in_workers([triton_build._job(source, 0) for _ in range(2)])
+    assert len(errors) == 1 and "specialization" in errors[0]
+
+
+def _specialization(source: TritonSource) -> str:
+    """What Triton's JIT cache hook would hand over for ``source`` on an H100 (the format of
+    ``triton.runtime.jit.serialize_specialization_data``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    function = getattr(triton_build._import(triton_build.write_module(source), False), source.name)
+    names = function.arg_names
+    signature = {
+        n: POINTER_TYPES[d]
+        for n, d in zip(names[: len(source.arguments)], source.argument_dtypes, strict=True)
+    }
+    signature.update({name: "constexpr" for name in source.constexprs})
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options(
+        {**triton_build.OPTIONS, "num_warps": source.num_warps}
+    )
+    return json.dumps(
+        {
+            "name": source.name,
+            "signature": signature,
+            "constant_keys": [[names.index(k)] for k in source.constexprs],
+            "constant_vals": list(source.constexprs.values()),
+            "attrs_keys": [[i] for i in range(len(source.arguments))],
+            "attrs_vals": [[["tt.divisibility", 16]] for _ in source.arguments],
+            "options": options.__dict__,
+            "key": "unused",
+            "target": vars(target),
+        }
+    )
+
+
+def test_compile_worker_fills_the_cache_the_launch_reads(gpu_compiler: None) -> None:
+    """``triton_worker.py`` (a process without torch) compiles a kernel from Triton's
+    serialized specialization into the disk cache, under the key an in-process compile of
+    the same launch uses; a broken job is one error line."""
+    source = generate_triton(_softmax_kernel(4, 64, F32), interpret=False)
+    job = {"path": str(triton_build.write_module(source)), "name": source.name}
+    job["specialization"] = _specialization(source)
+    broken = {**job, "path": "/nonexistent/kernel.py"}
+    jobs_file = Path(os.environ["TRITON_CACHE_DIR"]) / "jobs.json"
+    jobs_file.write_text(json.dumps([job, broken]))
+    worker = Path(triton_build.__file__).with_name("triton_worker.py")
+    code = (
+        f"import runpy, sys; sys.argv[1:] = [{str(jobs_file)!r}]; "
+        f"runpy.run_path({str(worker)!r}, run_name='__main__'); print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and "/nonexistent/kernel.py" in lines[0], done.stdout + done.stderr
+    assert lines[1] == "False"  # the worker never imported torch
+    before = set(Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin"))
+    compile_for_gpu(source)  # in-process: must find the worker's binary, not make another
+    assert set(Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin")) == before
+    assert any(source.name in path.name for path in before)
 
 
 class _FakeCompiled:
