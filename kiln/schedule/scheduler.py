@@ -54,6 +54,11 @@ MAX_MEMBERS = 16  # values one kernel may compute and store
 SEARCH_DEPTH = 6  # how many recent kernels a value tries to join
 
 
+# Independent reductions over the same rows share a kernel when it visits at most this many
+# elements: there a launch costs more than the extra loads.
+SMALL_KERNEL_ELEMENTS = 1 << 16
+
+
 @dataclass(eq=False)
 class Group:
     """A kernel being formed: the values it computes, over ``numel`` elements or ``rows``."""
@@ -194,6 +199,24 @@ class Scheduler:
                     shared and self.inline_cost(value) > RECOMPUTE_LIMIT
                 ):
                     self._place_pointwise(value)
+                elif self._feeds_other_rows(value):
+                    self._place_as_row_epilogue(value)
+
+    def _feeds_other_rows(self, value: Value) -> bool:
+        """Whether every user of ``value`` reduces it over rows of its own (a cross-entropy's
+        per-row losses feeding their mean)."""
+        users = self.users.get(value, ())
+        return bool(users) and all(u.op in REDUCE_KINDS for u in users)
+
+    def _place_as_row_epilogue(self, value: Value) -> None:
+        """Compute ``value`` in the row kernel whose rows it is indexed by (as that kernel's
+        epilogue), when it reads that kernel's results: the next reduction then reads one
+        value per row instead of redoing the per-row work (a cross-entropy's target gather)
+        in its few programs. Otherwise it stays inlined into its consumer."""
+        numel = _numel(shape_of(value))
+        for group in self._groups():
+            if group.rows is not None and group.rows.xnumel == numel and self._join(group, value):
+                return
 
     def _try_view(self, node: Node) -> bool:
         operand = node.inputs[0]
@@ -305,8 +328,11 @@ class Scheduler:
             return False
         if any(self.producer[v] >= group.position for v in lowering.loaded):
             return False
-        if not require and group.members and not lowering.touched & group.touched:
-            return False  # nothing shared: fusing would save no memory traffic
+        # Nothing shared: fusing saves no memory traffic, only a launch, which matters for
+        # small kernels (a cross-entropy's final sum and count over its rows).
+        small = is_reduction and _elements(group) <= SMALL_KERNEL_ELEMENTS
+        if not require and group.members and not lowering.touched & group.touched and not small:
+            return False
         group.members.append(value)
         group.touched |= lowering.touched
         if is_reduction:
@@ -428,6 +454,11 @@ def strides_in_order(shape: Sequence[int], order: Sequence[int]) -> tuple[int, .
         strides[dim] = running
         running *= max(shape[dim], 1)
     return tuple(strides)
+
+
+def _elements(group: Group) -> int:
+    """How many elements a group's loops visit."""
+    return group.numel * (group.rows.rnumel if group.rows else 1)
 
 
 def _is_convolution(node: Node) -> bool:

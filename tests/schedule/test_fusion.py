@@ -70,6 +70,20 @@ def test_cross_entropy_rows_fuse() -> None:
     assert len(row_kernels) == 1
 
 
+def test_cross_entropy_per_row_losses_are_the_row_kernels_epilogue() -> None:
+    """The target gather and each row's loss run in the row kernel (one stored value per
+    row); the mean is one more kernel, whose sum and count share it though they read
+    different inputs (it is small), and it reads no logits."""
+    logits = torch.randn(64, 33)
+    program = scheduled(lambda x, t: F.cross_entropy(x, t), logits, torch.randint(0, 33, (64,)))
+    rows, mean = program.kernels()
+    assert (rows.xnumel, rows.rnumel, mean.xnumel, mean.rnumel) == (64, 33, 1, 64)
+    assert any(store.buffer.shape == (64,) for store in rows.stores)
+    assert reductions(mean) == 2
+    loaded = {e.buffer.shape for e in walk([s.value for s in mean.stores]) if hasattr(e, "buffer")}
+    assert (64, 33) not in loaded
+
+
 def test_views_of_inputs_cost_nothing() -> None:
     program = scheduled(lambda x: x.t()[1:].unsqueeze(0), torch.randn(4, 6))
     assert not program.steps
