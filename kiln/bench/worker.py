@@ -208,7 +208,8 @@ def _check(
     result.ok = not outside
     if outside and len(errors) == len(names):
         worst = max(outside, key=lambda i: errors[i] if errors[i] == errors[i] else float("inf"))
-        result.notes.append(f"largest error: {names[worst]} ({errors[worst]:.2g})")
+        who = COMPILER_TITLES.get(job.compiler, job.compiler)
+        result.notes.append(f"{who}: largest error: {names[worst]} ({errors[worst]:.2g})")
         result.ok = _judged_by_oracle(job, tensors, expected, outside, names, measure, result)
 
 
@@ -280,8 +281,9 @@ def _judged_by_oracle(
     worst = max(range(len(outside)), key=lambda k: ratios[k] if ratios[k] == ratios[k] else 1e30)
     verdict = as_close_to_truth(mine, eagers)
     how = "as close to a float64 run as eager is" if verdict else "farther from float64 than eager"
+    who = COMPILER_TITLES.get(job.compiler, job.compiler)
     result.notes.append(
-        f"{len(outside)} tensor(s) outside the tolerance against eager are {how} (worst: "
+        f"{who}: {len(outside)} tensor(s) outside the tolerance against eager are {how} (worst: "
         f"{names[outside[worst]]}, {mine[worst]:.2g} against eager's {eagers[worst]:.2g})"
     )
     return verdict
