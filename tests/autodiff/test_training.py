@@ -258,3 +258,25 @@ def test_attention_backward_asks_only_for_the_gradients_it_needs() -> None:
         _grads(kiln.compile(attend), q, k, v, bias), _grads(attend, q, k, v, bias), strict=True
     ):
         torch.testing.assert_close(a, b)
+
+
+def test_convolution_backward_skips_gradients_nobody_needs() -> None:
+    """A first convolution's input needs no gradient: the backward asks aten for the weight
+    and bias gradients only (as eager autograd does), and they match eager's."""
+    from kiln.ops.externs import convolution_backward
+
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 8, 8)
+    conv(x).square().sum().backward()
+    expected = [p.grad.clone() for p in conv.parameters() if p.grad is not None]
+    conv.zero_grad(set_to_none=True)
+    compiled = kiln.compile(conv, options={"strict": True})
+    compiled(x).square().sum().backward()
+    got = [p.grad for p in conv.parameters() if p.grad is not None]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    backward = _training_graph(compiled._kiln_call).plan.backward
+    (call,) = [
+        n for n in backward.nodes if n.op.name == "EXTERN" and n.attrs.fn is convolution_backward
+    ]
+    assert call.attrs.args[4] == (False, True) and len(call.outputs) == 2
