@@ -121,6 +121,7 @@ class Scheduler:
         self.buffers: dict[Value, Buffer] = {}  # values a group stores
         self.inputs: list[Buffer] = []
         self._cost: dict[Value, int] = {}
+        self._has_batch_statistics = any(self._is_batch_statistic(n) for n in graph.nodes)
         for value, tensor in zip(graph.inputs, inputs, strict=True):
             buffer = Buffer(
                 value.name,
@@ -371,10 +372,32 @@ class Scheduler:
                 stack.append(operand)
         return None
 
+    def _is_batch_statistic(self, node: Node) -> bool:
+        """A per-channel reduction of an ``[N, C, H, W]`` value over N (and H, W): a training
+        BatchNorm's, whole or split by ``passes.reduction_split`` into ``(2, 3)`` then N."""
+        operand = node.inputs[0] if node.inputs else None
+        if node.op not in REDUCE_KINDS or not isinstance(operand, Value):
+            return False
+        if len(shape_of(operand)) != 4 or 1 in reduced_dims(node):
+            return False
+        if 0 in reduced_dims(node):
+            return True
+        return any(
+            u.op in REDUCE_KINDS and 0 in reduced_dims(u) for u in self.users.get(node.output, ())
+        )
+
     def _wants_channels_last(self, value: Value) -> bool:
         """Whether ``value`` feeds a convolution (or its backward) on the GPU."""
         feeds_convolution = any(_is_convolution(u) for u in self.users.get(value, ()))
-        return len(shape_of(value)) == 4 and value.type.device.type == "cuda" and feeds_convolution
+        if len(shape_of(value)) != 4 or not feeds_convolution:
+            return False
+        # cuDNN's convolutions are fastest on channels-last operands, and so are oneDNN's on
+        # the CPU (small_cnn inference on two cores: 1.6-1.9x eager against about 1x); but
+        # the C++ kernels reduce channels-last BatchNorm statistics column by column, slowly
+        # (small_cnn training went from 0.76x to 0.4-0.75x eager), so on the CPU only graphs
+        # without such reductions (inference) go channels-last.
+        device = value.type.device.type
+        return device == "cuda" or (device == "cpu" and not self._has_batch_statistics)
 
     def _store_in(self, group: Group, value: Value) -> None:
         shape = shape_of(value)

@@ -106,3 +106,35 @@ def test_attention_layouts_are_predicted_so_nothing_rebuilds(codegen: str) -> No
     finally:
         RECORDERS.remove(records)
     assert [r.graph.rsplit("_", 1)[-1] for r in records] == ["forward", "backward"]
+
+
+@pytest.mark.parametrize("codegen", ["cpp"], indirect=True)
+def test_cpu_convolution_inputs_are_channels_last_in_inference_only(codegen: str) -> None:
+    """On the CPU, kernels feeding a convolution store channels-last in inference graphs
+    (oneDNN is faster on them) and contiguous in training graphs (the C++ kernels' channels-last
+    BatchNorm statistics would be slow); both match eager."""
+    from kiln.backends.kiln import RECORDERS
+    from kiln.schedule.program import ExternCall
+
+    def conv_operand_layouts(train: bool) -> set[bool]:
+        model, args = small_resnet()
+        model.train(train)
+        records: list[Any] = []
+        RECORDERS.append(records)
+        try:
+            out = kiln.compile(model)(*args)
+            torch.testing.assert_close(out, model(*args), rtol=1e-4, atol=1e-4)
+        finally:
+            RECORDERS.remove(records)
+        layouts = set()
+        for record in records:
+            for step in record.program.steps:
+                if isinstance(step, ExternCall) and step.node.op.name == "CONVOLUTION":
+                    view = step.operands[0]
+                    if view.buffer.kind.value == "temp":  # computed by a kernel
+                        layouts.add(view.strides[1] == 1)
+        return layouts
+
+    with torch.no_grad():
+        assert conv_operand_layouts(train=False) == {True}
+    assert conv_operand_layouts(train=True) == {False}
