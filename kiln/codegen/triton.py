@@ -224,27 +224,6 @@ def _identifier(name: str, taken: set[str]) -> str:
     return text
 
 
-def _walk(roots: list[Expr], into_reduces: bool = True) -> list[Expr]:
-    """Every expression reachable from ``roots`` once, operands first and left to right (so
-    the source reads in the IR's order); ``into_reduces=False`` does not enter a
-    :class:`Reduce`'s operand."""
-    order: list[Expr] = []
-    done: set[int] = set()
-    for root in roots:
-        stack: list[tuple[Expr, bool]] = [(root, False)]
-        while stack:
-            expr, expanded = stack.pop()
-            if id(expr) in done:
-                continue
-            if expanded or (isinstance(expr, Reduce) and not into_reduces):
-                done.add(id(expr))
-                order.append(expr)
-                continue
-            stack.append((expr, True))
-            stack.extend((c, False) for c in reversed(children(expr)) if id(c) not in done)
-    return order
-
-
 def _scalar_bool(text: str) -> str:
     """A 0-d comparison result the interpreter can broadcast: its handle keeps the operands'
     dtype, so splatting it to a block gives floats (Triton 3.9); ``&`` with a bool fixes it."""
@@ -456,12 +435,12 @@ class _Printer:
         if self.xmask:
             self.emit("xmask = xindex < xnumel")
         if not self.two_d:
-            self.emit_exprs(_walk(self.roots))
+            self.emit_exprs(walk(self.roots, left_to_right=True))
             self.emit_stores(kernel.stores)
             return
         if not self.looped:
             self.emit_rindex("")
-            self.emit_exprs(_walk(self.roots))
+            self.emit_exprs(walk(self.roots, left_to_right=True))
             self.emit_stores(kernel.stores)
             return
         self.emit_looped()
@@ -483,7 +462,7 @@ class _Printer:
         reduces = [e for e in walk(self.roots) if isinstance(e, Reduce)]
         for k in range(1, max((phase[id(r)] for r in reduces), default=0) + 1):
             group = [r for r in reduces if phase[id(r)] == k]
-            body = _walk([r.value for r in group], into_reduces=False)
+            body = list(walk([r.value for r in group], into_reduces=False, left_to_right=True))
             self.emit_exprs(e for e in body if not self.dep_r[id(e)] and not isinstance(e, Reduce))
             accumulators = [self.init_accumulator(r) for r in group]
             self.open_loop()
@@ -495,10 +474,10 @@ class _Printer:
                 self.finish_accumulator(reduce, acc)
         row_stores = [s for s in self.kernel.stores if not self._row_shaped(s)]
         wide_stores = [s for s in self.kernel.stores if self._row_shaped(s)]
-        self.emit_exprs(_walk([s.value for s in row_stores], into_reduces=False))
+        self.emit_exprs(walk([s.value for s in row_stores], False, left_to_right=True))
         self.emit_stores(row_stores)
         if wide_stores:
-            body = _walk([s.value for s in wide_stores], into_reduces=False)
+            body = list(walk([s.value for s in wide_stores], False, left_to_right=True))
             self.emit_exprs(e for e in body if not self.dep_r[id(e)])
             self.open_loop()
             self.emit_exprs(e for e in body if self.dep_r[id(e)])

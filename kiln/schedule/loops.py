@@ -197,10 +197,13 @@ def children(expr: Expr) -> tuple[Expr, ...]:
     return ()
 
 
-def walk(roots: list[Expr], into_reduces: bool = True) -> Iterator[Expr]:
+def walk(
+    roots: list[Expr], into_reduces: bool = True, left_to_right: bool = False
+) -> Iterator[Expr]:
     """Every expression reachable from ``roots``, each once, operands before users.
     ``into_reduces=False`` yields a :class:`Reduce` without its operand (what one ``r`` loop
-    computes when the reduction finished in an earlier loop)."""
+    computes when the reduction finished in an earlier loop); ``left_to_right`` visits
+    operands in order (generated source then reads in the IR's order)."""
     done: set[int] = set()
     for root in roots:
         stack: list[tuple[Expr, bool]] = [(root, False)]
@@ -213,7 +216,9 @@ def walk(roots: list[Expr], into_reduces: bool = True) -> Iterator[Expr]:
                 yield expr
                 continue
             stack.append((expr, True))
-            stack.extend((child, False) for child in children(expr) if id(child) not in done)
+            operands = children(expr)
+            ordered = reversed(operands) if left_to_right else operands
+            stack.extend((c, False) for c in ordered if id(c) not in done)
 
 
 def index_of(expr: Expr) -> list[Index]:
