@@ -56,8 +56,16 @@ def test_training_batchnorm_gradients_match_after_the_split() -> None:
     ("shape", "dims"), [((4096, 96), (0,)), ((3, 2048, 48), (0, 1)), ((1024, 2, 160), (0,))]
 )
 def test_column_reductions_are_chunked(
-    dtype: torch.dtype, shape: tuple[int, ...], dims: tuple[int, ...]
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    dims: tuple[int, ...],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """On the GPU (claimed here: the rewrite is checked on the CPU) long column reductions
+    are cut into chunks of rows."""
+    from kiln.passes import reduction_split
+
+    monkeypatch.setattr(reduction_split, "_chunks_columns", lambda value: True)
     x = torch.randn(*shape, dtype=dtype)
 
     def columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +87,24 @@ def test_column_reductions_are_chunked(
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
-def test_columns_that_are_many_or_short_or_prime_are_left_alone() -> None:
+def test_columns_that_are_many_or_short_or_prime_are_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kiln.passes import reduction_split
+
+    monkeypatch.setattr(reduction_split, "_chunks_columns", lambda value: True)
     for shape in ((4096, 20000), (100, 96), (4099, 96)):
         x = torch.randn(*shape)
         graph = kiln.trace(lambda x: x.sum(0), x)
         assert _reductions(split_reductions(graph)) == [(Op.SUM, (0,))]
 
 
-def test_linear_bias_gradient_matches_after_the_column_split() -> None:
+def test_linear_bias_gradient_matches_after_the_column_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kiln.passes import reduction_split
+
+    monkeypatch.setattr(reduction_split, "_chunks_columns", lambda value: True)
     linear = torch.nn.Linear(32, 48)
     x = torch.randn(8, 512, 32)
     linear(x).sin().sum().backward()
@@ -122,3 +140,9 @@ def test_gpu_batchnorm_statistics_are_channels_last_columns(
     for got, want in zip(interpret(split, inputs), expected, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_cpu_column_reductions_stay_whole() -> None:
+    """The C++ kernels run columns in parallel already: no chunks on the CPU."""
+    graph = kiln.trace(lambda x: x.sum(0), torch.randn(4096, 96))
+    assert _reductions(split_reductions(graph)) == [(Op.SUM, (0,))]
