@@ -256,13 +256,15 @@ def _autograd(outputs: Sequence[torch.Tensor], leaves: Sequence[Any], grads: Seq
 
 def _spread(inputs: Sequence[Any], grads: Any) -> Grads:
     """``grads`` (one per floating tensor of ``inputs``, in order) as one entry per input."""
-    found = list(grads) if isinstance(grads, list | tuple) else [grads]
-    floats = [index for index, item in enumerate(inputs) if _is_float(item)]
-    assert len(found) == len(floats), f"{len(found)} gradients for {len(floats)} float inputs"
-    spread: list[Value | None] = [None] * len(inputs)
-    for index, grad in zip(floats, found, strict=True):
-        spread[index] = grad
-    return tuple(spread)
+    return _spread_to([_is_float(item) for item in inputs], grads)
+
+
+def _spread_to(wanted: Sequence[bool], grads: Any) -> Grads:
+    """``grads`` (one per true entry of ``wanted``, in order) as one entry per position."""
+    found = iter(grads if isinstance(grads, list | tuple) else [grads])
+    spread = tuple(next(found) if want else None for want in wanted)
+    assert next(found, None) is None, f"more gradients than the {sum(wanted)} wanted"
+    return spread
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,10 +372,7 @@ def _convolution_vjp(
     wanted = (_needs_grad(x), _needs_grad(weight))
     arguments = (grads[0], x, weight, bias_sizes, wanted)
     results = extern_call(convolution_backward, arguments, _fields(attrs))
-    found = iter(results if isinstance(results, list | tuple) else [results])
-    spread: list[Value | None] = [next(found) if want else None for want in wanted]
-    spread.append(next(found) if bias is not None else None)
-    return tuple(spread)
+    return _spread_to((*wanted, bias is not None), results)
 
 
 def _needs_grad(operand: Any) -> bool:
@@ -445,11 +444,7 @@ def sdpa_backward(
 def _sdpa_vjp(attrs: SdpaAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
     wanted = tuple(_needs_grad(item) for item in inputs)
     results = extern_call(sdpa_backward, (grads[0], *inputs, wanted), _fields(attrs))
-    found = list(results) if isinstance(results, list | tuple) else [results]
-    spread: list[Value | None] = [None] * len(inputs)
-    for index, grad in zip([i for i, w in enumerate(wanted) if w], found, strict=True):
-        spread[index] = grad
-    return tuple(spread)
+    return _spread_to(wanted, results)
 
 
 SDPA_CASES: tuple[Case, ...] = (

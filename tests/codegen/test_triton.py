@@ -37,11 +37,7 @@ from kiln.schedule.loops import (
 
 triton = pytest.importorskip("triton")
 from kiln.runtime import triton_build  # noqa: E402  (needs triton)
-
-CPU = torch.device("cpu")
-F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
-I8, U8, I32, I64, BOOL = torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool
-
+from tests.codegen.ir_builders import BF16, BOOL, CPU, F16, F32, F64, I8, I32, I64, U8  # noqa: E402
 from tests.codegen.triton_kernels import (  # noqa: E402, F401  (_cache_dir: an autouse fixture)
     _cache_dir,
     _gelu_kernel,

@@ -38,10 +38,8 @@ from kiln.schedule.loops import (
 
 triton = pytest.importorskip("triton")
 from kiln.runtime import triton_build  # noqa: E402  (needs triton)
+from tests.codegen.ir_builders import BF16, BOOL, CPU, F16, F32, F64, I8, I32, I64, U8  # noqa: E402
 
-CPU = torch.device("cpu")
-F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
-I8, U8, I32, I64, BOOL = torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool
 ELEMENTWISE = [row for row in registered_ops() if Tag.ELEMENTWISE in row.tags]
 
 from tests.codegen.triton_kernels import (  # noqa: E402, F401  (_cache_dir: an autouse fixture)
