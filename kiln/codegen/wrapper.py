@@ -18,6 +18,8 @@ The source is readable and dumped to the debug directory with the kernels.
 
 from __future__ import annotations
 
+import itertools
+import linecache
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +31,7 @@ from kiln.schedule.program import ExternCall, Program, View, kernel_arguments
 
 Launcher = Callable[..., Any]
 LayoutReport = Callable[[Any, list[tuple[int, ...]]], None]  # (graph node, actual strides)
+_serial = itertools.count()
 
 
 class Wrapper:
@@ -125,7 +128,11 @@ class Wrapper:
         self.lines.append(f"    {results}, = {function}({operands}){comment}")
 
     def compile(self) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
-        code = compile(self.source(), f"<kiln wrapper {self.program.name}>", "exec")
+        source = self.source()
+        filename = f"<kiln wrapper {self.program.name} {next(_serial)}>"
+        # Tracebacks and memory snapshots show the host program's lines, not just numbers.
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        code = compile(source, filename, "exec")
         exec(code, self.namespace)
         run: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] = self.namespace["run"]
         return run
