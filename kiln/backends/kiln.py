@@ -245,6 +245,7 @@ class KilnProgram:
         return results
 
     def _observe(self, node: object, strides: list[tuple[int, ...]]) -> None:
+        _log.info("%s returned strides %s, not the predicted ones; rebuilding once", node, strides)
         self.observed[id(node)] = strides
         self._stale = True
 

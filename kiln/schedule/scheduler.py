@@ -28,7 +28,6 @@ import torch
 
 from kiln.ir.graph import Graph, InputKind, Node, Origin, Value
 from kiln.ir.op import Op, op_def
-from kiln.ops.attrs import ConvertAttrs
 from kiln.ops.externs import convolution_backward, sdpa_backward
 from kiln.schedule import index as ix
 from kiln.schedule.index import Index
@@ -49,7 +48,13 @@ from kiln.schedule.views import VIEW_OPS, is_dense, view_of
 
 # Externs whose results PyTorch allocates contiguous (convolutions: unless channels-last, above).
 CONTIGUOUS_RESULTS = frozenset({Op.MM, Op.BMM, Op.ADDMM, Op.BADDBMM, Op.CONVOLUTION, Op.SDPA})
-RECOMPUTE_LIMIT = 6  # a value several consumers read is stored once it costs more ops than this
+RECOMPUTE_LIMIT = 6  # a value several kernels read is stored once it costs more ops than this
+# Ops per element one kernel may recompute reading a value at many positions (CPU, GPU). The GPU
+# has compute to spare in memory-bound kernels: ResNet-50's BatchNorm, ReLU and 3x3 max pool
+# are one kernel there. A CPU recomputing the BatchNorm 9 times was 1.5x slower than storing it.
+STENCIL_LIMIT = (32, 128)
+COST_CAP = 1 << 12  # costs and read counts saturate here
+TRANSCENDENTAL = frozenset({Op.EXP, Op.LOG, Op.TANH, Op.ERF, Op.POW, Op.SIN, Op.COS})
 MAX_MEMBERS = 16  # values one kernel may compute and store
 SEARCH_DEPTH = 6  # how many recent kernels a value tries to join
 
@@ -135,6 +140,7 @@ class Scheduler:
             self.layouts[value] = View(buffer, buffer.shape, buffer.strides, 0)
             self.producer[value] = -1
         self.needs_memory = self._values_needing_memory()
+        self.sinks, self.reads = self._read_sites()
 
     # -- decisions ----------------------------------------------------------------------------
 
@@ -156,34 +162,63 @@ class Scheduler:
         return len(devices) == 1  # a kernel runs on one device; a transfer is an extern
 
     def inline_cost(self, value: Value) -> int:
-        """Elementwise ops recomputed per element when ``value`` is inlined into a consumer."""
+        """Elementwise ops computed per element when ``value`` is inlined into a consumer: the
+        distinct nodes of its expression down to values in memory (an operand read twice, as
+        ``where(gt(b, a), b, a)`` reads ``a``, is computed once: kernels intern expressions)."""
         if value in self.layouts or value.node is None:
             return 0
         if value not in self._cost:
-            node = value.node
-            below = sum(self.inline_cost(v) for v in node.input_values())
-            own = 0 if node.op in VIEW_OPS or node.op in (Op.FULL, Op.IOTA) else 1
-            if node.op in (Op.EXP, Op.LOG, Op.TANH, Op.ERF, Op.POW, Op.SIN, Op.COS):
-                own = 3  # transcendental: several instructions
-            self._cost[value] = own + below
+            total, seen, stack = 0, set(), [value]
+            while stack and total <= COST_CAP:
+                current = stack.pop()
+                node = current.node
+                if current in seen or current in self.layouts or node is None:
+                    continue
+                seen.add(current)
+                total += _own_cost(node)
+                stack.extend(node.input_values())
+            self._cost[value] = total
         return self._cost[value]
 
-    def run(self) -> None:
-        self._walk()
-        self._densify_outputs()
+    def _read_sites(self) -> tuple[dict[Value, frozenset[object]], dict[Value, int]]:
+        """For each value, where its inlined work would end up and how often it is computed.
 
-    def _densify_outputs(self) -> None:
-        """An output that is a gapped view of a buffer the program made (a padded matmul's
-        columns) is copied out dense, as eager returns it; views of inputs stay views."""
-        for position, value in enumerate(self.outputs):
-            layout = self.layouts[value]
-            if layout.buffer.kind is BufferKind.INPUT or is_dense(layout) or 0 in layout.shape:
-                continue
-            copy = Node(Op.CONVERT, (value,), ConvertAttrs(value.type.dtype), origin=_origin(value))
-            copy.outputs = (Value(f"{value.name}_dense", value.type, copy),)
-            self.users.setdefault(value, []).append(copy)
-            self._place_pointwise(copy.outputs[0])
-            self.outputs[position] = copy.outputs[0]
+        ``sinks``: the consumers that are not inlined further (values needing memory,
+        reductions, externs), at most two of them (only "one" or "several" matters). ``reads``:
+        positions of the value one sink element reads: views at different offsets multiply it
+        (a 3x3 max-pool window reads 9 positions), elementwise users at the same position share
+        one computation. One reverse walk; values downstream are assumed inlined."""
+        sinks: dict[Value, frozenset[object]] = {}
+        reads: dict[Value, int] = {}
+        for node in reversed(self.graph.nodes):
+            for value in node.outputs:
+                if value in self.needs_memory:  # stored: readers load it, whatever they are
+                    sinks[value], reads[value] = frozenset({value}), 1
+                    continue
+                ends: set[object] = set()
+                by_view, by_point = 0, 0
+                for user in self.users.get(value, ()):
+                    out = user.outputs[0] if len(user.outputs) == 1 else None
+                    inlined = user.op in VIEW_OPS or (
+                        self._in_kernels(user) and user.op not in REDUCE_KINDS
+                    )
+                    if out is None or out not in sinks or not inlined:
+                        ends.add(user)
+                        by_point = max(by_point, 1)
+                        continue
+                    ends |= sinks[out]
+                    if user.op in VIEW_OPS:
+                        by_view += reads[out]
+                    else:
+                        by_point = max(by_point, reads[out])
+                sinks[value] = frozenset(list(ends)[:2])
+                reads[value] = min(by_view + by_point, COST_CAP)
+        return sinks, reads
+
+    def run(self) -> None:
+        # Outputs are views of what computed them, gapped ones too (a padded matmul's columns:
+        # torch.compile returns those strides as well); a dense copy doubled GPT-2's logits.
+        self._walk()
 
     def _walk(self) -> None:
         for node in self.graph.nodes:
@@ -195,13 +230,22 @@ class Scheduler:
                 self._place_reduction(node.output)
             else:
                 value = node.output
-                shared = len(self.users.get(value, ())) > 1
-                if value in self.needs_memory or (
-                    shared and self.inline_cost(value) > RECOMPUTE_LIMIT
-                ):
+                if value in self.needs_memory or self._costs_too_much_inlined(value):
                     self._place_pointwise(value)
                 elif self._feeds_other_rows(value):
                     self._place_as_row_epilogue(value)
+
+    def _costs_too_much_inlined(self, value: Value) -> bool:
+        """Whether ``value`` is better stored once than recomputed by its readers: when
+        consumers in several kernels would each recompute more than ``RECOMPUTE_LIMIT`` ops,
+        or one consumer reads so many positions of it (a pooling window) that the recomputed
+        ops pass ``STENCIL_LIMIT``. Readers in one kernel at one position compute it once."""
+        cost = self.inline_cost(value)
+        several = len(self.users.get(value, ())) > 1 and len(self.sinks[value]) > 1
+        if several and cost > RECOMPUTE_LIMIT:
+            return True
+        reads = self.reads[value]
+        return reads > 1 and reads * cost > STENCIL_LIMIT[value.type.device.type == "cuda"]
 
     def _feeds_other_rows(self, value: Value) -> bool:
         """Whether every user of ``value`` reduces it over rows of its own (a cross-entropy's
@@ -460,6 +504,14 @@ class Scheduler:
         return Kernel(name, group.numel, rnumel, stores, fused, group.device)
 
 
+def _own_cost(node: Node) -> int:
+    """Ops per element of one node inlined: none for views and index generators, several for
+    transcendental functions."""
+    if node.op in VIEW_OPS or node.op in (Op.FULL, Op.IOTA):
+        return 0
+    return 3 if node.op in TRANSCENDENTAL else 1
+
+
 def _origin(value: Value) -> Origin:
     return value.node.origin if value.node is not None else Origin("copy")
 
@@ -511,6 +563,12 @@ def _extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]
     """Output strides of an extern call, from running its reference impl on meta tensors
     laid out like the operands; contiguous when that fails. The wrapper checks them at run
     time, and a mismatch is learned for the next compilation (``observed``)."""
+    if _is_probed(node) and all(
+        o.buffer.device.type == "cuda" for o in operands if isinstance(o, View)
+    ):
+        probed = _probe_strides(node, operands)
+        if probed is not None:
+            return probed
     if node.op is Op.CONVOLUTION and len(shape_of(node.output)) == 4:
         # Meta convolutions answer contiguous; cuDNN and oneDNN answer channels-last when
         # the input or the weight is channels-last (PyTorch's suggest_memory_format).
@@ -538,6 +596,51 @@ def _extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]
         # about a second); a wrong guess costs one copy and is learned (see the docstring).
         return [ix.contiguous_strides(shape_of(v)) for v in node.outputs]
     return _meta_strides(node, operands)
+
+
+def _is_probed(node: Node) -> bool:
+    """Externs whose CUDA layout depends on the kernel PyTorch picks: attention and its
+    backward, convolutions."""
+    return node.op in (Op.SDPA, Op.CONVOLUTION) or (
+        node.op is Op.EXTERN and node.attrs.fn is sdpa_backward
+    )
+
+
+_PROBED: dict[tuple[object, ...], list[tuple[int, ...]] | None] = {}
+
+
+def _probe_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
+    """Output strides of a CUDA extern, from running it once on uninitialized tensors laid out
+    like the operands (attention here has no dropout: nothing draws random numbers). Which
+    kernel PyTorch picks (flash, cuDNN, memory-efficient or math attention; cuDNN's
+    convolutions) and so the layout it returns depends on shapes, dtypes and the card: a wrong
+    guess cost ViT-B/16 a rebuild of its whole program during its first call (0.8-1.4 s on the
+    H100). One probe per distinct signature, for the life of the process."""
+    key = (
+        node.op,
+        repr(node.attrs),
+        tuple(
+            (o.shape, o.strides, o.buffer.dtype, o.buffer.device)
+            if isinstance(o, View)
+            else repr(o)
+            for o in operands
+        ),
+    )
+    if key not in _PROBED:
+        try:
+            tensors = [_empty_like_view(o) if isinstance(o, View) else o for o in operands]
+            with torch.no_grad():
+                result = op_def(node.op).impl(node.attrs, *tensors)
+            results = result if isinstance(result, tuple) else (result,)
+            _PROBED[key] = [tuple(t.stride()) for t in results]
+        except Exception:  # out of memory, an unsupported case: the rules below decide
+            _PROBED[key] = None
+    return _PROBED[key]
+
+
+def _empty_like_view(view: View) -> torch.Tensor:
+    buffer = view.buffer
+    return torch.empty_strided(view.shape, view.strides, dtype=buffer.dtype, device=buffer.device)
 
 
 def _meta_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:

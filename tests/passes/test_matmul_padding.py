@@ -45,7 +45,9 @@ def test_padded_matmul_gives_the_same_product(
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
     compiled = run_compiled(padded, inputs, "evaluate")[0]
     torch.testing.assert_close(compiled, expected, rtol=2e-2, atol=2e-2)
-    assert compiled.is_contiguous()  # a padded output is copied out dense
+    # The output is the padded product's view, as torch.compile returns it: no second copy.
+    if shape_b[1] % 8:
+        assert compiled.stride() == (shape_b[1] + (-shape_b[1] % 8), 1)
 
 
 def test_aligned_or_float32_matmuls_are_left_alone() -> None:

@@ -14,7 +14,8 @@ import kiln
 from kiln.frontends.trace import graph_inputs
 from kiln.ir.interpreter import interpret
 from kiln.passes import optimize
-from kiln.schedule.loops import Kernel, Reduce, walk
+from kiln.ir.op import Op
+from kiln.schedule.loops import Apply, Kernel, Reduce, walk
 from kiln.schedule.program import Program
 from kiln.schedule.scheduler import schedule
 from tests.backends.op_table import run_compiled
@@ -137,3 +138,71 @@ def test_padding_and_flip_and_gather_are_index_arithmetic() -> None:
 
     program = scheduled(shuffle, torch.randn(4, 5), torch.randint(0, 8, (4, 3)))
     assert len(program.kernels()) == 1 and not program.externs()
+
+
+def _bn_relu_max_pool(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    y = torch.relu(x * scale[:, None, None] + shift[:, None, None])
+    return F.max_pool2d(y, 3, stride=2, padding=1)
+
+
+def test_max_pool_window_recomputes_its_cheap_producer_in_one_kernel(monkeypatch: Any) -> None:
+    # The GPU budget: BatchNorm, ReLU and the 3x3 window (9 positions of the BatchNorm, each
+    # step of the separable max read by the next at 3 positions) are one kernel, where they
+    # were three with two stored intermediates. Values read by several nodes of one kernel at
+    # one position are computed once, whatever they cost.
+    import kiln.schedule.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "STENCIL_LIMIT", (128, 128))
+    args = (torch.randn(2, 4, 11, 12), torch.rand(4) + 0.5, torch.randn(4))
+    (kernel,) = scheduled(_bn_relu_max_pool, *args).kernels()
+    assert kernel.xnumel == 2 * 4 * 6 * 6
+
+
+def test_max_pool_on_the_cpu_stores_what_costs_too_much_to_recompute_nine_times() -> None:
+    # The CPU budget (32 ops an element): the BatchNorm and ReLU (read at 9 positions) are
+    # stored once, the two max steps over them stay one kernel.
+    args = (torch.randn(2, 4, 11, 12), torch.rand(4) + 0.5, torch.randn(4))
+    kernels = scheduled(_bn_relu_max_pool, *args).kernels()
+    assert len(kernels) == 2
+    assert kernels[-1].xnumel == 2 * 4 * 6 * 6
+
+
+def test_a_value_read_by_kernels_of_their_own_is_stored_once_it_costs_enough() -> None:
+    # exp(x) * 2 + 1 feeds two reductions over different rows (two kernels): recomputing it
+    # in both would redo the exponential; it is stored.
+    def two_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.tanh(torch.exp(x) * 2 + 1) * 3 - 1
+        return y.sum(0), y.sum(1)
+
+    kernels = scheduled(two_sums, torch.randn(6, 10)).kernels()
+    exps = [
+        e
+        for k in kernels
+        for e in walk([s.value for s in k.stores])
+        if isinstance(e, Apply) and e.op is Op.EXP
+    ]
+    assert len(kernels) == 2 and len(exps) == 1
+
+
+def test_probed_extern_strides_are_what_the_call_returns() -> None:
+    # On CUDA, attention and convolution layouts come from one real call (the kernel PyTorch
+    # picks decides them); the probe itself works on any device.
+    from kiln.schedule.loops import Buffer, BufferKind
+    from kiln.schedule.program import View
+    from kiln.schedule.scheduler import _probe_strides
+
+    def q(x: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(x, x.transpose(2, 3).contiguous().transpose(2, 3), x)
+
+    graph = kiln.trace(q, torch.randn(2, 3, 5, 8))
+    (node,) = [n for n in graph.nodes if n.op is Op.SDPA]
+    views = []
+    for strides in ((120, 40, 8, 1), (120, 40, 1, 5), (120, 40, 8, 1)):
+        buffer = Buffer(
+            "b", (2, 3, 5, 8), torch.float32, torch.device("cpu"), BufferKind.INPUT, strides
+        )
+        views.append(View(buffer, buffer.shape, strides, 0))
+    expected = F.scaled_dot_product_attention(
+        *(torch.empty_strided(v.shape, v.strides) for v in views)
+    ).stride()
+    assert _probe_strides(node, [*views, None]) == [expected]
