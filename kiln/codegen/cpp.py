@@ -425,8 +425,8 @@ class _KernelPrinter:
         phases = max((self.phase[id(r)] for r in reduces), default=0)
         has_arg = any(r.kind in {ReduceKind.ARGMAX, ReduceKind.ARGMIN} for r in reduces)
         r_stores = [s for s in kernel.stores if self.per_position(s)]
-        if phases == 1 and not has_arg and self.reads_columns(reduces, r_stores):
-            self.column_reduction(body, reduces)
+        if phases >= 1 and not has_arg and self.reads_columns(reduces, r_stores):
+            self.column_reduction(body, reduces, r_stores, phases)
             return
         split_rows = self.parallel and kernel.xnumel < self.threads and not has_arg
         if self.parallel and not split_rows:
@@ -479,7 +479,7 @@ class _KernelPrinter:
         """Whether the reduced values read memory along columns: some load is contiguous in
         ``x`` and none in ``r`` (a sum over a leading dim), so rows are better reduced a block
         of them at a time, vectorized across ``x``."""
-        if self.kernel.xnumel < 16 or any(self.store_phase(s) for s in r_stores):
+        if self.kernel.xnumel < 16:
             return False
         along_x = along_r = False
         stored = [e for s in r_stores for e in _store_needs(s)]
@@ -490,9 +490,13 @@ class _KernelPrinter:
                 along_r |= coefficients.get(R) == 1
         return along_x and not along_r
 
-    def column_reduction(self, body: _Block, reduces: list[Reduce]) -> None:
-        """Blocks of rows (in parallel), each reduced by one ``r`` loop around a vectorized
-        loop over the block's rows, with one accumulator slot per row; then per-row stores."""
+    def column_reduction(
+        self, body: _Block, reduces: list[Reduce], r_stores: list[Store], phases: int
+    ) -> None:
+        """Blocks of rows (in parallel), each reduced by one ``r`` loop per phase around a
+        vectorized loop over the block's rows, with one accumulator slot per row (a later
+        phase reads an earlier one's result from its slot: a variance's mean); then per-row
+        stores. A BatchNorm's statistics over channels-last ``[N*H*W, C]`` are such columns."""
         kernel, t = self.kernel, self.index_type
         xnumel = kernel.xnumel
         lanes = -(-xnumel // self.threads) if self.parallel else xnumel
@@ -510,32 +514,42 @@ class _KernelPrinter:
         for _, name, initial in variables:
             outer.add(f"  {name}[lane] = {initial};")
         outer.add("}")
-        outer.add(f"for ({t} r = 0; r < {kernel.rnumel}; ++r) {{")
-        per_r = outer.child()
-        stores = [s for s in kernel.stores if self.per_position(s)]
-        self.x_loop(per_r, stores, accumulators, finish=False)
-        outer.lines += per_r.lines
-        outer.add("}")
-        self.x_loop(outer, [s for s in kernel.stores if s not in stores], accumulators, finish=True)
+        for loop in range(1, phases + 2):
+            updating = [a for a in accumulators if self.phase[id(a.reduce)] == loop]
+            finished = [a for a in accumulators if self.phase[id(a.reduce)] < loop]
+            stores = [s for s in r_stores if self.store_phase(s) + 1 == loop]
+            if not updating and not stores:
+                continue
+            outer.add(f"for ({t} r = 0; r < {kernel.rnumel}; ++r) {{")
+            per_r = outer.child()
+            self.x_loop(per_r, stores, updating, finished)
+            outer.lines += per_r.lines
+            outer.add("}")
+        row_stores = [s for s in kernel.stores if s not in r_stores]
+        self.x_loop(outer, row_stores, [], accumulators)
         body.lines += outer.lines
         body.add("}")
 
     def x_loop(
-        self, block: _Block, stores: list[Store], accumulators: list[_Accumulator], finish: bool
+        self,
+        block: _Block,
+        stores: list[Store],
+        updating: list[_Accumulator],
+        finished: list[_Accumulator],
     ) -> None:
-        """A vectorized loop over the rows ``x0 <= x < x1`` of a block: inside the ``r`` loop
-        it updates the accumulators; with ``finish`` it reads their results instead. Then it
-        runs ``stores``."""
+        """A vectorized loop over the rows ``x0 <= x < x1`` of a block: it reads the results of
+        the ``finished`` accumulators, updates the ``updating`` ones (inside an ``r`` loop),
+        then runs ``stores``."""
         block.add("#pragma omp simd")
         block.add(f"for ({self.index_type} x = x0; x < x1; ++x) {{")
         inner = block.child()
-        for acc in accumulators if finish else []:
+        for acc in finished:
             ctype = compute_type(acc.reduce.dtype)
             inner.add(f"const {ctype} {self.name(acc.reduce)} = {acc.result('[x - x0]')};")
             inner.defined.add(id(acc.reduce))
-        values = [] if finish else [acc.reduce.value for acc in accumulators]
+        values = [acc.reduce.value for acc in updating]
         self.emit(values + [e for s in stores for e in _store_needs(s)], inner)
-        for acc in [] if finish else accumulators:
+        for acc in updating:
             for line in acc.update(self.operand(acc.reduce.value), "[x - x0]"):
                 inner.add(line)
         for store in stores:

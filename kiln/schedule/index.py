@@ -17,6 +17,7 @@ division; ``(e // a) // b == e // (a*b)``; and ``c*k*(e // k) + c*(e % k) == c*e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -224,6 +225,10 @@ def floordiv(index: Index, divisor: int) -> Index:
         return _make(whole, rest.const // divisor)
     if low < 0:
         raise ValueError(f"floor division of a possibly negative index {index}")
+    factored = _factor(index, divisor)
+    if factored is not None:
+        major, _, factor = factored
+        return floordiv(major, divisor // factor)
     if len(index.terms) == 1 and index.const == 0 and index.terms[0][1] == 1:
         atom = index.terms[0][0]
         if isinstance(atom, FloorDiv):
@@ -242,7 +247,29 @@ def mod(index: Index, divisor: int) -> Index:
         return kept
     if bounds(index)[0] < 0:
         raise ValueError(f"modulo of a possibly negative index {index}")
+    factored = _factor(kept, divisor)
+    if factored is not None:
+        major, minor, factor = factored
+        return mod(major, divisor // factor) * factor + minor
     return Index(((Mod(kept, divisor), 1),))
+
+
+def _factor(index: Index, divisor: int) -> tuple[Index, Index, int] | None:
+    """``(major, minor, g)`` with ``index == g * major + minor``, ``g > 1`` dividing
+    ``divisor`` and ``0 <= minor < g``: then ``index // divisor == major // (divisor // g)``
+    and ``index % divisor == g * (major % (divisor // g)) + minor``. A channels-last row of
+    64 read as ``(64*r + x) // 1024`` with ``x < 64`` is ``r // 16``."""
+    candidates = sorted({math.gcd(divisor, abs(c)) for _, c in index.terms}, reverse=True)
+    for factor in candidates:
+        if factor <= 1:
+            break
+        major_terms = tuple((a, c // factor) for a, c in index.terms if c % factor == 0)
+        minor_terms = tuple((a, c) for a, c in index.terms if c % factor != 0)
+        minor = Index(minor_terms, index.const % factor)
+        low, high = bounds(minor)
+        if major_terms and low >= 0 and high < factor:
+            return Index(major_terms, index.const // factor), minor, factor
+    return None
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -789,3 +789,33 @@ def test_column_reductions_vectorize_across_rows(rows: int, cols: int) -> None:
     assert_close(tensors["mean"], g_.mean(0), 1e-5, 1e-5)
     assert_close(tensors["peak"], (g_ * y_).amax(0), 0, 0)
     assert_close(tensors["twice"], g_ * 2, 0, 0)
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(20, 7), (300, 77)])
+def test_column_reductions_with_phases(rows: int, cols: int) -> None:
+    """Normalization along columns (a BatchNorm's statistics over channels-last ``[N*H*W, C]``):
+    the sum, then the centered sum of squares that reads the mean, then the normalized
+    values, each phase one ``r`` loop over a block of rows side by side."""
+    x, r = var("x", rows), var("r", cols)
+    at = r * rows + x  # "in" is [cols, rows]: the rows x are contiguous
+    value = load(buffer("in", (cols, rows), F32), at)
+    mean = apply(Op.DIV, Reduce(F32, ReduceKind.SUM, value), const(float(cols)))
+    centered = apply(Op.SUB, value, mean)
+    squares = Reduce(F32, ReduceKind.SUM, apply(Op.MUL, centered, centered))
+    rstd = apply(Op.RSQRT, apply(Op.ADD, apply(Op.DIV, squares, const(float(cols))), const(1e-5)))
+    stores = [
+        Store(buffer("out", (cols, rows), F32), at, apply(Op.MUL, centered, rstd)),
+        Store(buffer("mean", (rows,), F32), x, mean),
+        Store(buffer("rstd", (rows,), F32), x, rstd),
+        Store(buffer("twice", (cols, rows), F32), at, apply(Op.MUL, value, const(2.0))),
+    ]
+    kernel = Kernel(f"column_norm_{rows}x{cols}", rows, cols, stores)
+    source = generate_cpp([kernel], threads=2)
+    assert "x0 += " in source and source.count("for (int32_t r = 0;") == 3
+    data = torch.randn(cols, rows) * 2 + 1
+    tensors = run(kernel, {"in": data})
+    assert_close(tensors["mean"], data.mean(0), 1e-5, 1e-5)
+    rstd = torch.rsqrt(data.var(0, unbiased=False) + 1e-5)
+    assert_close(tensors["rstd"], rstd, 1e-4, 1e-5)
+    assert_close(tensors["out"], (data - data.mean(0)) * rstd, 1e-4, 1e-4)
+    assert_close(tensors["twice"], data * 2, 0, 0)

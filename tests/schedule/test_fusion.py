@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import kiln
 from kiln.frontends.trace import graph_inputs
 from kiln.ir.interpreter import interpret
-from kiln.passes import optimize
 from kiln.ir.op import Op
+from kiln.passes import optimize
 from kiln.schedule.loops import Apply, Kernel, Reduce, walk
 from kiln.schedule.program import Program
 from kiln.schedule.scheduler import schedule

@@ -104,3 +104,26 @@ def test_indirect_atoms_keep_identity_and_bounds() -> None:
     assert isinstance(atom, Indirect) and coef == 1
     assert ix.bounds(index * 3) == (0, 12)
     assert ix.mod(index, 5) == index
+
+
+def test_division_factors_out_a_common_stride() -> None:
+    # A channels-last row of 64 read through a [.., 1024] view: (64*r + x) with x < 64.
+    r, x = ix.var("r", 2048), ix.var("x", 64)
+    flat = r * 64 + x
+    assert ix.floordiv(flat, 1024) == ix.floordiv(r, 16)
+    assert ix.mod(flat, 1024) == ix.mod(r, 16) * 64 + x
+    # ... and the decomposition recombines into the plain offset.
+    assert ix.floordiv(flat, 1024) * 1024 + ix.mod(flat, 1024) == flat
+    # Not when the low part can reach the factor; every position agrees with integers.
+    y = ix.var("y", 65)
+    assert ix.floordiv(r * 64 + y, 1024) != ix.floordiv(r, 16)
+    for expr in (flat, r * 64 + y, r * 192 + x * 3 + 1):
+        names = sorted(expr.variables())
+        for values in itertools.product(*(range(0, 2048, 61) for _ in names)):
+            env = {
+                n: v % (65 if n == "y" else 64 if n == "x" else 2048)
+                for n, v in zip(names, values, strict=True)
+            }
+            value = evaluate(expr, env)
+            assert evaluate(ix.floordiv(expr, 1024), env) == value // 1024
+            assert evaluate(ix.mod(expr, 1024), env) == value % 1024
