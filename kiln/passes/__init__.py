@@ -14,6 +14,7 @@ from kiln.passes.conv_bn import fold_conv_batchnorm
 from kiln.passes.cse import eliminate_common_subexpressions
 from kiln.passes.dce import eliminate_dead_code
 from kiln.passes.matmul_padding import pad_matmul
+from kiln.passes.matmul_transpose import transpose_matmul
 from kiln.passes.reduction_split import split_reductions
 
 # The pattern rewrites run first, on the graph as the translations wrote it (CSE could give a
@@ -21,6 +22,7 @@ from kiln.passes.reduction_split import split_reductions
 PIPELINE = [
     fuse_attention,
     fold_conv_batchnorm,
+    transpose_matmul,
     pad_matmul,
     split_reductions,
     eliminate_common_subexpressions,
@@ -43,4 +45,5 @@ __all__ = [
     "optimize",
     "pad_matmul",
     "split_reductions",
+    "transpose_matmul",
 ]

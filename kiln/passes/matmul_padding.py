@@ -35,7 +35,7 @@ _DTYPES = (torch.float16, torch.bfloat16)
 DEVICE_TYPES = ("cuda",)  # where cuBLAS's alignment matters (tests add "cpu")
 
 
-def _padding(node: Node) -> tuple[int, int] | None:
+def padding(node: Node) -> tuple[int, int] | None:
     """(K padding, N padding) for a matmul worth padding, else None."""
     if node.op not in (Op.MM, Op.ADDMM):
         return None
@@ -68,7 +68,7 @@ def _pad_last(value: Value, amount: int, dim: int) -> Value:
 
 
 def _emit(node: Node, builder: GraphBuilder) -> None:
-    pad_k, pad_n = _padding(node) or (0, 0)
+    pad_k, pad_n = padding(node) or (0, 0)
     a, b = node.inputs[-2], node.inputs[-1]
     assert isinstance(a, Value) and isinstance(b, Value)
     n = concrete_shape(b.type.shape)[1]
@@ -92,5 +92,5 @@ def _emit(node: Node, builder: GraphBuilder) -> None:
 
 def pad_matmul(graph: Graph) -> Graph:
     """``graph`` with misaligned 16-bit GPU matmuls padded to multiples of 8."""
-    chosen = {node for node in graph.nodes if _padding(node) is not None}
+    chosen = {node for node in graph.nodes if padding(node) is not None}
     return rewrite_nodes(graph, chosen, _emit)
