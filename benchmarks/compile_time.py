@@ -15,8 +15,7 @@ import torch
 import kiln
 import kiln.runtime.triton_build as triton_build
 from kiln.backends.kiln import RECORDERS
-from kiln.bench.models import MODELS
-from kiln.bench.worker import _step
+from kiln.bench.worker import prepare
 
 
 def main() -> None:
@@ -27,11 +26,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.no_precompile:
         triton_build.precompile = lambda *a, **k: None  # type: ignore[assignment]
-    spec = MODELS[args.model]
-    workload = spec.build(spec.batch)
-    model = workload.model.cuda().train(args.mode == "train")
-    inputs = tuple(t.cuda() for t in workload.make_input(torch.Generator().manual_seed(0)))
-    step = _step(args.mode, torch.device("cuda"), torch.bfloat16, list(model.parameters()))
+    model, inputs, step = prepare(args.model, args.mode, torch.device("cuda"))
     records: list = []
     RECORDERS.append(records)
     compiled = kiln.compile(model)

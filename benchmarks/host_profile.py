@@ -16,8 +16,7 @@ import time
 import torch
 
 import kiln
-from kiln.bench.models import MODELS
-from kiln.bench.worker import _step
+from kiln.bench.worker import prepare
 
 
 def main() -> None:
@@ -28,12 +27,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    spec = MODELS[args.model]
-    torch.manual_seed(0)
-    workload = spec.build(spec.batch)
-    model = workload.model.to(device).train(args.mode == "train")
-    inputs = tuple(t.to(device) for t in workload.make_input(torch.Generator().manual_seed(0)))
-    step = _step(args.mode, device, torch.bfloat16, list(model.parameters()))
+    model, inputs, step = prepare(args.model, args.mode, device)
     run = kiln.compile(model)
     for _ in range(4):
         step(run, inputs)

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 import kiln
-from kiln.bench.models import MODELS
-from kiln.bench.worker import _step
+from kiln.bench.worker import prepare
 
 MIB = 1 << 20
 
@@ -62,12 +61,7 @@ def _peak(step: Callable[[], Any]) -> int:
 
 
 def report(name: str, mode: str, top: int) -> None:
-    spec = MODELS[name]
-    torch.manual_seed(0)
-    workload = spec.build(spec.batch)
-    model = workload.model.cuda().train(mode == "train")
-    inputs = tuple(t.cuda() for t in workload.make_input(torch.Generator().manual_seed(0)))
-    step = _step(mode, torch.device("cuda"), torch.bfloat16, list(model.parameters()))
+    model, inputs, step = prepare(name, mode, torch.device("cuda"))
     compiled = kiln.compile(model)
     for _ in range(2):
         step(model, inputs)

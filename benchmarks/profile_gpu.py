@@ -19,8 +19,7 @@ import torch
 
 import kiln
 from kiln.backends.kiln import RECORDERS
-from kiln.bench.models import MODELS
-from kiln.bench.worker import _step
+from kiln.bench.worker import prepare
 
 STEPS = 5
 
@@ -42,12 +41,7 @@ def kind_of(name: str) -> str:
 
 
 def profile(name: str, compiler: str, mode: str, top: int) -> None:
-    spec = MODELS[name]
-    torch.manual_seed(0)
-    workload = spec.build(spec.batch)
-    model = workload.model.cuda().train(mode == "train")
-    inputs = tuple(t.cuda() for t in workload.make_input(torch.Generator().manual_seed(0)))
-    step = _step(mode, torch.device("cuda"), torch.bfloat16, list(model.parameters()))
+    model, inputs, step = prepare(name, mode, torch.device("cuda"))
     if compiler == "kiln":
         run = kiln.compile(model)
     elif compiler == "torch":

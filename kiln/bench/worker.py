@@ -172,6 +172,19 @@ def _step(mode: str, device: torch.device, dtype: torch.dtype, params: list[nn.P
     return infer if mode == "infer" else train
 
 
+def prepare(
+    name: str, mode: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> tuple[nn.Module, tuple[torch.Tensor, ...], Step]:
+    """A suite model (seeded, its suite batch) on ``device`` in ``mode``, its first input set
+    and its benchmark step: the setup of the scripts in ``benchmarks/``."""
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    workload = spec.build(spec.batch)
+    model = workload.model.to(device).train(mode == "train")
+    inputs = tuple(t.to(device) for t in workload.make_input(torch.Generator().manual_seed(0)))
+    return model, inputs, _step(mode, device, dtype, list(model.parameters()))
+
+
 def _first_call(job: Job, model: nn.Module, step: Step, inputs: list[Any]) -> Callable[..., Any]:
     """Compile ``model`` and run the first step (what the first-call column times)."""
     runner: Callable[..., Any] = model
