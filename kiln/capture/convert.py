@@ -292,8 +292,21 @@ class GraphRunner:
         if self.mutated:
             with torch.no_grad():
                 for index, new in zip(self.mutated, results[self.count :], strict=True):
-                    inputs[index].copy_(new)
+                    if not _same_memory(inputs[index], new):  # else written in place
+                        inputs[index].copy_(new)
         return results
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` is ``a``'s memory with ``a``'s layout (a backend wrote it in place; an
+    autograd Function returns such an input as a view of it)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.device == b.device
+    )
 
 
 # --- plans: how the head ends -------------------------------------------------------------

@@ -98,6 +98,8 @@ class Wrapper:
 
     def _kernel(self, kernel: Kernel) -> None:
         for buffer in kernel.writes():
+            if buffer.kind is BufferKind.INPUT:
+                continue  # a mutated input written in place
             previous = self.program.reuses.get(id(buffer))
             if previous is not None:
                 old = self.name(previous)

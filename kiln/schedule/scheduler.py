@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.ir.graph import Graph, InputKind, Node, Origin, Value
-from kiln.ir.op import Op, op_def
+from kiln.ir.op import Op, Tag, op_def
 from kiln.ops.externs import convolution_backward, sdpa_backward
 from kiln.schedule import index as ix
 from kiln.schedule.index import Index
@@ -141,6 +141,7 @@ class Scheduler:
             self.producer[value] = -1
         self.needs_memory = self._values_needing_memory()
         self.sinks, self.reads = self._read_sites()
+        self.in_place = self._in_place_mutations()
 
     # -- decisions ----------------------------------------------------------------------------
 
@@ -153,6 +154,61 @@ class Scheduler:
             if node.op in VIEW_OPS and node.output in needed:
                 needed.update(node.input_values())
         return needed
+
+    def _in_place_mutations(self) -> dict[Value, Value]:
+        """New values of mutated inputs that a kernel can store into the input itself (new
+        value -> input): when every reader of the old value is elementwise work of the same
+        shape that ends only in the new value (a BatchNorm's running mean, ``0.9 * rm + 0.1 *
+        mean``), each element is read by the kernel that writes it, at the same position, or
+        by an earlier kernel. The write-back copy (159 launches a ResNet-50 training step)
+        then has nothing to do."""
+        outputs = set(self.graph.outputs)
+        result: dict[Value, Value] = {}
+        for target, new in self.graph.mutations:
+            layout = self.layouts.get(target)
+            node = new.node
+            if (
+                layout is None
+                or target in outputs
+                or new in outputs
+                or node is None
+                or not self._in_kernels(node)
+                or node.op in REDUCE_KINDS
+                or node.op in VIEW_OPS
+                or new.type.dtype != target.type.dtype
+                or shape_of(new) != shape_of(target)
+                or not is_dense(layout)
+                or 0 in layout.strides
+            ):
+                continue
+            if self._only_feeds(target, new, outputs):
+                result[new] = target
+        return result
+
+    def _only_feeds(self, start: Value, end: Value, outputs: set[Value]) -> bool:
+        """Whether every path from ``start`` through its readers is same-shaped elementwise
+        work reaching ``end`` and nothing else."""
+        shape = shape_of(start)
+        stack, seen = [start], {start}
+        while stack:
+            current = stack.pop()
+            if current is end:
+                continue
+            users = self.users.get(current, ())
+            if not users or (current is not start and current in outputs):
+                return False
+            for user in users:
+                if (
+                    len(user.outputs) != 1
+                    or Tag.ELEMENTWISE not in op_def(user.op).tags
+                    or not self._in_kernels(user)
+                    or shape_of(user.output) != shape
+                ):
+                    return False
+                if user.output not in seen:
+                    seen.add(user.output)
+                    stack.append(user.output)
+        return True
 
     def _in_kernels(self, node: Node) -> bool:
         if node.op in EXTERN_OPS or not lowerable(node.op):
@@ -444,6 +500,12 @@ class Scheduler:
         return device == "cuda" or (device == "cpu" and not self._has_batch_statistics)
 
     def _store_in(self, group: Group, value: Value) -> None:
+        target = self.in_place.get(value)
+        if target is not None:  # the mutated input itself (see _in_place_mutations)
+            self.buffers[value] = self.layouts[target].buffer
+            self.layouts[value] = self.layouts[target]
+            self.producer[value] = group.position
+            return
         shape = shape_of(value)
         strides = ix.contiguous_strides(shape)
         if group.rows is None and shape == group.shape:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -206,3 +207,59 @@ def test_probed_extern_strides_are_what_the_call_returns() -> None:
         *(torch.empty_strided(v.shape, v.strides) for v in views)
     ).stride()
     assert _probe_strides(node, [*views, None]) == [expected]
+
+
+def _mutated_program(fn: Callable[..., Any], *args: Any) -> Program:
+    graph = optimize(kiln.trace(fn, *args))
+    return schedule(graph, graph_inputs(graph, fn, *args))
+
+
+def test_a_running_statistic_is_written_into_its_input() -> None:
+    def update(stat: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        stat.mul_(0.9).add_(batch.mean(0), alpha=0.1)
+        return batch * 2
+
+    program = _mutated_program(update, torch.randn(6), torch.randn(4, 6))
+    written = {id(s.buffer) for k in program.kernels() for s in k.stores}
+    (stat_buffer,) = [b for b in program.inputs if b.shape == (6,)]
+    assert id(stat_buffer) in written  # the new value is stored into the input itself
+    assert program.outputs[-1].buffer is stat_buffer
+
+
+def test_a_mutation_read_elsewhere_or_shifted_is_not_written_in_place() -> None:
+    # The old value feeds a reduction (another kernel) or is read at other positions (flip)
+    # in the kernel that writes it: writing in place would let readers see new values.
+    def summed(x: torch.Tensor) -> torch.Tensor:
+        total = x.sum()
+        x.mul_(2)
+        return total
+
+    def flipped(x: torch.Tensor) -> torch.Tensor:
+        x.add_(x.flip(0))
+        return x.sum()
+
+    for fn in (summed, flipped):
+        program = _mutated_program(fn, torch.randn(8))
+        written = {id(s.buffer) for k in program.kernels() for s in k.stores}
+        assert not written & {id(b) for b in program.inputs}, fn.__name__
+
+
+@pytest.mark.parametrize("codegen", ["cpp", "triton", "evaluate"])
+def test_in_place_mutations_match_eager(codegen: str, monkeypatch: Any) -> None:
+    from kiln.config import config
+
+    monkeypatch.setattr(config, "codegen", codegen)
+
+    def step(x: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
+        stat.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        x.add_(x.flip(0))
+        return x.sum(0) + stat
+
+    x, stat = torch.randn(5, 7), torch.randn(7)
+    x2, stat2 = x.clone(), stat.clone()
+    compiled = kiln.compile(step)
+    for _ in range(3):
+        got, want = compiled(x, stat), step(x2, stat2)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(x, x2)
+        torch.testing.assert_close(stat, stat2)
