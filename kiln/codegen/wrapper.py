@@ -18,6 +18,7 @@ The source is readable and dumped to the debug directory with the kernels.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import linecache
 from collections.abc import Callable, Sequence
@@ -25,7 +26,8 @@ from typing import Any
 
 import torch
 
-from kiln.ir.op import op_def
+from kiln.ir.op import Op, op_def
+from kiln.ops.externs import extern_runner
 from kiln.schedule.loops import Buffer, BufferKind, Kernel
 from kiln.schedule.program import ExternCall, Program, View, kernel_arguments
 
@@ -146,12 +148,15 @@ def extern_function(
     """Runs the node's reference implementation and lays its results out as the kernels that
     read them expect: when PyTorch chose other strides than the schedule assumed, a copy, and
     ``on_layout(node, strides)`` so the next compilation assumes what PyTorch does."""
-    impl = op_def(call.node.op).impl
     attrs = call.node.attrs
+    if call.node.op is Op.EXTERN:
+        bound = extern_runner(attrs)
+    else:
+        bound = functools.partial(op_def(call.node.op).impl, attrs)
     layouts = [(b.shape, b.strides) for b in call.outputs]
 
     def run(*operands: Any) -> list[torch.Tensor]:
-        result = impl(attrs, *operands)
+        result = bound(*operands)
         results = result if isinstance(result, tuple) else (result,)
         if all(_same_layout(t, *layout) for t, layout in zip(results, layouts, strict=True)):
             return list(results)

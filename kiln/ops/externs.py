@@ -23,6 +23,7 @@ module-level function of this file (:func:`convolution_backward`, :func:`sdpa_ba
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -643,6 +644,8 @@ def _call(attrs: ExternAttrs, *operands: Any) -> Any:
 
 def _output_tensors(fn: Callable[..., Any], result: Any) -> list[torch.Tensor]:
     """The tensors of ``result``, flattened; anything else cannot be a graph value."""
+    if type(result) is tuple and result and all(type(t) is torch.Tensor for t in result):
+        return list(result)  # the common case, without pytree (tens of us a call)
     leaves = pytree.tree_leaves(result)
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
@@ -660,6 +663,36 @@ def _extern(attrs: ExternAttrs, *operands: Any) -> torch.Tensor | tuple[torch.Te
     if isinstance(result, torch.Tensor):
         return result
     return tuple(_output_tensors(attrs.fn, result))
+
+
+def extern_runner(attrs: ExternAttrs) -> Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]:
+    """``_extern`` bound to one ``attrs``, for the host program's hot path: when every Slot is
+    a top-level argument or keyword (``convolution_backward(Slot(0), Slot(1), ...)``), the
+    call is built by position instead of mapping pytree over the arguments, which cost 27 us a
+    call against 9 us for a tiny ``convolution_backward`` itself (CPU)."""
+    fn, args, kwargs = attrs.fn, list(attrs.args), dict(attrs.kwargs)
+    arg_slots = [(i, a.index) for i, a in enumerate(args) if isinstance(a, Slot)]
+    kwarg_slots = [(k, v.index) for k, v in kwargs.items() if isinstance(v, Slot)]
+    leaves = pytree.tree_leaves((tuple(args), kwargs))
+    if sum(isinstance(leaf, Slot) for leaf in leaves) != len(arg_slots) + len(kwarg_slots):
+        return functools.partial(_extern, attrs)  # Slots nested in containers
+    count = 1 + max((index for _, index in arg_slots + kwarg_slots), default=-1)
+
+    def run(*operands: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if len(operands) < count:
+            raise IndexError(f"extern: Slot({count - 1}) with {len(operands)} operand(s)")
+        call_args = args.copy()
+        for position, index in arg_slots:
+            call_args[position] = operands[index]
+        call_kwargs = kwargs
+        if kwarg_slots:
+            call_kwargs = {**kwargs, **{key: operands[index] for key, index in kwarg_slots}}
+        result = fn(*call_args, **call_kwargs)
+        if isinstance(result, torch.Tensor):
+            return result
+        return tuple(_output_tensors(fn, result))
+
+    return run
 
 
 def extern_call(

@@ -141,3 +141,28 @@ def test_extern_call_rebuilds_the_result_structure() -> None:
     want = [*torch.aminmax(x_value, dim=1), want_cat, *torch.split(want_cat, 4)]
     for actual, expected in zip(got, want, strict=True):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_extern_runner_calls_like_the_row_impl() -> None:
+    # The host program's bound extern call: Slots filled by position (top level) or through
+    # the general path (nested), same results and errors as the row's impl.
+    from kiln.ops.attrs import ExternAttrs, Slot
+    from kiln.ops.externs import extern_runner
+
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    cases = [
+        ExternAttrs(torch.add, (Slot(0), Slot(1)), {"alpha": 2.0}),
+        ExternAttrs(torch.add, (Slot(1),), {"other": Slot(0)}),
+        ExternAttrs(torch.aminmax, (Slot(0),), {"dim": 1}),
+        ExternAttrs(torch.cat, ([Slot(0), Slot(1)],), {"dim": 0}),
+    ]
+    impl = op_def(Op.EXTERN).impl
+    for attrs in cases:
+        got, want = extern_runner(attrs)(a, b), impl(attrs, a, b)
+        got_list = [got] if isinstance(got, torch.Tensor) else list(got)
+        want_list = [want] if isinstance(want, torch.Tensor) else list(want)
+        assert len(got_list) == len(want_list)
+        for g, w in zip(got_list, want_list, strict=True):
+            torch.testing.assert_close(g, w)
+    with pytest.raises(IndexError, match="Slot"):
+        extern_runner(cases[0])(a)
