@@ -442,6 +442,63 @@ def sdpa_backward(
         return tuple(_autograd([out], leaves, [grad]))
 
 
+def sdpa_cpu_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention by PyTorch's CPU flash kernel, the one ``F.scaled_dot_product_attention``
+    picks there (``passes.attention_statistics`` checks), and its per-row log-sum-exp, which
+    lets the backward call the kernel's own backward (:func:`sdpa_cpu_backward`) instead of
+    re-running the forward under autograd. ``enable_gqa`` is never set here (the pass keeps
+    those graphs on the general path)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = op(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return out, lse
+
+
+def sdpa_cpu_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k and v of :func:`sdpa_cpu_forward`, by the flash kernel's
+    backward, from the forward's output and log-sum-exp (what eager autograd saves)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    gq, gk, gv = op(grad, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return gq, gk, gv
+
+
+def _sdpa_cpu_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+    def operand(arg: Any) -> Any:
+        return inputs[arg.index] if isinstance(arg, Slot) else arg
+
+    q, k, v, mask = (operand(arg) for arg in attrs.args[:4])
+    out, lse = outputs
+    results = extern_call(sdpa_cpu_backward, (grads[0], q, k, v, mask, out, lse), attrs.kwargs)
+    spread: list[Any] = [None] * len(inputs)
+    for arg, grad in zip(attrs.args[:3], results, strict=True):
+        if isinstance(arg, Slot):  # q, k and v may share a slot (the same tensor)
+            previous = spread[arg.index]
+            spread[arg.index] = grad if previous is None else prims.add(previous, grad)
+    return tuple(spread)
+
+
+# Externs with a VJP of their own (the general one re-runs the function under autograd).
+EXTERN_VJPS: dict[Callable[..., Any], Callable[..., Grads]] = {sdpa_cpu_forward: _sdpa_cpu_vjp}
+
+
 def _sdpa_vjp(attrs: SdpaAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
     wanted = tuple(_needs_grad(item) for item in inputs)
     results = extern_call(sdpa_backward, (grads[0], *inputs, wanted), _fields(attrs))
@@ -740,6 +797,9 @@ def extern_backward(
 
 
 def _extern_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+    own = EXTERN_VJPS.get(attrs.fn)
+    if own is not None:
+        return own(attrs, inputs, outputs, grads)
     # attrs travels whole, a leaf to extern_call: its Slots index ``inputs``, not the new node.
     results = extern_call(extern_backward, (attrs, list(inputs), list(grads)))
     return _spread(inputs, results)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kiln.ir.graph import Graph
 from kiln.passes.attention import fuse_attention
+from kiln.passes.attention_statistics import keep_attention_statistics
 from kiln.passes.conv_bn import fold_conv_batchnorm
 from kiln.passes.cse import eliminate_common_subexpressions
 from kiln.passes.dce import eliminate_dead_code
@@ -21,6 +22,7 @@ from kiln.passes.reduction_split import split_reductions
 # pattern's values extra readers); CSE and DCE then clean up after them.
 PIPELINE = [
     fuse_attention,
+    keep_attention_statistics,
     fold_conv_batchnorm,
     transpose_matmul,
     pad_matmul,
@@ -42,6 +44,7 @@ __all__ = [
     "eliminate_dead_code",
     "fold_conv_batchnorm",
     "fuse_attention",
+    "keep_attention_statistics",
     "optimize",
     "pad_matmul",
     "split_reductions",

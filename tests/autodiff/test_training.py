@@ -235,10 +235,15 @@ def test_explain_reports_saved_values() -> None:
         assert not kiln.explain(layer, x, w).saved  # inference keeps nothing
 
 
-def test_attention_backward_asks_only_for_the_gradients_it_needs() -> None:
+def test_attention_backward_asks_only_for_the_gradients_it_needs(monkeypatch: Any) -> None:
     """A mask that needs no gradient is not made a grad leaf in the backward's re-run (that
-    would rule out PyTorch's flash and cuDNN kernels); q, k and v still get eager's grads."""
+    would rule out PyTorch's flash and cuDNN kernels); q, k and v still get eager's grads.
+    (The general rule: on the CPU the flash kernel's own backward is used where it applies,
+    tested below, so it is turned off here.)"""
+    import kiln.passes.attention_statistics as statistics
     from kiln.ops.externs import sdpa_backward
+
+    monkeypatch.setattr(statistics, "_flash_is_eagers_choice", lambda node: False)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> Any:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
@@ -280,3 +285,35 @@ def test_convolution_backward_skips_gradients_nobody_needs() -> None:
         n for n in backward.nodes if n.op.name == "EXTERN" and n.attrs.fn is convolution_backward
     ]
     assert call.attrs.args[4] == (False, True) and len(call.outputs) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_backward_is_the_flash_kernels_own(dtype: torch.dtype) -> None:
+    """On the CPU the forward keeps the flash kernel's log-sum-exp and the backward is the
+    kernel's backward: attention's forward runs once a step, not again in the backward; the
+    gradients are eager's (the same kernels). q, k and v may be one tensor."""
+    from kiln.ops.externs import sdpa_backward, sdpa_cpu_backward, sdpa_cpu_forward
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return causal + F.scaled_dot_product_attention(q, q, q, scale=0.3)
+
+    q, k, v = (torch.randn(2, 3, 6, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    compiled = kiln.compile(attend, options={"strict": True})
+    got = _grads(compiled, q, k, v)
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+    for a, b in zip(got, _grads(attend, q, k, v), strict=True):
+        torch.testing.assert_close(a, b, **tolerance)
+    graph = _training_graph(compiled)
+    forward = [n for n in graph.plan.forward.nodes if n.op.name == "EXTERN"]
+    backward = [n for n in graph.plan.backward.nodes if n.op.name == "EXTERN"]
+    assert [n.attrs.fn for n in forward] == [sdpa_cpu_forward] * 2
+    assert [n.attrs.fn for n in backward] == [sdpa_cpu_backward] * 2
+    assert not any(n.attrs.fn is sdpa_backward for n in backward)
+    # Inference keeps the plain SDPA: only attention that will be differentiated changes.
+    from kiln.passes import optimize
+
+    for tensors, externs in (((q, k, v), 2), ((q.detach(), k.detach(), v.detach()), 0)):
+        graph_ = optimize(kiln.trace(attend, *tensors))
+        assert len([n for n in graph_.nodes if n.op.name == "EXTERN"]) == externs
+        assert len([n for n in graph_.nodes if n.op.name == "SDPA"]) == 2 - externs

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import kiln
 from kiln.ir import Graph, InputKind, Op, interpret, verify
+from kiln.ops.externs import sdpa_cpu_forward
 from kiln.passes import fuse_attention, optimize
 
 B, H, L, S, D = 2, 3, 4, 5, 8
@@ -127,7 +128,10 @@ def test_finite_mask_needs_no_nan_rows() -> None:
 def test_pipeline_fuses_and_keeps_gradients() -> None:
     q, k, v = (t.requires_grad_() for t in _qkv())
     graph = verify(optimize(kiln.trace(_by_mul, q, k, v)))
-    assert _ops(graph) == [Op.SDPA] and graph.outputs[0].type.requires_grad
+    # Fused into SDPA, which the CPU's differentiated graphs run as the flash kernel keeping
+    # its log-sum-exp (passes.attention_statistics).
+    assert _ops(graph) == [Op.EXTERN] and graph.nodes[0].attrs.fn is sdpa_cpu_forward
+    assert graph.outputs[0].type.requires_grad
 
 
 def _with_probabilities(q: Any, k: Any, v: Any) -> Any:
