@@ -53,6 +53,10 @@ RECOMPUTE_LIMIT = 6  # a value several kernels read is stored once it costs more
 # has compute to spare in memory-bound kernels: ResNet-50's BatchNorm, ReLU and 3x3 max pool
 # are one kernel there. A CPU recomputing the BatchNorm 9 times was 1.5x slower than storing it.
 STENCIL_LIMIT = (32, 128)
+# Ops per element a value read by several kernels may cost and still be recomputed in each
+# when that reads no more memory than storing it would (CPU, GPU): on the CPU a transcendental
+# recomputed costs about what the saved write and read do, so only cheap arithmetic goes.
+TRAFFIC_RECOMPUTE_LIMIT = (8, 128)
 COST_CAP = 1 << 12  # costs and read counts saturate here
 TRANSCENDENTAL = frozenset({Op.EXP, Op.LOG, Op.TANH, Op.ERF, Op.POW, Op.SIN, Op.COS})
 MAX_MEMBERS = 16  # values one kernel may compute and store
@@ -293,15 +297,48 @@ class Scheduler:
 
     def _costs_too_much_inlined(self, value: Value) -> bool:
         """Whether ``value`` is better stored once than recomputed by its readers: when
-        consumers in several kernels would each recompute more than ``RECOMPUTE_LIMIT`` ops,
-        or one consumer reads so many positions of it (a pooling window) that the recomputed
-        ops pass ``STENCIL_LIMIT``. Readers in one kernel at one position compute it once."""
+        consumers in several kernels would each recompute more than ``RECOMPUTE_LIMIT`` ops
+        and recomputing would read more memory than storing (or cost more than
+        ``TRAFFIC_RECOMPUTE_LIMIT``), or one consumer reads so many positions of it (a pooling
+        window) that the recomputed ops pass ``STENCIL_LIMIT``. Readers in one kernel at one
+        position compute it once."""
         cost = self.inline_cost(value)
+        limit = STENCIL_LIMIT[value.type.device.type == "cuda"]
         several = len(self.users.get(value, ())) > 1 and len(self.sinks[value]) > 1
-        if several and cost > RECOMPUTE_LIMIT:
+        # Stored, a value costs a write, and each kernel a read. Recomputed, it costs each
+        # kernel the reads of its full-size operands: with at most one, no more traffic than
+        # reading it back, and the write is saved (a BatchNorm backward's centered values,
+        # recomputed from the saved input instead of stored and reloaded).
+        traffic_limit = TRAFFIC_RECOMPUTE_LIMIT[value.type.device.type == "cuda"]
+        if (
+            several
+            and cost > RECOMPUTE_LIMIT
+            and (self._full_size_operands(value) > 1 or cost > traffic_limit)
+        ):
             return True
         reads = self.reads[value]
-        return reads > 1 and reads * cost > STENCIL_LIMIT[value.type.device.type == "cuda"]
+        return reads > 1 and reads * cost > limit
+
+    def _full_size_operands(self, value: Value) -> int:
+        """How many values in memory of ``value``'s own size its inlined expression reads
+        (per-channel statistics and weights broadcast to it do not count: they are small)."""
+        numel = _numel(shape_of(value))
+        found: set[int] = set()  # buffers (a broadcast view of a small one does not count)
+        stack, seen = [value], {value}
+        while stack:
+            current = stack.pop()
+            layout = self.layouts.get(current)
+            if layout is not None:
+                if layout.buffer.numel >= numel:
+                    found.add(id(layout.buffer))
+                continue
+            if current.node is None:
+                continue
+            for operand in current.node.input_values():
+                if operand not in seen:
+                    seen.add(operand)
+                    stack.append(operand)
+        return len(found)
 
     def _feeds_other_rows(self, value: Value) -> bool:
         """Whether every user of ``value`` reduces it over rows of its own (a cross-entropy's

@@ -263,3 +263,24 @@ def test_in_place_mutations_match_eager(codegen: str, monkeypatch: Any) -> None:
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(x, x2)
         torch.testing.assert_close(stat, stat2)
+
+
+def test_a_value_two_kernels_read_is_recomputed_when_that_moves_no_more_data() -> None:
+    # centered feeds sums over rows and over columns: two kernels. Reading one full-size
+    # operand (x), recomputing it in the second kernel reads x instead of reading back a
+    # stored copy, and saves the copy's write: nothing full-size is stored. With two
+    # full-size operands (x and y), recomputing would read more than the copy: stored.
+    def one(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        centered = (((x - m) * s * 3 + 1) * 2 - 1) * 5 + 2  # 8 ops
+        return centered.sum(0), centered.sum(1)
+
+    def two(x: torch.Tensor, y: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        centered = (((x - m) * y * 3 + 1) * 2 - 1) * 5 + 2
+        return centered.sum(0), centered.sum(1)
+
+    x, y, m, s = torch.randn(6, 10), torch.randn(6, 10), torch.randn(10), torch.randn(10)
+    for fn, args, stored in ((one, (x, m, s), 0), (two, (x, y, m), 1)):
+        program = scheduled(fn, *args)
+        assert len(program.kernels()) == 2, fn.__name__
+        full = [st for k in program.kernels() for st in k.stores if st.buffer.shape == (6, 10)]
+        assert len(full) == stored, fn.__name__
