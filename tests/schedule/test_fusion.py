@@ -4,6 +4,7 @@ reference interpreter."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -284,3 +285,34 @@ def test_a_value_two_kernels_read_is_recomputed_when_that_moves_no_more_data() -
         assert len(program.kernels()) == 2, fn.__name__
         full = [st for k in program.kernels() for st in k.stores if st.buffer.shape == (6, 10)]
         assert len(full) == stored, fn.__name__
+
+
+@pytest.mark.parametrize("codegen", ["triton", "cpp"])
+def test_gpu_fusion_limits_compile_and_match_eager(codegen: str, monkeypatch: Any) -> None:
+    # The GPU's budgets (BatchNorm + ReLU + max pool as one kernel; values read by several
+    # kernels recomputed up to 128 ops) through the generators CI can run (Triton's
+    # interpreter, C++), forward and backward, against eager.
+    import kiln.schedule.scheduler as scheduler
+    from kiln.config import config
+
+    monkeypatch.setattr(scheduler, "STENCIL_LIMIT", (128, 128))
+    monkeypatch.setattr(scheduler, "TRAFFIC_RECOMPUTE_LIMIT", (128, 128))
+    monkeypatch.setattr(config, "codegen", codegen)
+    torch.manual_seed(0)
+    stem = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(3, 2, 1),
+        torch.nn.Conv2d(8, 4, 1),
+    )
+    x = torch.randn(2, 3, 9, 10)
+    reference = copy.deepcopy(stem)
+    compiled = kiln.compile(stem)
+    for run in (reference, compiled):
+        run(x).square().mean().backward()
+    for got, want in zip(stem.parameters(), reference.parameters(), strict=True):
+        assert got.grad is not None and want.grad is not None
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+    for got, want in zip(stem.buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(got, want)
