@@ -1,12 +1,13 @@
 """The op registry rows and the torch-API translations.
 
 Input: nothing. Output: registry rows for every :class:`~kiln.ir.Op` (``elementwise``,
-``reductions``, ``movement``, ``indexing``, ``creation``, ``externs``) and the translation
-table from torch callables to prims (``kiln.ops.translations``). Importing this package
-registers everything.
+``reductions``, ``movement``, ``indexing``, ``creation``, ``externs``, ``attention``) and the
+translation table from torch callables to prims (``kiln.ops.translations``). Importing this
+package registers everything.
 """
 
 from kiln.ops import (  # noqa: F401  (importing registers the rows)
+    attention,
     creation,
     elementwise,
     externs,

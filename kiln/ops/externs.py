@@ -46,7 +46,6 @@ from kiln.ops.attrs import (
     CumsumAttrs,
     ExternAttrs,
     GemmAttrs,
-    SdpaAttrs,
     Slot,
     SortAttrs,
     TopkAttrs,
@@ -134,7 +133,7 @@ def meta_by_running(op: Op, impl: ImplFn, *, fake: bool = False) -> MetaFn:
     return meta
 
 
-def _check_floats(op: Op, *operands: torch.Tensor | None) -> None:
+def check_floats(op: Op, *operands: torch.Tensor | None) -> None:
     """The tensor operands (None: absent) share one floating dtype; prims do not promote."""
     tensors = [o for o in operands if o is not None]
     for tensor in tensors:
@@ -154,7 +153,7 @@ def _check_dim(op: Op, dim: int) -> None:
         raise IndexError(f"{op.printed_name}: dim must be a non-negative int, got {dim!r}")
 
 
-def _samples(cases: Sequence[Case]) -> SampleFn:
+def shape_samples(cases: Sequence[Case]) -> SampleFn:
     """Samples with a fresh random tensor of the sampled dtype for every shape in ``cases``."""
 
     def samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
@@ -230,7 +229,7 @@ def _zeros(like: Value) -> Value:
     return prims.full(shape=kind.shape, value=0, dtype=kind.dtype, device=kind.device)
 
 
-def _grad_leaf(tensor: Any) -> Any:
+def grad_leaf(tensor: Any) -> Any:
     """A fresh autograd leaf of ``tensor``'s value (requiring grad when floating)."""
     if not isinstance(tensor, torch.Tensor):
         return tensor
@@ -238,7 +237,9 @@ def _grad_leaf(tensor: Any) -> Any:
     return leaf.requires_grad_(tensor.is_floating_point())
 
 
-def _autograd(outputs: Sequence[torch.Tensor], leaves: Sequence[Any], grads: Sequence[Any]) -> Any:
+def autograd_grads(
+    outputs: Sequence[torch.Tensor], leaves: Sequence[Any], grads: Sequence[Any]
+) -> Any:
     """The gradients of ``leaves`` that require grad, zeros where none flows."""
     wrt = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
     pairs = [
@@ -257,10 +258,10 @@ def _autograd(outputs: Sequence[torch.Tensor], leaves: Sequence[Any], grads: Seq
 
 def _spread(inputs: Sequence[Any], grads: Any) -> Grads:
     """``grads`` (one per floating tensor of ``inputs``, in order) as one entry per input."""
-    return _spread_to([_is_float(item) for item in inputs], grads)
+    return spread_to([_is_float(item) for item in inputs], grads)
 
 
-def _spread_to(wanted: Sequence[bool], grads: Any) -> Grads:
+def spread_to(wanted: Sequence[bool], grads: Any) -> Grads:
     """``grads`` (one per true entry of ``wanted``, in order) as one entry per position."""
     found = iter(grads if isinstance(grads, list | tuple) else [grads])
     spread = tuple(next(found) if want else None for want in wanted)
@@ -274,7 +275,7 @@ def _spread_to(wanted: Sequence[bool], grads: Any) -> Grads:
 
 def _matmul_impl(op: Op, fn: Callable[..., torch.Tensor]) -> ImplFn:
     def impl(attrs: GemmAttrs | None, *operands: torch.Tensor) -> torch.Tensor:
-        _check_floats(op, *operands)
+        check_floats(op, *operands)
         scaling = {} if attrs is None else {"beta": attrs.beta, "alpha": attrs.alpha}
         return fn(*operands, **scaling)
 
@@ -330,13 +331,13 @@ BADDBMM_CASES: tuple[Case, ...] = (
 
 
 # ---------------------------------------------------------------------------------------------
-# convolution and attention
+# convolution
 
 
 def _convolution(
     attrs: ConvolutionAttrs, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    _check_floats(Op.CONVOLUTION, x, weight, bias)
+    check_floats(Op.CONVOLUTION, x, weight, bias)
     geometry = (attrs.stride, attrs.padding, attrs.dilation, attrs.transposed)
     return torch.convolution(x, weight, bias, *geometry, attrs.output_padding, attrs.groups)
 
@@ -361,7 +362,7 @@ def convolution_backward(
     return tuple(result for result, wanted in zip(results, mask, strict=True) if wanted)
 
 
-def _fields(attrs: Any) -> dict[str, Any]:
+def fields_of(attrs: Any) -> dict[str, Any]:
     return {name: getattr(attrs, name) for name in attrs.__dataclass_fields__}
 
 
@@ -370,13 +371,13 @@ def _convolution_vjp(
 ) -> Grads:
     x, weight, bias = inputs
     bias_sizes = None if bias is None else bias.type.shape
-    wanted = (_needs_grad(x), _needs_grad(weight))
+    wanted = (needs_grad(x), needs_grad(weight))
     arguments = (grads[0], x, weight, bias_sizes, wanted)
-    results = extern_call(convolution_backward, arguments, _fields(attrs))
-    return _spread_to((*wanted, bias is not None), results)
+    results = extern_call(convolution_backward, arguments, fields_of(attrs))
+    return spread_to((*wanted, bias is not None), results)
 
 
-def _needs_grad(operand: Any) -> bool:
+def needs_grad(operand: Any) -> bool:
     return _is_float(operand) and bool(operand.type.requires_grad)
 
 
@@ -394,143 +395,6 @@ CONV_CASES: tuple[Case, ...] = (
         ((2, 4, 6), (4, 1, 3), None),
         ConvolutionAttrs((2,), (0,), (1,), transposed=True, output_padding=(1,), groups=2),
     ),
-)
-
-
-def _sdpa(
-    attrs: SdpaAttrs,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-) -> torch.Tensor:
-    _check_floats(Op.SDPA, q, k, v)  # torch checks the mask: bool, or q's dtype
-    return F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        dropout_p=0.0,
-        is_causal=attrs.is_causal,
-        scale=attrs.scale,
-        enable_gqa=attrs.enable_gqa,
-    )
-
-
-def sdpa_backward(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    wanted: tuple[bool, ...] = (True, True, True, True),
-    **options: Any,
-) -> tuple[torch.Tensor, ...]:
-    """The gradients of those of q, k, v and a floating mask that ``wanted`` names, by
-    re-running the forward under autograd (eager's backend choice and its backward);
-    ``options``: the fields of :class:`SdpaAttrs`.
-
-    Only wanted operands require grad in the re-run: a mask that requires grad rules out the
-    flash and cuDNN kernels (PyTorch falls back to the memory-efficient kernel and computes
-    the mask's gradient too), which made attention's backward 4-7x slower than eager's on
-    BERT and GPT-2, whose masks are inputs."""
-    with torch.inference_mode(False), torch.enable_grad():
-        leaves: list[Any] = [
-            _grad_leaf(t) if want else t for t, want in zip((q, k, v, mask), wanted, strict=True)
-        ]
-        out = _sdpa(SdpaAttrs(**options), *leaves)
-        return tuple(_autograd([out], leaves, [grad]))
-
-
-def sdpa_cpu_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention by PyTorch's CPU flash kernel, the one ``F.scaled_dot_product_attention``
-    picks there (``passes.attention_statistics`` checks), and its per-row log-sum-exp, which
-    lets the backward call the kernel's own backward (:func:`sdpa_cpu_backward`) instead of
-    re-running the forward under autograd. ``enable_gqa`` is never set here (the pass keeps
-    those graphs on the general path)."""
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = op(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
-    return out, lse
-
-
-def sdpa_cpu_backward(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of q, k and v of :func:`sdpa_cpu_forward`, by the flash kernel's
-    backward, from the forward's output and log-sum-exp (what eager autograd saves)."""
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    gq, gk, gv = op(grad, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
-    return gq, gk, gv
-
-
-def _sdpa_cpu_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
-    def operand(arg: Any) -> Any:
-        return inputs[arg.index] if isinstance(arg, Slot) else arg
-
-    q, k, v, mask = (operand(arg) for arg in attrs.args[:4])
-    out, lse = outputs
-    results = extern_call(sdpa_cpu_backward, (grads[0], q, k, v, mask, out, lse), attrs.kwargs)
-    spread: list[Any] = [None] * len(inputs)
-    for arg, grad in zip(attrs.args[:3], results, strict=True):
-        if isinstance(arg, Slot):  # q, k and v may share a slot (the same tensor)
-            previous = spread[arg.index]
-            spread[arg.index] = grad if previous is None else prims.add(previous, grad)
-    return tuple(spread)
-
-
-# Externs with a VJP of their own (the general one re-runs the function under autograd).
-EXTERN_VJPS: dict[Callable[..., Any], Callable[..., Grads]] = {sdpa_cpu_forward: _sdpa_cpu_vjp}
-
-
-def _sdpa_vjp(attrs: SdpaAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
-    wanted = tuple(_needs_grad(item) for item in inputs)
-    results = extern_call(sdpa_backward, (grads[0], *inputs, wanted), _fields(attrs))
-    return _spread_to(wanted, results)
-
-
-SDPA_CASES: tuple[Case, ...] = (
-    (((2, 3, 4, 8), (2, 3, 6, 8), (2, 3, 6, 5), None), SdpaAttrs()),
-    (((2, 3, 4, 8), (2, 3, 4, 8), (2, 3, 4, 8), None), SdpaAttrs(is_causal=True)),
-    (((3, 4, 8), (3, 6, 8), (3, 6, 8), (4, 6)), SdpaAttrs(scale=0.3)),
-    (((1, 2, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8), (1, 1, 1, 5)), SdpaAttrs()),
-    (((2, 4, 4, 8), (2, 2, 6, 8), (2, 2, 6, 8), None), SdpaAttrs(enable_gqa=True)),
-    (((2, 3, 0, 8), (2, 3, 4, 8), (2, 3, 4, 8), None), SdpaAttrs()),
-)
-
-
-def _sdpa_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
-    cases = _samples(SDPA_CASES)(dtype, device)
-    mask = make_tensor((4, 6), torch.bool, device)
-    mask[:, 0] = True  # no fully masked row: its softmax would be NaN
-    q, k, v = (make_tensor((2, 3, n, 8), dtype, device) for n in (4, 6, 6))
-    return [*cases, Sample((q, k, v, mask), SdpaAttrs(), note="bool mask")]
-
-
-extern(
-    Op.SDPA,
-    _sdpa,
-    attrs=SdpaAttrs,
-    dtypes=FLOATS,
-    samples=_sdpa_samples,
-    doc="sdpa(q, k, v, mask or None, ...): F.scaled_dot_product_attention, no dropout",
-    vjp=_sdpa_vjp,
 )
 
 
@@ -678,7 +542,9 @@ _ROWS: tuple[
     ),
 )
 for _op, _impl, _attrs, _dtypes, _cases, _doc, _vjp in _ROWS:
-    extern(_op, _impl, attrs=_attrs, dtypes=_dtypes, samples=_samples(_cases), doc=_doc, vjp=_vjp)
+    extern(
+        _op, _impl, attrs=_attrs, dtypes=_dtypes, samples=shape_samples(_cases), doc=_doc, vjp=_vjp
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -790,10 +656,15 @@ def extern_backward(
     ``attrs`` index) given ``grads``, one cotangent (or None) per flattened output, by re-running
     ``attrs.fn`` under autograd. Each operand is its own leaf, even one passed twice."""
     with torch.inference_mode(False), torch.enable_grad():
-        leaves = [_grad_leaf(operand) for operand in operands]
+        leaves = [grad_leaf(operand) for operand in operands]
         result = _extern(attrs, *leaves)
         outputs = [result] if isinstance(result, torch.Tensor) else list(result)
-        return tuple(_autograd(outputs, leaves, grads))
+        return tuple(autograd_grads(outputs, leaves, grads))
+
+
+# Externs with a VJP of their own (the general one re-runs the function under autograd);
+# kiln.ops.attention registers the CPU flash kernel's.
+EXTERN_VJPS: dict[Callable[..., Any], Callable[..., Grads]] = {}
 
 
 def _extern_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:

@@ -5,8 +5,8 @@ in the backward, so every attention layer runs its forward twice a training step
 autograd does not: PyTorch's flash kernels return each row's log-sum-exp next to the output,
 and their backward starts from those. On the CPU, where ``F.scaled_dot_product_attention``
 picks the flash kernel, this pass calls that kernel directly and keeps both results, so the
-backward (``externs.sdpa_cpu_backward``, the rule in ``externs.EXTERN_VJPS``) is the kernel's
-own::
+backward (``ops.attention.sdpa_cpu_backward``, registered in ``externs.EXTERN_VJPS``) is the
+kernel's own::
 
     before:  t3 = sdpa(t0, t1, t2, None, is_causal=True)
     after:   t3, t4 = extern(t0, t1, t2, fn=sdpa_cpu_forward, ...)   # output, log-sum-exp
@@ -27,7 +27,8 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.op import Op
 from kiln.ir.types import concrete_shape
-from kiln.ops.externs import extern_call, sdpa_cpu_forward
+from kiln.ops.attention import sdpa_cpu_forward
+from kiln.ops.externs import extern_call
 from kiln.passes.rewriting import rewrite_nodes
 
 

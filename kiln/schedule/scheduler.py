@@ -28,9 +28,15 @@ import torch
 
 from kiln.ir.graph import Graph, InputKind, Node, Origin, Value
 from kiln.ir.op import Op, Tag, op_def
-from kiln.ops.externs import convolution_backward, sdpa_backward
+from kiln.ops.externs import convolution_backward
 from kiln.schedule import index as ix
 from kiln.schedule.index import Index
+from kiln.schedule.layouts import (
+    channels_last_strides,
+    extern_strides,
+    memory_order,
+    strides_in_order,
+)
 from kiln.schedule.loops import Buffer, BufferKind, Kernel, Load, R, Store, X, walk
 from kiln.schedule.lowering import (
     EXTERN_OPS,
@@ -46,8 +52,6 @@ from kiln.schedule.lowering import (
 from kiln.schedule.program import ExternCall, Program, Step, View
 from kiln.schedule.views import VIEW_OPS, is_dense, view_of
 
-# Externs whose results PyTorch allocates contiguous (convolutions: unless channels-last, above).
-CONTIGUOUS_RESULTS = frozenset({Op.MM, Op.BMM, Op.ADDMM, Op.BADDBMM, Op.CONVOLUTION, Op.SDPA})
 RECOMPUTE_LIMIT = 6  # a value several kernels read is stored once it costs more ops than this
 # Ops per element one kernel may recompute reading a value at many positions (CPU, GPU). The GPU
 # has compute to spare in memory-bound kernels: ResNet-50's BatchNorm, ReLU and 3x3 max pool
@@ -379,7 +383,7 @@ class Scheduler:
             else:
                 operands.append(operand)
         position = len(self.steps)
-        strides = self.observed.get(id(node)) or _extern_strides(node, operands)
+        strides = self.observed.get(id(node)) or extern_strides(node, operands)
         outputs = []
         for value, stride in zip(node.outputs, strides, strict=True):
             shape = shape_of(value)
@@ -615,21 +619,6 @@ def _origin(value: Value) -> Origin:
     return value.node.origin if value.node is not None else Origin("copy")
 
 
-def memory_order(strides: Sequence[int]) -> tuple[int, ...]:
-    """Dims from the largest stride to the smallest (ties keep the logical order)."""
-    return tuple(sorted(range(len(strides)), key=lambda d: -strides[d]))
-
-
-def strides_in_order(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
-    """Dense strides of ``shape`` with dims laid out in ``order`` (outermost first)."""
-    strides = [0] * len(shape)
-    running = 1
-    for dim in reversed(order):
-        strides[dim] = running
-        running *= max(shape[dim], 1)
-    return tuple(strides)
-
-
 def _elements(group: Group) -> int:
     """How many elements a group's loops visit."""
     return group.numel * (group.rows.rnumel if group.rows else 1)
@@ -644,10 +633,6 @@ def _is_convolution(node: Node) -> bool:
     )
 
 
-def channels_last_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    return strides_in_order(shape, (0, 2, 3, 1))
-
-
 def _short_names(nodes: list[Node]) -> list[str]:
     names: list[str] = []
     for node in nodes:
@@ -656,109 +641,6 @@ def _short_names(nodes: list[Node]) -> list[str]:
         if api not in names and node.op not in VIEW_OPS:
             names.append(api)
     return names[:3] or ["copy"]
-
-
-def _extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
-    """Output strides of an extern call, from running its reference impl on meta tensors
-    laid out like the operands; contiguous when that fails. The wrapper checks them at run
-    time, and a mismatch is learned for the next compilation (``observed``)."""
-    if _is_probed(node) and all(
-        o.buffer.device.type == "cuda" for o in operands if isinstance(o, View)
-    ):
-        probed = _probe_strides(node, operands)
-        if probed is not None:
-            return probed
-    if node.op is Op.CONVOLUTION and len(shape_of(node.output)) == 4:
-        # Meta convolutions answer contiguous; cuDNN and oneDNN answer channels-last when
-        # the input or the weight is channels-last (PyTorch's suggest_memory_format).
-        laid_out = [o for o in operands[:2] if isinstance(o, View) and len(o.shape) == 4]
-        if any(
-            o.strides == channels_last_strides(o.shape) != ix.contiguous_strides(o.shape)
-            for o in laid_out
-        ):
-            return [channels_last_strides(shape_of(node.output))]
-    if node.op is Op.SDPA and len(shape_of(node.output)) == 4:
-        # The flash kernels (CUDA's and the CPU one), memory-efficient and cuDNN kernels write
-        # [B, S, H, D] and return its [B, H, S, D] transpose (meta answers contiguous; the math
-        # fallback's contiguous result is learned at run time).
-        return [strides_in_order(shape_of(node.output), (0, 2, 1, 3))]
-    if node.op is Op.EXTERN and node.attrs.fn is sdpa_backward:
-        # Its gradients of q, k and v come back laid out as the flash kernels' outputs.
-        return [
-            strides_in_order(shape, (0, 2, 1, 3))
-            if len(shape) == 4
-            else ix.contiguous_strides(shape)
-            for shape in (shape_of(v) for v in node.outputs)
-        ]
-    if node.op in CONTIGUOUS_RESULTS:
-        # Known answers save the meta run (its first call imports PyTorch's meta registrations,
-        # about a second); a wrong guess costs one copy and is learned (see the docstring).
-        return [ix.contiguous_strides(shape_of(v)) for v in node.outputs]
-    return _meta_strides(node, operands)
-
-
-def _is_probed(node: Node) -> bool:
-    """Externs whose CUDA layout depends on the kernel PyTorch picks: attention and its
-    backward, convolutions."""
-    return node.op in (Op.SDPA, Op.CONVOLUTION) or (
-        node.op is Op.EXTERN and node.attrs.fn is sdpa_backward
-    )
-
-
-_PROBED: dict[tuple[object, ...], list[tuple[int, ...]] | None] = {}
-
-
-def _probe_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
-    """Output strides of a CUDA extern, from running it once on uninitialized tensors laid out
-    like the operands (attention here has no dropout: nothing draws random numbers). Which
-    kernel PyTorch picks (flash, cuDNN, memory-efficient or math attention; cuDNN's
-    convolutions) and so the layout it returns depends on shapes, dtypes and the card: a wrong
-    guess cost ViT-B/16 a rebuild of its whole program during its first call (0.8-1.4 s on the
-    H100). One probe per distinct signature, for the life of the process."""
-    key = (
-        node.op,
-        repr(node.attrs),
-        tuple(
-            (o.shape, o.strides, o.buffer.dtype, o.buffer.device)
-            if isinstance(o, View)
-            else repr(o)
-            for o in operands
-        ),
-    )
-    if key not in _PROBED:
-        try:
-            tensors = [_empty_like_view(o) if isinstance(o, View) else o for o in operands]
-            with torch.no_grad():
-                result = op_def(node.op).impl(node.attrs, *tensors)
-            results = result if isinstance(result, tuple) else (result,)
-            _PROBED[key] = [tuple(t.stride()) for t in results]
-        except Exception:  # out of memory, an unsupported case: the rules below decide
-            _PROBED[key] = None
-    return _PROBED[key]
-
-
-def _empty_like_view(view: View) -> torch.Tensor:
-    buffer = view.buffer
-    return torch.empty_strided(view.shape, view.strides, dtype=buffer.dtype, device=buffer.device)
-
-
-def _meta_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
-    metas = [
-        torch.empty_strided(o.shape, o.strides, dtype=o.buffer.dtype, device="meta")
-        if isinstance(o, View)
-        else o
-        for o in operands
-    ]
-    try:
-        with torch.no_grad():
-            result = op_def(node.op).impl(node.attrs, *metas)
-        results = result if isinstance(result, tuple) else (result,)
-        strides = [tuple(t.stride()) for t in results]
-        if all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in results):
-            return strides
-    except Exception:  # an opaque function without meta support
-        pass
-    return [ix.contiguous_strides(shape_of(v)) for v in node.outputs]
 
 
 def _used_buffers(steps: list[Step], outputs: list[View]) -> set[int]:

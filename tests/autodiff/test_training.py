@@ -241,7 +241,7 @@ def test_attention_backward_asks_only_for_the_gradients_it_needs(monkeypatch: An
     (The general rule: on the CPU the flash kernel's own backward is used where it applies,
     tested below, so it is turned off here.)"""
     import kiln.passes.attention_statistics as statistics
-    from kiln.ops.externs import sdpa_backward
+    from kiln.ops.attention import sdpa_backward
 
     monkeypatch.setattr(statistics, "_flash_is_eagers_choice", lambda node: False)
 
@@ -292,7 +292,7 @@ def test_cpu_attention_backward_is_the_flash_kernels_own(dtype: torch.dtype) -> 
     """On the CPU the forward keeps the flash kernel's log-sum-exp and the backward is the
     kernel's backward: attention's forward runs once a step, not again in the backward; the
     gradients are eager's (the same kernels). q, k and v may be one tensor."""
-    from kiln.ops.externs import sdpa_backward, sdpa_cpu_backward, sdpa_cpu_forward
+    from kiln.ops.attention import sdpa_backward, sdpa_cpu_backward, sdpa_cpu_forward
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
         causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import kiln
 from kiln.ir import Graph, InputKind, Op, interpret, verify
-from kiln.ops.externs import sdpa_cpu_forward
+from kiln.ops.attention import sdpa_cpu_forward
 from kiln.passes import fuse_attention, optimize
 
 B, H, L, S, D = 2, 3, 4, 5, 8

@@ -189,9 +189,9 @@ def test_a_value_read_by_kernels_of_their_own_is_stored_once_it_costs_enough() -
 def test_probed_extern_strides_are_what_the_call_returns() -> None:
     # On CUDA, attention and convolution layouts come from one real call (the kernel PyTorch
     # picks decides them); the probe itself works on any device.
+    from kiln.schedule.layouts import probe_strides
     from kiln.schedule.loops import Buffer, BufferKind
     from kiln.schedule.program import View
-    from kiln.schedule.scheduler import _probe_strides
 
     def q(x: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(x, x.transpose(2, 3).contiguous().transpose(2, 3), x)
@@ -207,7 +207,7 @@ def test_probed_extern_strides_are_what_the_call_returns() -> None:
     expected = F.scaled_dot_product_attention(
         *(torch.empty_strided(v.shape, v.strides) for v in views)
     ).stride()
-    assert _probe_strides(node, [*views, None]) == [expected]
+    assert probe_strides(node, [*views, None]) == [expected]
 
 
 def _mutated_program(fn: Callable[..., Any], *args: Any) -> Program:

@@ -1,0 +1,173 @@
+"""Attention: the registry row of SDPA (``F.scaled_dot_product_attention`` without dropout)
+and the externs its gradients run as.
+
+Two backward paths. The general one (``sdpa_backward``) re-runs the forward under autograd
+with only the operands that need gradients as leaves, so PyTorch picks the same kernel eager
+would and runs its backward. On the CPU, a differentiated graph instead calls the flash kernel
+directly (``sdpa_cpu_forward``, chosen by ``passes.attention_statistics``), keeps its
+log-sum-exp, and its VJP is the kernel's own backward (``sdpa_cpu_backward``), so the forward
+runs once a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ir.op import Op, Sample
+from kiln.ops import prims
+from kiln.ops.attrs import ExternAttrs, SdpaAttrs, Slot
+from kiln.ops.externs import (
+    EXTERN_VJPS,
+    Case,
+    Grads,
+    autograd_grads,
+    check_floats,
+    extern,
+    extern_call,
+    fields_of,
+    grad_leaf,
+    needs_grad,
+    shape_samples,
+    spread_to,
+)
+from kiln.ops.sampling import FLOATS, make_tensor
+
+
+def _sdpa(
+    attrs: SdpaAttrs,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    check_floats(Op.SDPA, q, k, v)  # torch checks the mask: bool, or q's dtype
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=0.0,
+        is_causal=attrs.is_causal,
+        scale=attrs.scale,
+        enable_gqa=attrs.enable_gqa,
+    )
+
+
+def sdpa_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    wanted: tuple[bool, ...] = (True, True, True, True),
+    **options: Any,
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of those of q, k, v and a floating mask that ``wanted`` names, by
+    re-running the forward under autograd (eager's backend choice and its backward);
+    ``options``: the fields of :class:`SdpaAttrs`.
+
+    Only wanted operands require grad in the re-run: a mask that requires grad rules out the
+    flash and cuDNN kernels (PyTorch falls back to the memory-efficient kernel and computes
+    the mask's gradient too), which made attention's backward 4-7x slower than eager's on
+    BERT and GPT-2, whose masks are inputs."""
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves: list[Any] = [
+            grad_leaf(t) if want else t for t, want in zip((q, k, v, mask), wanted, strict=True)
+        ]
+        out = _sdpa(SdpaAttrs(**options), *leaves)
+        return tuple(autograd_grads([out], leaves, [grad]))
+
+
+def sdpa_cpu_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention by PyTorch's CPU flash kernel, the one ``F.scaled_dot_product_attention``
+    picks there (``passes.attention_statistics`` checks), and its per-row log-sum-exp, which
+    lets the backward call the kernel's own backward (:func:`sdpa_cpu_backward`) instead of
+    re-running the forward under autograd. ``enable_gqa`` is never set here (the pass keeps
+    those graphs on the general path)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = op(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return out, lse
+
+
+def sdpa_cpu_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k and v of :func:`sdpa_cpu_forward`, by the flash kernel's
+    backward, from the forward's output and log-sum-exp (what eager autograd saves)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    gq, gk, gv = op(grad, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return gq, gk, gv
+
+
+def _sdpa_cpu_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+    def operand(arg: Any) -> Any:
+        return inputs[arg.index] if isinstance(arg, Slot) else arg
+
+    q, k, v, mask = (operand(arg) for arg in attrs.args[:4])
+    out, lse = outputs
+    results = extern_call(sdpa_cpu_backward, (grads[0], q, k, v, mask, out, lse), attrs.kwargs)
+    spread: list[Any] = [None] * len(inputs)
+    for arg, grad in zip(attrs.args[:3], results, strict=True):
+        if isinstance(arg, Slot):  # q, k and v may share a slot (the same tensor)
+            previous = spread[arg.index]
+            spread[arg.index] = grad if previous is None else prims.add(previous, grad)
+    return tuple(spread)
+
+
+EXTERN_VJPS[sdpa_cpu_forward] = _sdpa_cpu_vjp
+
+
+def _sdpa_vjp(attrs: SdpaAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+    wanted = tuple(needs_grad(item) for item in inputs)
+    results = extern_call(sdpa_backward, (grads[0], *inputs, wanted), fields_of(attrs))
+    return spread_to(wanted, results)
+
+
+SDPA_CASES: tuple[Case, ...] = (
+    (((2, 3, 4, 8), (2, 3, 6, 8), (2, 3, 6, 5), None), SdpaAttrs()),
+    (((2, 3, 4, 8), (2, 3, 4, 8), (2, 3, 4, 8), None), SdpaAttrs(is_causal=True)),
+    (((3, 4, 8), (3, 6, 8), (3, 6, 8), (4, 6)), SdpaAttrs(scale=0.3)),
+    (((1, 2, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8), (1, 1, 1, 5)), SdpaAttrs()),
+    (((2, 4, 4, 8), (2, 2, 6, 8), (2, 2, 6, 8), None), SdpaAttrs(enable_gqa=True)),
+    (((2, 3, 0, 8), (2, 3, 4, 8), (2, 3, 4, 8), None), SdpaAttrs()),
+)
+
+
+def _sdpa_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
+    cases = shape_samples(SDPA_CASES)(dtype, device)
+    mask = make_tensor((4, 6), torch.bool, device)
+    mask[:, 0] = True  # no fully masked row: its softmax would be NaN
+    q, k, v = (make_tensor((2, 3, n, 8), dtype, device) for n in (4, 6, 6))
+    return [*cases, Sample((q, k, v, mask), SdpaAttrs(), note="bool mask")]
+
+
+extern(
+    Op.SDPA,
+    _sdpa,
+    attrs=SdpaAttrs,
+    dtypes=FLOATS,
+    samples=_sdpa_samples,
+    doc="sdpa(q, k, v, mask or None, ...): F.scaled_dot_product_attention, no dropout",
+    vjp=_sdpa_vjp,
+)
