@@ -39,6 +39,7 @@ from kiln.schedule.loops import (
     ReduceKind,
 )
 from kiln.schedule.program import View
+from kiln.schedule.views import VIEW_OPS
 
 MultiIndex = tuple[Index, ...]
 
@@ -525,6 +526,10 @@ RULES: dict[Op, Rule] = {
     Op.RANDOM_UNIFORM: _random,
     Op.RANDOM_NORMAL: _random,
 }
+
+# Ops whose lowering reads an operand at other positions than the element it computes: two of
+# them reading one value may read it at two places (the scheduler counts such reads apart).
+REINDEXING_OPS = VIEW_OPS | {Op.FLIP, Op.PAD, Op.CAT, Op.GATHER, Op.INDEX}
 
 # Ops whose results always live in memory, computed by PyTorch (``ExternCall`` steps).
 EXTERN_OPS = frozenset(

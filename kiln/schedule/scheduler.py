@@ -41,6 +41,7 @@ from kiln.schedule.loops import Buffer, BufferKind, Kernel, Load, R, Store, X, w
 from kiln.schedule.lowering import (
     EXTERN_OPS,
     REDUCE_KINDS,
+    REINDEXING_OPS,
     Lowering,
     MultiIndex,
     NotFusable,
@@ -249,18 +250,24 @@ class Scheduler:
 
         ``sinks``: the consumers that are not inlined further (values needing memory,
         reductions, externs), at most two of them (only "one" or "several" matters). ``reads``:
-        positions of the value one sink element reads: views at different offsets multiply it
-        (a 3x3 max-pool window reads 9 positions), elementwise users at the same position share
-        one computation. One reverse walk; values downstream are assumed inlined."""
+        positions of the value one sink element reads, counted as distinct routes to the sink
+        through reindexing ops (views, pad, cat, gather): elementwise users read their operand
+        where they are computed, so users computed at one position share one computation
+        (``where(gt(b, a), b, a)`` reads ``a`` once), while users read at different positions
+        each compute it again. A 3x3 max-pool window reads 9 positions; its backward reads each
+        window mask through another padding, so the forward's values there add up to far more
+        than the 9 a count per user would give. One reverse walk; values downstream are
+        assumed inlined."""
         sinks: dict[Value, frozenset[object]] = {}
-        reads: dict[Value, int] = {}
+        routes: dict[Value, frozenset[int]] = {}
+        here = frozenset({0})  # read at the position its consumer computes
         for node in reversed(self.graph.nodes):
             for value in node.outputs:
                 if value in self.needs_memory:  # stored: readers load it, whatever they are
-                    sinks[value], reads[value] = frozenset({value}), 1
+                    sinks[value], routes[value] = frozenset({value}), here
                     continue
                 ends: set[object] = set()
-                by_view, by_point = 0, 0
+                found: set[int] = set()
                 for user in self.users.get(value, ()):
                     out = user.outputs[0] if len(user.outputs) == 1 else None
                     inlined = user.op in VIEW_OPS or (
@@ -268,15 +275,18 @@ class Scheduler:
                     )
                     if out is None or out not in sinks or not inlined:
                         ends.add(user)
-                        by_point = max(by_point, 1)
-                        continue
-                    ends |= sinks[out]
-                    if user.op in VIEW_OPS:
-                        by_view += reads[out]
+                        found.add(0)
+                    elif user.op in REINDEXING_OPS:
+                        ends |= sinks[out]
+                        found.update(hash((route, id(user))) for route in routes[out])
                     else:
-                        by_point = max(by_point, reads[out])
+                        ends |= sinks[out]
+                        found |= routes[out]
+                    if len(found) > COST_CAP:
+                        break
                 sinks[value] = frozenset(list(ends)[:2])
-                reads[value] = min(by_view + by_point, COST_CAP)
+                routes[value] = frozenset(found) if found else here
+        reads = {value: min(len(found), COST_CAP) for value, found in routes.items()}
         return sinks, reads
 
     def run(self) -> None:
