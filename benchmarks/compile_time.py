@@ -3,7 +3,8 @@ parallel precompile), first launches.
 
     python benchmarks/compile_time.py --model gpt2 [--mode infer|train] [--no-precompile]
 
-``KILN_COMPILE_WORKERS=processes`` compiles in torch-free worker processes first."""
+``KILN_COMPILE_WORKERS=threads`` compiles on threads of this process instead of the worker
+processes."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from kiln.capture.builtins import graph_break
 from kiln.capture.cache import Options, compiled_function, counters, reset
 from kiln.capture.explain import ExplainReport
 from kiln.capture.explain import explain as _explain
+from kiln.runtime.triton_build import start_workers
 
 __all__ = [
     "BreakReason",
@@ -68,6 +69,10 @@ def compile(
 
 
 def _compile(target: Any, settings: Options) -> Any:
+    if settings.backend == "kiln" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # The program already uses the GPU: start the kernel-compile workers now, so that
+        # their start-up overlaps the first call's capture.
+        start_workers([torch.device("cuda", torch.cuda.current_device())])
     if isinstance(target, torch.nn.Module):
         return CompiledModule(target, settings)
     if isinstance(target, types.MethodType) and isinstance(target.__func__, types.FunctionType):

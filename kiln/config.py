@@ -5,8 +5,10 @@
 ``KILN_STRICT``  "1" makes backend failures raise instead of falling back to eager.
 ``KILN_CACHE_DIR``  where built kernels are cached on disk (default: ``~/.cache/kiln``).
 ``KILN_COMPILE_THREADS``  threads compiling GPU kernels before their first launch (default 8).
-``KILN_COMPILE_WORKERS``  ``auto`` (default: worker processes for programs of more than 64
-                          distinct kernels, else threads), ``threads`` or ``processes``.
+``KILN_COMPILE_WORKERS``  ``auto`` (default) compiles GPU kernels in persistent worker
+                          processes (one per core, at most 16), started by ``kiln.compile``
+                          once CUDA is in use or by the first CUDA graph; a number: that many
+                          workers; ``threads``: in this process, on ``KILN_COMPILE_THREADS``.
 ``KILN_CODEGEN``  force one kernel code generator: ``triton`` (on CPU: Triton's interpreter),
                   ``cpp`` or ``evaluate`` (PyTorch ops; the scheduler's oracle).
 """
@@ -38,9 +40,9 @@ class Config:
     # the kernel code generator for every device ("triton", "cpp", "evaluate"); empty: Triton
     # on CUDA, C++ on CPU. "triton" on CPU runs kernels in Triton's interpreter (CI).
     codegen: str = field(default_factory=lambda: os.environ.get("KILN_CODEGEN", ""))
-    # GPU kernels compile before the first launch on this many threads of this process
-    # (1: one after another); compile_workers says when torch-free worker processes compile
-    # them first ("auto": for programs of more than 64 distinct kernels).
+    # GPU kernels compile before their first launch in torch-free worker processes
+    # (compile_workers "auto"), or on this many threads of this process ("threads"; 1: one
+    # after another).
     compile_threads: int = field(
         default_factory=lambda: int(os.environ.get("KILN_COMPILE_THREADS", "8"))
     )

@@ -27,6 +27,7 @@ from kiln.errors import BackendError
 from kiln.ir.graph import Graph, InputKind
 from kiln.ir.interpreter import interpret
 from kiln.ir.op import Op
+from kiln.runtime.triton_build import start_workers
 from kiln.schedule.evaluate import evaluate_kernel
 from kiln.schedule.index import Index, format_index
 from kiln.schedule.loops import (
@@ -253,6 +254,7 @@ class KilnProgram:
         start = time.perf_counter()
         names: list[str] = []
         try:
+            start_workers({t.device for t in inputs if isinstance(t, torch.Tensor)})
             program = schedule(self.graph, inputs, self.observed)
             scheduled = time.perf_counter()
             launchers, names = build_kernels(program.kernels())

@@ -9,7 +9,8 @@ On a GPU the first launch compiles (Triton's on-disk cache makes later processes
 failure raises :class:`~kiln.errors.BackendError` naming the module's file. Later launches
 skip ``kernel[grid](...)``'s argument binding and call the compiled kernel's launcher directly
 while the specialization still holds (pointer alignment, seed width, device).
-:func:`precompile` compiles the kernels of a program in worker processes first.
+:func:`precompile` compiles the kernels of a program in the compile pool's worker processes
+(``compile_pool.py``) before their first launch.
 
 Under the interpreter (``TritonSource.interpret``) the module is imported and launched inside
 :func:`interpret_mode`, so CPU tensors run through the generated kernels on the CPU.
@@ -21,14 +22,12 @@ import concurrent.futures
 import functools
 import hashlib
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import threading
+import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -44,8 +43,6 @@ from kiln.schedule.loops import Kernel
 MIN_VERSION = (3, 6)
 MIN_CAPABILITY = (7, 0)
 SERIAL_COMPILES = 2  # programs with at most this many kernels compile in-process
-MAX_WORKERS = 16
-AUTO_PROCESS_KERNELS = 64  # "auto" compiles larger programs in worker processes first
 WORKER_TIMEOUT_S = 900
 SEED_EXAMPLE = 2**40  # precompiled kernels assume an int64-wide seed, like torch's draws
 # FMA contraction on, as nvcc does for eager's kernels; explicit, because Triton 3.10 changes
@@ -424,24 +421,22 @@ def precompile(sources: Sequence[TritonSource], example_devices: Sequence[torch.
         index = device.index if device.index is not None else torch.cuda.current_device()
         jobs.append(_job(source, index))
     try:
-        # Processes: Triton's frontend holds the GIL, so threads overlap little beyond
-        # ptxas and gcc; torch-free worker processes (triton_worker.py) compile the kernels
-        # first, then the threads below load them from the disk cache and build their C
-        # launchers. Measured on the H100 with cold caches: ResNet-50's training backward
-        # (142 kernels) built in 4.2 s against 8.2 s on threads alone, while ResNet-50 and
-        # GPT-2 inference (39 and 25 kernels) gained nothing, hence "auto".
-        threads = config.compile_threads
         errors: list[str] = []
-        workers = config.compile_workers
-        if (workers == "processes" and len(jobs) > SERIAL_COMPILES) or (
-            workers == "auto" and len(jobs) > AUTO_PROCESS_KERNELS
-        ):
-            errors += _compile_in_workers(jobs)
-        if threads <= 1 or len(jobs) <= SERIAL_COMPILES:
+        start = time.perf_counter()
+        in_pool = config.compile_workers != "threads" and len(jobs) > SERIAL_COMPILES
+        if in_pool:
+            errors += _compile_in_pool(jobs)
+        elif config.compile_threads <= 1 or len(jobs) <= SERIAL_COMPILES:
             errors += [_warm_kernel(job) for job in jobs]
         else:
-            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            with concurrent.futures.ThreadPoolExecutor(config.compile_threads) as pool:
                 errors += list(pool.map(_warm_kernel, jobs))
+        _log.info(
+            "precompile: %d kernels in %.2f s (%s)",
+            len(jobs),
+            time.perf_counter() - start,
+            "worker processes" if in_pool else f"{config.compile_threads} threads",
+        )
         for error in filter(None, errors):
             _log.info("precompile: %s", error)
     except Exception as error:  # the kernels compile at their first launch
@@ -463,42 +458,65 @@ def _job(source: TritonSource, device_index: int) -> Job:
     }
 
 
-def _compile_in_workers(jobs: list[Job]) -> list[str]:
-    """Compile the jobs into Triton's disk cache in fresh processes running
-    ``triton_worker.py`` (Triton only, no torch). Each worker takes a slice of the jobs from a
-    JSON file and prints one line per failed job. Jobs whose specialization cannot be taken
-    (another Triton, a kernel already compiled here) are left to the threads."""
+def start_workers(devices: Iterable[torch.device]) -> None:
+    """Start the compile worker processes now when kernels for ``devices`` will be compiled
+    in them: their start-up then overlaps the scheduling that comes first."""
+    if config.compile_workers == "threads" or config.codegen not in ("", "triton"):
+        return
+    if any(d.type == "cuda" and triton_available(d) is None for d in devices):
+        from kiln.runtime import compile_pool
+
+        compile_pool.start(_target())
+
+
+def _target() -> dict[str, Any] | None:
+    """The current GPU's Triton target, for the compile workers' warm-up: as Triton's CUDA
+    driver computes it, without starting that driver here (on a cold cache its start builds
+    a C module with gcc, 0.7 s of the first call on the H100)."""
     try:
-        specialized = _specialize(jobs)
-    except Exception as error:  # no GPU driver, or a Triton without the hook
-        return [f"cannot take Triton's specialization of the kernels: {error}"]
-    if not specialized:
-        return []
-    workers = max(1, min(MAX_WORKERS, os.cpu_count() or 1, len(specialized)))
-    worker = str(Path(__file__).with_name("triton_worker.py"))
+        major, minor = torch.cuda.get_device_capability()
+    except Exception:  # the workers then warm up on their first job
+        return None
+    return {"backend": "cuda", "arch": major * 10 + minor, "warp_size": 32}
+
+
+def _compile_in_pool(jobs: list[Job]) -> list[str]:
+    """Compile the jobs in the persistent worker processes (``compile_pool.py``), each sent as
+    soon as Triton's specialization of it is taken; a dispatcher thread then loads each
+    kernel here (from the disk cache the worker filled, or compiling it when the worker
+    failed) while the other workers go on. Measured on the H100 (cold caches): threads alone
+    spent 2.1-2.8 s building ResNet-50's 35 inference kernels, most of it waiting for the GIL
+    in Triton's Python frontend, and one gcc run per kernel for its launcher."""
+    from kiln.runtime import compile_pool
+
+    pool = compile_pool.start(_target())
+    futures = []
     errors: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="kiln-precompile-") as directory:
-        processes = []
-        for w in range(workers):
-            path = Path(directory) / f"jobs{w}.json"
-            path.write_text(json.dumps(specialized[w::workers]))
-            command = [sys.executable, worker, str(path)]
-            processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
-        for process in processes:
-            try:
-                output, _ = process.communicate(timeout=WORKER_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                output, _ = process.communicate()
-                errors.append(f"a compile worker ran past {WORKER_TIMEOUT_S} s")
-            errors += [line for line in output.splitlines() if line.strip()]
+    for job in jobs:
+        try:
+            specialized = _specialize(job)
+        except Exception as error:  # no GPU driver, or a Triton without the hook
+            specialized = None
+            errors.append(f"cannot take Triton's specialization of {job['path']}: {error}")
+        if specialized is None:  # compiled in this process already, or no specialization
+            errors.append(_warm_kernel(job))
+            continue
+        futures.append(pool.submit(specialized, functools.partial(_loaded, job)))
+    errors += [future.result(timeout=WORKER_TIMEOUT_S) for future in futures]
+    _log.info("precompile: %s", compile_pool.timings(pool))
     return errors
 
 
-def _specialize(jobs: list[Job]) -> list[Job]:
-    """The jobs with Triton's serialized specialization of each launch: the warm-up runs with
+def _loaded(job: Job, worker_error: str) -> str:
+    """Load a kernel a worker compiled (compiling it here when the worker could not)."""
+    return "; ".join(filter(None, [worker_error, _warm_kernel(job)]))
+
+
+def _specialize(job: Job) -> Job | None:
+    """``job`` with Triton's serialized specialization of its launch: the warm-up runs with
     Triton's JIT cache hook set, which receives that serialization just before Triton would
-    compile, and answers that nothing needs compiling."""
+    compile, and answers that nothing needs compiling. None when Triton compiled nothing
+    (the kernel is in this process's cache already)."""
     import triton
 
     holder: Any = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -515,22 +533,21 @@ def _specialize(jobs: list[Job]) -> list[Job]:
             captured.append(data)
         return True  # skip compiling here
 
-    target = triton.runtime.driver.active.get_current_target()
-    specialized = []
     with _HOOK_LOCK:
         previous = getattr(holder, attribute)
         setattr(holder, attribute, hook)
         try:
-            for job in jobs:
-                before = len(captured)
-                _warm_kernel(job)
-                if len(captured) > before:
-                    specialized.append(
-                        {**job, "specialization": captured[-1], "target": vars(target)}
-                    )
+            error = _warm_kernel(job)
         finally:
             setattr(holder, attribute, previous)
-    return specialized
+    if error:
+        raise RuntimeError(error)
+    if not captured:
+        return None
+    target = triton.runtime.driver.active.get_current_target()
+    cache = getattr(getattr(getattr(triton, "knobs", None), "cache", None), "dir", None)
+    env = {"TRITON_CACHE_DIR": cache} if cache else {}
+    return {**job, "specialization": captured[-1], "target": vars(target), "env": env}
 
 
 _HOOK_LOCK = threading.Lock()

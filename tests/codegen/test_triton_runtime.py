@@ -170,15 +170,14 @@ def test_availability_precompile_and_interpret_mode_restore_state() -> None:
     assert (os.environ.get("TRITON_INTERPRET"), tl.sum, tl.rand) == before
 
 
-def test_precompile_workers_without_a_gpu_report_instead_of_raising() -> None:
-    """Taking Triton's specialization needs its GPU driver: without one the worker path gives
-    one error line and compiles nothing (the threads then report, and the first launch
-    compiles and raises)."""
+def test_precompile_without_a_gpu_driver_reports_instead_of_raising() -> None:
+    """Taking Triton's specialization needs its GPU driver: without one the pool path gives
+    an error line per kernel and compiles nothing (the first launch compiles and raises)."""
     if torch.cuda.is_available():
         pytest.skip("the machine has a GPU")
     source = generate_triton(_gelu_kernel(16, F32), interpret=False)
-    errors = triton_build._compile_in_workers([triton_build._job(source, 0) for _ in range(2)])
-    assert len(errors) == 1 and "specialization" in errors[0]
+    errors = triton_build._compile_in_pool([triton_build._job(source, 0) for _ in range(2)])
+    assert len(errors) == 4 and "specialization" in errors[0], errors
 
 
 def _specialization(source: TritonSource) -> str:
@@ -214,28 +213,35 @@ def _specialization(source: TritonSource) -> str:
 
 
 def test_compile_worker_fills_the_cache_the_launch_reads(gpu_compiler: None) -> None:
-    """``triton_worker.py`` (a process without torch) compiles a kernel from Triton's
+    """``triton_worker.py --serve`` (a process without torch) compiles a kernel from Triton's
     serialized specialization into the disk cache, under the key an in-process compile of
-    the same launch uses; a broken job is one error line."""
+    the same launch uses, and answers each job with one JSON line (a broken job's carries
+    the error)."""
     source = generate_triton(_softmax_kernel(4, 64, F32), interpret=False)
     job = {"path": str(triton_build.write_module(source)), "name": source.name}
     job["specialization"] = _specialization(source)
+    job["env"] = {"TRITON_CACHE_DIR": os.environ["TRITON_CACHE_DIR"]}
+    target = json.loads(job["specialization"])["target"]  # the worker warms up for it
     broken = {**job, "path": "/nonexistent/kernel.py"}
-    jobs_file = Path(os.environ["TRITON_CACHE_DIR"]) / "jobs.json"
-    jobs_file.write_text(json.dumps([job, broken]))
     worker = Path(triton_build.__file__).with_name("triton_worker.py")
     code = (
-        f"import runpy, sys; sys.argv[1:] = [{str(jobs_file)!r}]; "
+        f"import runpy, sys; sys.argv[1:] = ['--serve', '0', {json.dumps(target)!r}]; "
         f"runpy.run_path({str(worker)!r}, run_name='__main__'); print('torch' in sys.modules)"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    stdin = json.dumps(job) + "\n" + json.dumps(broken) + "\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=stdin, capture_output=True, text=True, check=True
+    )
     lines = done.stdout.splitlines()
-    assert len(lines) == 2 and "/nonexistent/kernel.py" in lines[0], done.stdout + done.stderr
-    assert lines[1] == "False"  # the worker never imported torch
+    assert len(lines) == 3, done.stdout + done.stderr
+    assert "error" not in json.loads(lines[0]) and json.loads(lines[0])["seconds"] > 0
+    assert "/nonexistent/kernel.py" in json.loads(lines[1])["error"]
+    assert lines[2] == "False"  # the worker never imported torch
     before = set(Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin"))
     compile_for_gpu(source)  # in-process: must find the worker's binary, not make another
     assert set(Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin")) == before
     assert any(source.name in path.name for path in before)
+    assert any("kiln_worker_warm_up" in path.name for path in before)
 
 
 class _FakeCompiled:
@@ -454,3 +460,23 @@ def test_persistent_softmax_reads_once_and_exps_once_per_element(gpu_compiler: N
     ptx = compile_for_gpu(source).asm["ptx"]
     assert ptx.count("ex2.approx") == 16
     assert ptx.count("ld.global.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 2
+
+
+def test_compile_pool_answers_every_job_even_after_its_worker_dies() -> None:
+    """Each job's callback runs with the worker's error (here: no such module), and once the
+    worker is gone the callbacks still run (the parent then compiles those kernels itself)."""
+    from kiln.runtime import compile_pool
+
+    pool = compile_pool.Pool(1)
+    job = {"path": "/nonexistent/kernel.py", "name": "k", "specialization": "{}"}
+    try:
+        first = pool.submit(job, lambda error: "then: " + error)
+        assert first.result(timeout=120).startswith("then: /nonexistent/kernel.py")
+        pool.processes[0].kill()
+        pool.processes[0].wait()
+        later = [pool.submit(job, lambda error: "then: " + error) for _ in range(2)]
+        for future in later:
+            assert future.result(timeout=120).startswith("then: the compile worker"), later
+        assert "1 jobs" in compile_pool.timings(pool)
+    finally:
+        pool.close()
