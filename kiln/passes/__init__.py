@@ -17,6 +17,7 @@ from kiln.passes.dce import eliminate_dead_code
 from kiln.passes.matmul_padding import pad_matmul
 from kiln.passes.matmul_transpose import transpose_matmul
 from kiln.passes.reduction_split import split_reductions
+from kiln.passes.relu_mask import read_relu_masks_from_outputs
 
 # The pattern rewrites run first, on the graph as the translations wrote it (CSE could give a
 # pattern's values extra readers); CSE and DCE then clean up after them.
@@ -27,6 +28,7 @@ PIPELINE = [
     transpose_matmul,
     pad_matmul,
     split_reductions,
+    read_relu_masks_from_outputs,
     eliminate_common_subexpressions,
     eliminate_dead_code,
 ]
@@ -47,6 +49,7 @@ __all__ = [
     "keep_attention_statistics",
     "optimize",
     "pad_matmul",
+    "read_relu_masks_from_outputs",
     "split_reductions",
     "transpose_matmul",
 ]
