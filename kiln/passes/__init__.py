@@ -18,6 +18,7 @@ from kiln.passes.matmul_padding import pad_matmul
 from kiln.passes.matmul_transpose import transpose_matmul
 from kiln.passes.reduction_split import split_reductions
 from kiln.passes.relu_mask import read_relu_masks_from_outputs
+from kiln.passes.sum_factor import factor_sums
 
 # The pattern rewrites run first, on the graph as the translations wrote it (CSE could give a
 # pattern's values extra readers); CSE and DCE then clean up after them.
@@ -28,6 +29,7 @@ PIPELINE = [
     transpose_matmul,
     pad_matmul,
     split_reductions,
+    factor_sums,
     read_relu_masks_from_outputs,
     eliminate_common_subexpressions,
     eliminate_dead_code,
@@ -44,6 +46,7 @@ __all__ = [
     "PIPELINE",
     "eliminate_common_subexpressions",
     "eliminate_dead_code",
+    "factor_sums",
     "fold_conv_batchnorm",
     "fuse_attention",
     "keep_attention_statistics",
