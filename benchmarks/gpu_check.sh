@@ -5,4 +5,5 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.
 python -c "import torch, triton, sys; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
-KILN_TEST_DEVICE=cuda python -m pytest -q -n 12 tests/backends/test_kiln_triton.py "$@"
+# 12 test processes: compile on threads, not 12 pools of worker processes
+KILN_COMPILE_WORKERS=threads KILN_TEST_DEVICE=cuda python -m pytest -q -n 12 tests/backends/test_kiln_triton.py "$@"
