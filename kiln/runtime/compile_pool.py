@@ -51,6 +51,7 @@ class Pool:
         self.jobs = queue.Queue()
         self.processes: list[subprocess.Popen[str]] = []
         self.answers: list[dict[str, Any]] = []  # the workers' timings, for the log
+        self.pid = os.getpid()
         # Spawned from a thread: each fork and exec of a process holding torch and a CUDA
         # context takes a while, and the caller goes on capturing meanwhile.
         self._spawner = threading.Thread(
@@ -101,6 +102,8 @@ class Pool:
                 future.set_exception(failure)
 
     def close(self) -> None:
+        if self.pid != os.getpid():  # a forked child's copy: the workers are the parent's
+            return
         self._spawner.join(timeout=30)
         for process in self.processes:
             if process.stdin is not None:
@@ -154,7 +157,9 @@ def start(target: dict[str, Any] | None = None) -> Pool:
     and, given the GPU ``target``, warm up its compiler while the caller goes on)."""
     global _pool
     with _lock:
-        if _pool is None:
+        # A forked child (a data-loader worker) inherits the parent's pipes: it starts its own
+        # pool rather than interleave messages with the parent's.
+        if _pool is None or _pool.pid != os.getpid():
             _pool = Pool(size(), target)
             atexit.register(_pool.close)
         return _pool

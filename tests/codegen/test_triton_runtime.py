@@ -480,3 +480,25 @@ def test_compile_pool_answers_every_job_even_after_its_worker_dies() -> None:
         assert "1 jobs" in compile_pool.timings(pool)
     finally:
         pool.close()
+
+
+def test_a_forked_child_gets_its_own_compile_pool(monkeypatch: Any) -> None:
+    """A child forked after the pool started must not share the parent's worker pipes."""
+    from kiln.runtime import compile_pool
+
+    monkeypatch.setattr(compile_pool, "_pool", None)
+    monkeypatch.setattr(compile_pool, "size", lambda: 1)
+    parent = compile_pool.start()
+    try:
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover (runs in the child)
+            ok = compile_pool.start() is not parent and compile_pool.start().pid == os.getpid()
+            compile_pool.start().close()
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+        os.waitpid(child, 0)
+        assert os.read(read, 1) == b"1"
+        assert compile_pool.start() is parent
+    finally:
+        parent.close()
