@@ -28,13 +28,15 @@ def graph_compiler(backend_name: str) -> GraphCompiler:
     backend = get_backend(backend_name)
 
     def compile_graph(graph: Graph) -> tuple[Graph, Any]:
-        graph = verify(optimize(verify(graph)))
-        if not needs_autodiff(graph):
+        training = needs_autodiff(graph)
+        graph = verify(optimize(verify(graph), differentiating=training))
+        if not training:
             return graph, backend.compile(graph)
         try:
             return graph, compile_training(graph, backend.compile)
         except NotImplementedError as error:  # a row without a VJP rule: eager autograd
             _log_autodiff.info("%s: eager autograd through the graph (%s)", graph.name, error)
+            graph = verify(optimize(graph))  # the passes left for after autodiff
             return graph, backend.compile(graph)
 
     return compile_graph

@@ -28,21 +28,32 @@ PIPELINE = [
     fold_conv_batchnorm,
     transpose_matmul,
     pad_matmul,
-    split_reductions,
     factor_sums,
+    split_reductions,
     read_relu_masks_from_outputs,
     eliminate_common_subexpressions,
     eliminate_dead_code,
 ]
 
 
-def optimize(graph: Graph) -> Graph:
+# Passes that shape the work for kernels rather than change the math run on the forward and
+# backward graphs after partitioning, not on the graph autodiff differentiates: there a split
+# reduction's VJP becomes a permuted, reshaped broadcast, which hides a per-channel factor
+# from factor_sums (a BatchNorm backward's third sum then needs a kernel of its own).
+AFTER_AUTODIFF = frozenset({factor_sums, split_reductions})
+
+
+def optimize(graph: Graph, *, differentiating: bool = False) -> Graph:
+    """``graph`` through the pipeline; ``differentiating``: the graph autodiff will
+    differentiate, without the passes of ``AFTER_AUTODIFF``."""
     for run in PIPELINE:
-        graph = run(graph)
+        if not (differentiating and run in AFTER_AUTODIFF):
+            graph = run(graph)
     return graph
 
 
 __all__ = [
+    "AFTER_AUTODIFF",
     "PIPELINE",
     "eliminate_common_subexpressions",
     "eliminate_dead_code",

@@ -7,16 +7,17 @@ of ``x`` and a full-size store of ``c * (x - mean)`` per BatchNorm layer. With `
 ``sum(x - mean)`` depends on nothing computed in the backward and joins the kernel of the
 other sums over the same rows (it reads the same ``x``)::
 
-    before:  t3 = broadcast(t2, shape=(8, 64, 16, 16), dims=(0, 1)); t4 = mul(t3, t1)
-             t5 = add(t4, t4); t6 = neg(t5); t7 = sum(t6, dims=(2, 3))
-    after:   t8 = sum(t1, dims=(2, 3)); t9 = mul(t2, t8); t7 = mul(t9, -2)
+    before:  t3 = broadcast(t2, shape=(8, 64, 16, 16), dims=(1,)); t4 = mul(t3, t1)
+             t5 = add(t4, t4); t6 = neg(t5); t7 = sum(t6, dims=(0, 2, 3))
+    after:   t8 = sum(t1, dims=(0, 2, 3)); t9 = mul(t2, t8); t7 = mul(t9, -2)
 
 The pass looks through ``neg``, ``add(u, u)`` (or of two equal nodes), multiplication by a
-scalar and by a value broadcast along every summed dim (a ``broadcast`` whose summed output
-dims are new or of size 1), down to the first operand that is none of these. Float sums only:
-the rounding of ``c * sum(e)`` differs from ``sum(c * e)`` by an ulp or so, as any reordered
-float sum. It runs after ``reduction_split``, so a BatchNorm's ``(0, 2, 3)`` sum is already
-``(2, 3)`` then ``(0,)`` and the factor is a ``[N, C]`` value there.
+scalar and by a value broadcast along every summed dim (a ``broadcast``, or a chain of them,
+whose summed output dims are new or of size 1), down to the first operand that is none of
+these. Float sums only: the rounding of ``c * sum(e)`` differs from ``sum(c * e)`` by an ulp
+or so, as any reordered float sum. It runs before ``reduction_split``, which then splits the
+factored sum (on the GPU a BatchNorm's sum becomes a permuted, reshaped column sum, where the
+factor would no longer be visible).
 """
 
 from __future__ import annotations
@@ -32,18 +33,25 @@ Factor = tuple[Value, tuple[int, ...]]  # a value and the output dims its dims m
 
 
 def _constant_along(value: Value, dims: tuple[int, ...]) -> Factor | None:
-    """``value`` as (source, mapping) when it is a broadcast constant along ``dims``."""
+    """``value`` as (source, mapping) when it is a broadcast constant along ``dims``: the
+    summed dims are new or of size 1 in the source. A broadcast of a broadcast (``[C]`` to
+    ``[N, C]`` to ``[N, C, H, W]``) is followed down, composing the dim mappings."""
     node = value.node
-    if node is None or node.op is not Op.BROADCAST:
-        return None
-    source = node.inputs[0]
-    if not isinstance(source, Value):
-        return None
-    sizes = concrete_shape(source.type.shape)
-    for position, out_dim in enumerate(node.attrs.dims):
-        if out_dim in dims and sizes[position] != 1:
+    mapping: tuple[int, ...] | None = None
+    while node is not None and node.op is Op.BROADCAST:
+        source = node.inputs[0]
+        if not isinstance(source, Value):
             return None
-    return source, tuple(node.attrs.dims)
+        mapping = (
+            tuple(node.attrs.dims)
+            if mapping is None
+            else tuple(mapping[d] for d in node.attrs.dims)
+        )
+        sizes = concrete_shape(source.type.shape)
+        if all(sizes[i] == 1 for i, out_dim in enumerate(mapping) if out_dim in dims):
+            return source, mapping
+        node = source.node
+    return None
 
 
 def _same(a: object, b: object) -> bool:

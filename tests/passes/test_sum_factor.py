@@ -4,7 +4,9 @@ BatchNorm backward's last sum no longer waits for the others."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
+import pytest
 import torch
 
 import kiln
@@ -44,9 +46,19 @@ def test_a_factor_varying_along_a_summed_dim_stays_inside() -> None:
     assert factor_sums(graph) is graph
 
 
-def test_batchnorm_backward_sums_share_one_kernel_and_match_eager() -> None:
+@pytest.mark.parametrize("channels_last_sums", [False, True])
+def test_batchnorm_backward_sums_share_one_kernel_and_match_eager(
+    channels_last_sums: bool, monkeypatch: Any
+) -> None:
     # The variance's gradient into the mean, sum(c * (x - mean)), joins the kernel of the
-    # other two sums: the backward is recompute, sums, per-channel step, gradient (4 kernels).
+    # other two sums: the backward is recompute, sums, per-channel step, gradient (4 kernels;
+    # 3 where the sums are channels-last columns, as on the GPU). With the GPU's column
+    # split, this needs the graph autodiff differentiates to be unsplit: the VJP of a split
+    # sum hid the per-channel factor behind a permute and reshapes.
+    if channels_last_sums:
+        import kiln.passes.reduction_split as reduction_split
+
+        monkeypatch.setattr(reduction_split, "_holds_channels_last", lambda value: True)
     torch.manual_seed(0)
     net = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1, bias=False),
