@@ -132,9 +132,10 @@ def _ask(process: subprocess.Popen[str], job: Job) -> tuple[dict[str, Any], bool
     return dict(json.loads(line)), True
 
 
-def timings(pool: Pool) -> str:
-    """The workers' start-up and compile times so far, for the ``kernels`` log."""
-    answers = list(pool.answers)
+def timings(pool: Pool, since: int = 0) -> str:
+    """The workers' start-up and compile times of the answers from ``since`` on, for the
+    ``kernels`` log."""
+    answers = pool.answers[since:]
     if not answers:
         return "no answers"
     ready = [a.get("ready", 0.0) for a in answers]

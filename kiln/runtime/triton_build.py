@@ -490,6 +490,7 @@ def _compile_in_pool(jobs: list[Job]) -> list[str]:
     from kiln.runtime import compile_pool
 
     pool = compile_pool.start(_target())
+    first_answer = len(pool.answers)
     futures = []
     errors: list[str] = []
     for job in jobs:
@@ -503,7 +504,7 @@ def _compile_in_pool(jobs: list[Job]) -> list[str]:
             continue
         futures.append(pool.submit(specialized, functools.partial(_loaded, job)))
     errors += [future.result(timeout=WORKER_TIMEOUT_S) for future in futures]
-    _log.info("precompile: %s", compile_pool.timings(pool))
+    _log.info("precompile: %s", compile_pool.timings(pool, first_answer))
     return errors
 
 
