@@ -7,8 +7,10 @@ by the source, the flags and the compiler, so a second process never rebuilds th
 - :mod:`kiln.runtime.cpp_build`: ``build`` (g++ -> shared library, cached, loaded with ctypes),
   ``load_kernels`` (one launcher per C++ kernel) and ``cpp_compiler_available``.
 - :mod:`kiln.runtime.triton_build`: ``build_triton`` (generated module -> cached file ->
-  launcher), ``load_triton_kernels``, ``precompile`` (parallel compiles), ``triton_available``
-  and ``interpret_mode`` (CPU tensors through Triton's interpreter).
+  launcher), ``load_triton_kernels``, ``precompile`` (parallel compiles) and
+  ``triton_available``; :mod:`kiln.runtime.triton_launch` (the launcher and its fast paths),
+  :mod:`kiln.runtime.triton_interpret` (``interpret_mode``: CPU tensors through Triton's
+  interpreter) and :mod:`kiln.runtime.compile_pool` (persistent compile worker processes).
 """
 
 from kiln.runtime.cpp_build import build, cpp_compiler_available, load_kernels

@@ -6,14 +6,14 @@ when one is set), imports it, and returns ``launch(*tensors, seed=None)``: tenso
 kernel-argument order, then the seed (by keyword or as one more positional argument).
 
 On a GPU the first launch compiles (Triton's on-disk cache makes later processes fast) and a
-failure raises :class:`~kiln.errors.BackendError` naming the module's file. Later launches
-skip ``kernel[grid](...)``'s argument binding and call the compiled kernel's launcher directly
-while the specialization still holds (pointer alignment, seed width, device).
-:func:`precompile` compiles the kernels of a program in the compile pool's worker processes
-(``compile_pool.py``) before their first launch.
+failure raises :class:`~kiln.errors.BackendError` naming the module's file; later launches
+take faster paths (``triton_launch.py``). :func:`precompile` compiles the kernels of a
+program in the compile pool's worker processes (``compile_pool.py``) before their first
+launch.
 
 Under the interpreter (``TritonSource.interpret``) the module is imported and launched inside
-:func:`interpret_mode`, so CPU tensors run through the generated kernels on the CPU.
+``triton_interpret.interpret_mode``, so CPU tensors run through the generated kernels on the
+CPU.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ import os
 import tempfile
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -38,6 +36,8 @@ import torch
 from kiln.codegen.triton import TritonSource, generate_triton
 from kiln.config import config, logger
 from kiln.errors import BackendError
+from kiln.runtime.triton_interpret import LOCK, interpret_mode
+from kiln.runtime.triton_launch import OPTIONS, TritonLauncher, _version
 from kiln.schedule.loops import Kernel
 
 MIN_VERSION = (3, 6)
@@ -45,20 +45,11 @@ MIN_CAPABILITY = (7, 0)
 SERIAL_COMPILES = 2  # programs with at most this many kernels compile in-process
 WORKER_TIMEOUT_S = 900
 SEED_EXAMPLE = 2**40  # precompiled kernels assume an int64-wide seed, like torch's draws
-# FMA contraction on, as nvcc does for eager's kernels; explicit, because Triton 3.10 changes
-# the default (and 3.9 warns when it is left unset)
-OPTIONS = {"enable_fp_fusion": True}
 
 _log = logger("kernels")
 _modules: dict[str, ModuleType] = {}
-_lock = threading.RLock()
 
 Launcher = Callable[..., None]
-
-
-def _version(text: str) -> tuple[int, int]:
-    parts = [*text.split("+")[0].split("."), "0", "0"][:2]
-    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
 
 
 def triton_available(device: torch.device | str, *, interpret: bool = False) -> str | None:
@@ -84,98 +75,6 @@ def triton_available(device: torch.device | str, *, interpret: bool = False) -> 
         name = torch.cuda.get_device_name(device)
         return f"{name} has compute capability {capability[0]}.{capability[1]} (Triton needs 7.0+)"
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# interpreter mode
-
-_interpret_depth = 0
-
-
-@functools.cache
-def _library_swaps() -> list[tuple[Any, str, Any, Any]]:
-    """``(module, name, jit function, interpreted function)`` for triton.language's own
-    ``@jit`` functions (``tl.sum``, ``tl.rand``, ...). Triton picks the interpreter when a
-    function is *decorated*, so a process that imported Triton without ``TRITON_INTERPRET=1``
-    holds compiled-only versions, which interpreted kernels cannot call."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    interpreted: dict[int, Any] = {}
-    swaps = []
-    for module in (tl, tl.core, tl.math, tl.standard, tl.random):
-        for name, value in list(vars(module).items()):
-            if isinstance(value, JITFunction):
-                if id(value) not in interpreted:
-                    interpreted[id(value)] = InterpretedFunction(value.fn)
-                swaps.append((module, name, value, interpreted[id(value)]))
-    return swaps
-
-
-def _language_objects() -> list[Any]:
-    """What the interpreter patches while kernels run: triton.language's modules and classes."""
-    import triton.language as tl
-
-    core = tl.core
-    names = ("tensor", "dtype", "condition", "tensor_descriptor_base")
-    classes = [getattr(core, name) for name in names if hasattr(core, name)]
-    return [tl, core, tl.math, tl.standard, tl.random, *classes]
-
-
-def _snapshot() -> list[tuple[Any, dict[str, Any]]]:
-    return [(obj, dict(vars(obj))) for obj in _language_objects()]
-
-
-def _restore(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
-    """Undo attribute changes to triton.language. Triton's interpreter restores what a kernel
-    launch patches, but a device-function call (``tl.rand``, our helpers) patches
-    ``triton.language.core`` for good, which breaks compiling GPU kernels afterwards."""
-    for obj, saved in snapshot:
-        for name, value in list(vars(obj).items()):
-            if name not in saved:
-                # a module keeps new globals (the interpreter's rewritten library functions
-                # read them later); a class loses patched-in methods
-                if not isinstance(obj, ModuleType):
-                    delattr(obj, name)
-            elif saved[name] is not value:
-                setattr(obj, name, saved[name])
-
-
-@contextmanager
-def interpret_mode() -> Iterator[None]:
-    """Run Triton kernels defined or launched inside on the CPU interpreter: sets
-    ``TRITON_INTERPRET=1``, makes triton.language's library functions interpretable, silences
-    numpy's floating-point warnings (masked lanes divide by zero, as on the GPU, silently), and
-    on exit restores the environment and everything the interpreter patched."""
-    global _interpret_depth
-    import numpy as np
-
-    with _lock:
-        if _interpret_depth:
-            _interpret_depth += 1
-            try:
-                yield
-            finally:
-                _interpret_depth -= 1
-            return
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        snapshot = _snapshot()
-        for module, name, _, interpreted in _library_swaps():
-            setattr(module, name, interpreted)
-        _interpret_depth = 1
-        try:
-            with np.errstate(all="ignore"), warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                yield
-        finally:
-            _interpret_depth = 0
-            _restore(snapshot)
-            if previous is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +108,7 @@ def write_module(source: TritonSource) -> Path:
 
 def _import(path: Path, interpret: bool) -> ModuleType:
     key = f"{path}:{interpret}"
-    with _lock:
+    with LOCK:
         module = _modules.get(key)
         if module is not None:
             return module
@@ -232,151 +131,6 @@ def _import(path: Path, interpret: bool) -> ModuleType:
         return module
 
 
-# ---------------------------------------------------------------------------------------------
-# launchers
-
-
-class TritonLauncher:
-    """Launches one kernel: ``launch(*tensors, seed=None)``."""
-
-    def __init__(self, source: TritonSource, path: Path, function: Any) -> None:
-        self.source = source
-        self.path = path
-        self.function = function
-        self.count = len(source.arguments)
-        self.grid = source.grid
-        self.constexprs = source.constexprs
-        self.constexpr_values = tuple(source.constexprs.values())
-        self.launched = False
-        self.fast: dict[tuple[Any, ...], Any] = {}  # specialization -> compiled kernel runner
-        self.fast_ok = not source.interpret and _fast_launch_supported()
-        self.__name__ = source.kernel_name
-
-    def __call__(self, *arguments: Any, seed: Any = None) -> None:
-        tensors = arguments[: self.count]
-        if len(arguments) == self.count + 1 and seed is None:
-            seed = arguments[self.count]
-        elif len(arguments) != self.count:
-            raise TypeError(
-                f"kernel {self.source.kernel_name} takes {self.count} tensors"
-                f"{' and a seed' if self.source.has_seed else ''}, got {len(arguments)} arguments"
-            )
-        extra: tuple[Any, ...] = ()
-        if self.source.has_seed:
-            if seed is None:
-                raise TypeError(f"kernel {self.source.kernel_name} needs a seed")
-            extra = (int(seed),)
-        if self.grid[0] == 0:
-            return
-        if self.source.interpret:
-            with interpret_mode():
-                self._launch(tensors + extra)
-            return
-        if self.fast_ok and self.launched:
-            key = _specialization(tensors, extra)
-            runner = self.fast.get(key)
-            if runner is not None:
-                try:
-                    runner(*tensors, *extra, *self.constexpr_values)
-                    return
-                except Exception as error:  # the slow path re-checks everything
-                    _log.info("fast launch of %s failed (%s); using kernel[grid]", self.path, error)
-                    self.fast_ok = False
-        compiled = self._launch(tensors + extra)
-        if self.fast_ok and compiled is not None and hasattr(compiled, "__getitem__"):
-            try:
-                runner = _direct_runner(compiled, self.grid)
-                self.fast[_specialization(tensors, extra)] = runner
-            except Exception:  # keep the slow path
-                self.fast_ok = False
-
-    def _launch(self, arguments: tuple[Any, ...]) -> Any:
-        kwargs: dict[str, Any] = dict(self.constexprs)
-        if not self.source.interpret:
-            kwargs.update(OPTIONS, num_warps=self.source.num_warps)
-        if self.launched:
-            return self.function[self.grid](*arguments, **kwargs)
-        try:
-            result = self.function[self.grid](*arguments, **kwargs)
-        except Exception as error:
-            what = "run in the interpreter" if self.source.interpret else "compile or launch"
-            raise BackendError(
-                f"Triton kernel {self.source.kernel_name} failed to {what} "
-                f"(source: {self.path}): {type(error).__name__}: {error}"
-            ) from error
-        self.launched = True
-        return result
-
-
-def _fast_launch_supported() -> bool:
-    """Whether ``CompiledKernel[grid](*bound_args)`` takes the same arguments as
-    ``JITFunction.run`` passes to the launcher (Triton 3.3 and later, through 3.9)."""
-    import triton
-
-    return (3, 3) <= _version(triton.__version__) < (4, 0)
-
-
-def _specialization(tensors: Sequence[Any], extra: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What Triton specializes a compiled kernel on, for our arguments: each pointer's 16-byte
-    alignment, the seed's width (the seed is not specialized on its value) and the device."""
-    aligned = tuple([t.data_ptr() % 16 == 0 for t in tensors])
-    widths = tuple(
-        "i32" if -(2**31) <= s < 2**31 else "u64" if s >= 2**63 else "i64" for s in extra
-    )
-    return (aligned, widths, _current_device())
-
-
-def _current_device() -> int:
-    getter = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device, less Python
-    return int(getter()) if getter is not None else torch.cuda.current_device()
-
-
-def _hook_holder() -> Any:
-    """Where this Triton keeps its launch enter/exit hooks (set by its profiler)."""
-    import triton
-
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is not None:
-        return runtime
-    from triton.compiler.compiler import CompiledKernel
-
-    return CompiledKernel
-
-
-def _hook_set(hook: Any) -> bool:
-    """Whether a launch hook is set: not None, and (Triton 3.5 and later keep a ``HookChain``,
-    never None) with something in its chain."""
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _direct_runner(compiled: Any, grid: tuple[int, int, int]) -> Callable[..., None]:
-    """A launch of ``compiled`` that does what ``compiled[grid](*args)`` does (Triton 3.3-3.9:
-    the current stream, then the compiled launcher with the kernel's handle and metadata) with
-    less Python per call: it binds the handles, the grid and the stream getter once. On the
-    H100's host a launch costs 7.4 us this way against 12-16 us through ``kernel[grid]``
-    (``benchmarks/launch_overhead.py``); ResNet-50 training launches 900 kernels a step. With
-    a profiler's launch hooks set, or on a Triton without these attributes, it takes Triton's
-    own runner."""
-    runner: Callable[..., None] = compiled[grid]  # loads the binary, as Triton's path does
-    run = getattr(compiled, "run", None)
-    function = getattr(compiled, "function", None)
-    packed = getattr(compiled, "packed_metadata", None)
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw_stream is None or run is None or function is None or packed is None:
-        return runner
-    hooks = _hook_holder()
-    device = _current_device()
-    gx, gy, gz = grid
-
-    def launch(*args: Any) -> None:
-        if _hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook):
-            runner(*args)
-            return
-        run(gx, gy, gz, raw_stream(device), function, packed, None, None, None, *args)
-
-    return launch
-
-
 def build_triton(source: TritonSource) -> TritonLauncher:
     """The launcher of ``source`` (its module written to the cache and imported)."""
     path = write_module(source)
@@ -393,6 +147,8 @@ def load_triton_kernels(
     """Generate, build and precompile ``kernels``; one launcher per kernel name (the backend's
     code-generator interface). ``interpret`` runs them on CPU tensors through Triton's
     interpreter."""
+    if not interpret:
+        _join_parent_warm_up()
     sources = [generate_triton(kernel, interpret) for kernel in kernels]
     launchers = {s.kernel_name: build_triton(s) for s in sources}
     precompile(sources, [device])
@@ -467,6 +223,64 @@ def start_workers(devices: Iterable[torch.device]) -> None:
         from kiln.runtime import compile_pool
 
         compile_pool.start(_target())
+        _start_parent_warm_up()
+
+
+_warm_up: tuple[int, threading.Thread] | None = None  # (pid, thread)
+
+
+def _start_parent_warm_up() -> None:
+    """Start, once per process, a thread doing Triton's one-time start-up in this process
+    (:func:`_warm_parent`) while the caller captures and schedules."""
+    global _warm_up
+    with LOCK:
+        if _warm_up is None or _warm_up[0] != os.getpid():
+            thread = threading.Thread(target=_warm_parent, name="kiln-triton-warm-up", daemon=True)
+            _warm_up = (os.getpid(), thread)
+            thread.start()
+
+
+def _join_parent_warm_up() -> None:
+    """Wait for the warm-up thread (done by then, usually) before this process touches
+    Triton's driver, so the two never start it at once."""
+    warm_up = _warm_up
+    if warm_up is not None and warm_up[0] == os.getpid():
+        warm_up[1].join()
+
+
+def _warm_parent() -> None:
+    """What the parent's first kernel load would otherwise do on the first call's critical
+    path (cold caches, H100 host, ``benchmarks/first_call_profile.py``): hashing Triton's
+    compiler sources and its 500 MB library for cache keys (``triton_key``, 0.7 s; hashing
+    and file reads release the GIL), importing the compiler (its Gluon modules: 0.3 s), and
+    starting Triton's CUDA driver, which builds a C module with gcc on a cold cache
+    (0.35 s, waiting on a subprocess)."""
+    import importlib
+
+    def driver_utils() -> object:
+        import triton
+
+        return triton.runtime.driver.active.utils
+
+    def cache_key() -> object:
+        from triton.runtime.cache import triton_key
+
+        return triton_key()
+
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("driver", driver_utils),
+        ("compiler", lambda: importlib.import_module("triton.compiler.compiler")),
+        ("gluon", lambda: importlib.import_module("triton.experimental.gluon")),
+        ("cache key", cache_key),
+    ]
+    for name, step in steps:
+        start = time.perf_counter()
+        try:
+            step()
+        except Exception as error:  # an older or newer Triton: the first load does it
+            _log.info("Triton warm-up step %s failed: %s: %s", name, type(error).__name__, error)
+            continue
+        _log.info("Triton warm-up step %s: %.2f s", name, time.perf_counter() - start)
 
 
 def _target() -> dict[str, Any] | None:

@@ -37,7 +37,7 @@ from kiln.schedule.loops import (
 )
 
 triton = pytest.importorskip("triton")
-from kiln.runtime import triton_build  # noqa: E402  (needs triton)
+from kiln.runtime import triton_build, triton_launch  # noqa: E402  (needs triton)
 from tests.codegen.ir_builders import BF16, BOOL, CPU, F16, F32, F64, I8, I32, I64, U8  # noqa: E402
 
 ELEMENTWISE = [row for row in registered_ops() if Tag.ELEMENTWISE in row.tags]
@@ -282,8 +282,8 @@ def test_compiled_launches_take_the_fast_path_while_the_specialization_holds(
     later ones call the compiled kernel's runner with the bound arguments (tensors, seed,
     constexprs) until the alignment changes or the runner fails."""
     aligned = lambda tensors, extra: (tuple(t.data_ptr() % 16 for t in tensors), len(extra))
-    monkeypatch.setattr(triton_build, "_specialization", aligned)
-    monkeypatch.setattr(triton_build, "_fast_launch_supported", lambda: True)
+    monkeypatch.setattr(triton_launch, "_specialization", aligned)
+    monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
     source = generate_triton(_rand_kernel(), interpret=False)
     fake = _FakeJit()
     launch = triton_build.TritonLauncher(source, Path("dropout.py"), fake)
@@ -305,6 +305,110 @@ def test_compiled_launches_take_the_fast_path_while_the_specialization_holds(
         "slow",
         "slow",
     ] and not launch.fast_ok
+
+
+class _FakeCudaLauncher:
+    """Triton's Python ``CudaLauncher`` (``compiled.run``) around a C launch function
+    (``self.launch``), in the argument layout of Triton 3.6 (``spread``: the kernel's arguments
+    last, spread) or 3.9 (a tuple last, after two signature descriptions)."""
+
+    def __init__(self, layout: str, c_log: list[tuple[Any, ...]], scratch: int = 0) -> None:
+        self.layout = layout
+        self.python_calls = 0
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.launch = lambda *c_args: c_log.append(c_args)
+
+    def __call__(self, gx: int, gy: int, gz: int, stream: int, function: Any, metadata: Any,
+                 launch_metadata: Any, enter: Any, exit_: Any, *args: Any) -> None:  # fmt: skip
+        self.python_calls += 1
+        scratch = torch.empty(self.global_scratch_size) if self.global_scratch_size else None
+        if self.layout == "spread":
+            self.launch(gx, gy, gz, stream, function, False, False, scratch, None, metadata,
+                        launch_metadata, enter, exit_, *args)  # fmt: skip
+        else:
+            self.launch(gx, gy, gz, stream, function, False, False, metadata, launch_metadata,
+                        enter, exit_, scratch, None, "annotations", "signature", args)  # fmt: skip
+
+
+class _FakeLaunchable:
+    """A compiled kernel with the attributes the direct path reads."""
+
+    def __init__(self, launcher: _FakeCudaLauncher) -> None:
+        self.run = launcher
+        self.function = object()
+        self.packed_metadata = ("metadata",)
+
+    def __getitem__(self, grid: Any) -> Any:
+        return lambda *args: self.run(*grid, 0, self.function, self.packed_metadata, None,
+                                      None, None, *args)  # fmt: skip
+
+
+class _FakeJitOf(_FakeJit):
+    def __init__(self, compiled: Any) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+
+@pytest.mark.parametrize("layout", ["spread", "packed"])
+def test_aligned_launches_call_the_recorded_c_launch(
+    monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """After the first launch (``kernel[grid]``) and one through Triton's Python launcher
+    (recording its C call), aligned launches call the C launch function directly: same
+    arguments but the stream and the tensors. A misaligned view takes the compiled path."""
+    stream = [11]
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: stream[0], raising=False)
+    monkeypatch.setattr(triton_launch, "_get_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
+    monkeypatch.setattr(triton_launch, "_specialization", lambda t, e: (
+        tuple(x.data_ptr() % 16 == 0 for x in t), (), 0))  # fmt: skip
+    source = generate_triton(_gelu_kernel(4096, F32), interpret=False)
+    c_log: list[tuple[Any, ...]] = []
+    python = _FakeCudaLauncher(layout, c_log)
+    fake = _FakeJitOf(_FakeLaunchable(python))
+    launch = triton_launch.TritonLauncher(source, Path("gelu.py"), fake)
+    first, *rest = [torch.empty(4096) for _ in source.arguments]
+    launch(first, *rest)  # kernel[grid]
+    assert [entry[0] for entry in fake.log] == ["slow"] and python.python_calls == 0
+    launch(first, *rest)  # the Python launcher, recorded
+    assert python.python_calls == 1 and len(c_log) == 1
+    stream[0] = 12
+    other = torch.empty(4096)
+    launch(other, *rest)
+    assert python.python_calls == 1 and len(c_log) == 2  # straight to the C function
+    recorded, direct = c_log
+    constexprs = tuple(source.constexprs.values())
+    assert direct[:3] == recorded[:3] and recorded[3] == 11 and direct[3] == 12
+    arguments = (other, *rest, *constexprs)
+    count = len(arguments) if layout == "spread" else 1
+    assert direct[4:-count] == recorded[4:-count]  # handle, flags, metadata, no scratch
+    tail = direct[-count:] if layout == "spread" else direct[-1]
+    assert len(tail) == len(arguments) and all(a is b for a, b in zip(tail, arguments, strict=True))
+    base = torch.empty(4097)
+    launch(base[1:], *rest)  # misaligned: another specialization, through kernel[grid]
+    assert [entry[0] for entry in fake.log] == ["slow", "slow"] and len(c_log) == 2
+
+
+def test_launches_with_scratch_buffers_keep_tritons_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel whose launcher allocates scratch memory per launch is never replayed."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 5, raising=False)
+    monkeypatch.setattr(triton_launch, "_get_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
+    monkeypatch.setattr(triton_launch, "_specialization", lambda t, e: ((True,) * len(t), (), 0))
+    source = generate_triton(_gelu_kernel(4096, F32), interpret=False)
+    c_log: list[tuple[Any, ...]] = []
+    python = _FakeCudaLauncher("spread", c_log, scratch=64)
+    fake = _FakeJitOf(_FakeLaunchable(python))
+    launch = triton_launch.TritonLauncher(source, Path("gelu.py"), fake)
+    tensors = [torch.empty(4096) for _ in source.arguments]
+    for _ in range(4):
+        launch(*tensors)
+    assert python.python_calls == 3 and len(c_log) == 3  # all but the first through run()
 
 
 def test_load_triton_kernels_gives_the_backend_interface() -> None:
@@ -502,3 +606,17 @@ def test_a_forked_child_gets_its_own_compile_pool(monkeypatch: Any) -> None:
         assert compile_pool.start() is parent
     finally:
         parent.close()
+
+
+def test_parent_warm_up_fills_tritons_cache_key_once_per_process() -> None:
+    """The warm-up thread computes Triton's cache key (and imports its compiler) ahead of the
+    first kernel load; the join waits for it, and a second start reuses the same thread."""
+    from triton.runtime.cache import triton_key
+
+    triton_build._start_parent_warm_up()
+    first = triton_build._warm_up
+    triton_build._start_parent_warm_up()
+    assert triton_build._warm_up is first and first is not None
+    triton_build._join_parent_warm_up()
+    assert not first[1].is_alive()
+    assert triton_key.cache_info().currsize == 1
