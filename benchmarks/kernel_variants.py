@@ -1,0 +1,152 @@
+"""Launch-shape sweep of the reduction kernels of ``benchmarks/kernels.py``'s fused cases: each
+persistent-reduction kernel Kiln generates for a case, rebuilt with other rows per program
+(``XBLOCK``) and warps, and with its row loads moved ahead of gathered loads ("rows first"),
+timed alone on the arguments of a real call (Triton's ``do_bench``, L2 flushed) and checked
+against the default build's outputs. Bandwidth is the kernel's own bytes (each argument
+tensor read or written once) against a clone of the case's input.
+
+    python benchmarks/kernel_variants.py [--cases cross_entropy,softmax] [--shape 16384x4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+import kiln
+from kiln.backends.kiln import RECORDERS
+from kiln.bench.kernels import make_cases
+from kiln.codegen.triton import Blocks, Form, choose_blocks, generate_triton
+from kiln.runtime.triton_build import TritonLauncher, build_triton
+from kiln.schedule.loops import Kernel
+from kiln.schedule.program import kernel_arguments
+
+
+def _recorded_calls(case: Any) -> list[tuple[Kernel, tuple[Any, ...]]]:
+    """Each kernel of one compiled call of ``case`` with the tensors it was launched on."""
+    records: list[Any] = []
+    arguments: dict[str, tuple[Any, ...]] = {}
+    original = TritonLauncher.__call__
+
+    def recording(self: TritonLauncher, *args: Any, seed: Any = None) -> None:
+        arguments.setdefault(self.source.kernel_name, args)
+        original(self, *args, seed=seed)
+
+    RECORDERS.append(records)
+    TritonLauncher.__call__ = recording  # type: ignore[method-assign]
+    try:
+        kiln.compile(case.fn)(*case.args)
+        torch.cuda.synchronize()
+    finally:
+        TritonLauncher.__call__ = original  # type: ignore[method-assign]
+        RECORDERS.remove(records)
+    kernels = [s for r in records for s in r.program.steps if isinstance(s, Kernel)]
+    return [(k, arguments[k.name]) for k in kernels if k.name in arguments]
+
+
+def rows_first(source: str) -> str:
+    """``source`` with its loads that read along ``r`` and use no earlier value moved right
+    after ``rindex`` is defined: they no longer wait behind a gather's dependent loads."""
+    lines = source.split("\n")
+    anchor = next(i for i, line in enumerate(lines) if line.strip().startswith("rindex ="))
+    movable = [
+        i
+        for i, line in enumerate(lines)
+        if i > anchor
+        and re.match(r"\s+tmp\d+ = tl\.load\(", line)
+        and "rindex" in line
+        and not re.search(r"\(.*\btmp\d+\b", line.split("=", 1)[1])
+    ]
+    moved = [lines[i] for i in movable]
+    kept = [line for i, line in enumerate(lines) if i not in set(movable)]
+    return "\n".join(kept[: anchor + 1] + moved + kept[anchor + 1 :])
+
+
+def _variants(kernel: Kernel) -> list[tuple[str, Any]]:
+    default = choose_blocks(kernel, interpret=False)
+    shapes = [(x, w) for x in (1, 2, 4) for w in (4, 8, 16)]
+    out: list[tuple[str, Any]] = [("default", generate_triton(kernel, False))]
+    for xblock, warps in shapes:
+        if xblock * default.rblock > 32768 or xblock > kernel.xnumel:
+            continue
+        blocks = Blocks(Form.PERSISTENT, xblock, default.rblock, warps)
+        source = generate_triton(kernel, False, blocks=blocks)
+        out.append((f"x{xblock} w{warps}", source))
+        moved = rows_first(source.source)
+        if moved != source.source:
+            out.append(
+                (f"x{xblock} w{warps} rows first", dataclasses.replace(source, source=moved))
+            )
+    return out
+
+
+def _outputs(kernel: Kernel, tensors: tuple[Any, ...]) -> list[torch.Tensor]:
+    stored = {id(s.buffer) for s in kernel.stores}
+    pairs = zip(kernel_arguments(kernel), tensors, strict=False)  # a seed may follow
+    return [t for b, t in pairs if id(b) in stored]
+
+
+def _seconds(launcher: TritonLauncher, tensors: tuple[Any, ...]) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(lambda: launcher(*tensors), warmup=25, rep=100, return_mode="median"))
+
+
+def _sweep(case: str, kernel: Kernel, tensors: tuple[Any, ...], copy_rate: float) -> list[str]:
+    """One table row per variant of ``kernel``: microseconds and share of the copy's rate."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    expected: list[torch.Tensor] | None = None
+    rows = []
+    for name, variant in _variants(kernel):
+        try:
+            launcher = build_triton(variant)
+            launcher(*tensors)
+            torch.cuda.synchronize()
+        except Exception as error:  # a shape Triton rejects (registers, shared memory)
+            rows.append(f"| {case} | {kernel.name} | {name} | failed: {type(error).__name__} | |")
+            continue
+        outputs = [o.clone() for o in _outputs(kernel, tensors)]
+        if expected is None:
+            expected = outputs
+        for got, want in zip(outputs, expected, strict=True):
+            # another reduction order may move a 16-bit output by its last bit
+            tolerance = 1e-5 if got.element_size() > 2 else 1.6e-2
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+        seconds = _seconds(launcher, tensors) / 1e3
+        share = nbytes / seconds / copy_rate
+        rows.append(
+            f"| {case} | {kernel.name} | {name} | {seconds * 1e6:.1f} | {100 * share:.0f}% |"
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    from triton.testing import do_bench
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="cross_entropy,softmax,layer_norm,rms_norm")
+    parser.add_argument("--shape", default="16384x4096")
+    args = parser.parse_args()
+    rows, cols = (int(n) for n in args.shape.split("x"))
+    device = torch.device("cuda")
+    cases = make_cases(rows, cols, torch.bfloat16, device)
+    source = cases[0].args[0]
+    copy_s = do_bench(source.clone, warmup=25, rep=100, return_mode="median") / 1e3
+    copy_rate = 2 * source.numel() * source.element_size() / copy_s
+    table = ["| case | kernel | variant | us | share of copy |", "| --- | --- | --- | --- | --- |"]
+    for prefix in args.cases.split(","):
+        case = next(c for c in cases if c.name.startswith(prefix))
+        for kernel, tensors in _recorded_calls(case):
+            if choose_blocks(kernel, interpret=False).form is Form.PERSISTENT:
+                table += _sweep(case.name, kernel, tensors, copy_rate)
+    print(f"\ncopy: {copy_rate / 1e9:.0f} GB/s ({copy_s * 1e6:.1f} us for {args.shape} bf16)")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
