@@ -101,6 +101,8 @@ class Equals(Guard):
 
     def check(self, binder: Binder) -> str:
         assert self.source is not None
+        if self.value is None or type(self.value) is bool:  # singletons: identity says it all
+            return f"{self.source.expr(binder)} is {self.value!r}"
         # The type check keeps True from matching 1 and 1.0 from matching 1.
         return (
             f"type({self.source.expr(binder)}) is {binder.bind(type(self.value), 'type')} "

@@ -60,6 +60,8 @@ class TritonLauncher:
         # path 1: the all-aligned, seedless specialization's runner and its device
         self.aligned: Callable[..., None] | None = None
         self.aligned_device = -1
+        # once the aligned runner has recorded Triton's C call: made here, in one frame
+        self.replay: Replay | None = None
         self.__name__ = source.kernel_name
 
     def __call__(self, *arguments: Any, seed: Any = None) -> None:
@@ -69,9 +71,20 @@ class TritonLauncher:
             for tensor in arguments:
                 pointers |= tensor.data_ptr()
             if not pointers & 15 and _get_device() == self.aligned_device:
-                aligned(*arguments, *self.constexpr_values)
+                r = self.replay
+                if r is None or r.hooks_set():
+                    aligned(*arguments, *self.constexpr_values)
+                elif r.packed:
+                    stream = r.stream(r.device)
+                    r.c_function(*r.grid, stream, *r.fixed, (*arguments, *self.constexpr_values))
+                else:
+                    stream = r.stream(r.device)
+                    r.c_function(*r.grid, stream, *r.fixed, *arguments, *self.constexpr_values)
                 return
         self._call(arguments, seed)
+
+    def _replayed(self, replay: Replay) -> None:
+        self.replay = replay
 
     def _call(self, arguments: tuple[Any, ...], seed: Any) -> None:
         tensors = arguments[: self.count]
@@ -108,9 +121,10 @@ class TritonLauncher:
         if self.fast_ok and compiled is not None and hasattr(compiled, "__getitem__"):
             try:
                 key = _specialization(tensors, extra)
-                runner = _direct_runner(compiled, self.grid)
+                aligned = not extra and all(key[0])
+                runner = _direct_runner(compiled, self.grid, self._replayed if aligned else None)
                 self.fast[key] = runner
-                if not extra and all(key[0]):
+                if aligned:
                     self.aligned, self.aligned_device = runner, key[2]
             except Exception:  # keep the slow path
                 self.fast_ok = False
@@ -178,7 +192,11 @@ def _hook_set(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _direct_runner(compiled: Any, grid: tuple[int, int, int]) -> Callable[..., None]:
+def _direct_runner(
+    compiled: Any,
+    grid: tuple[int, int, int],
+    on_replay: Callable[[Replay], None] | None = None,
+) -> Callable[..., None]:
     """A launch of ``compiled`` that does what ``compiled[grid](*args)`` does, with less Python
     per call. It takes the kernel's tensors (and seed), then its constexpr values, which
     Triton's launcher ignores (they are baked into the binary).
@@ -187,8 +205,8 @@ def _direct_runner(compiled: Any, grid: tuple[int, int, int]) -> Callable[..., N
     launcher with the kernel's handle and metadata, the scratch allocations) and records what
     that passes to the C launch function; later calls make that C call themselves when the
     record shows it is the same every time but for the stream and the tensors
-    (:func:`_c_launch`). With a profiler's launch hooks set, or on a Triton without these
-    attributes, it takes Triton's own runner."""
+    (:func:`_c_launch`), and hand that call to ``on_replay``. With a profiler's launch hooks
+    set, or on a Triton without these attributes, it takes Triton's own runner."""
     runner: Callable[..., None] = compiled[grid]  # loads the binary, as Triton's path does
     run = getattr(compiled, "run", None)
     function = getattr(compiled, "function", None)
@@ -199,35 +217,37 @@ def _direct_runner(compiled: Any, grid: tuple[int, int, int]) -> Callable[..., N
     hooks = _hook_holder()
     device = _current_device()
     gx, gy, gz = grid
-    direct: Callable[..., None] | None = None
+    replay: Replay | None = None
     probed = False
 
     def launch(*args: Any) -> None:
-        nonlocal direct, probed
+        nonlocal replay, probed
         if _hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook):
             runner(*args)
             return
-        if direct is not None:
-            direct(raw_stream(device), args)
+        if replay is not None:
+            replay(args)
             return
         stream = raw_stream(device)
         if probed:
             run(gx, gy, gz, stream, function, packed, None, None, None, *args)
             return
         probed = True
-        direct = _c_launch(run, (gx, gy, gz, stream, function, packed), args)
+        replay = _c_launch(run, (gx, gy, gz, stream, function, packed), args)
+        if replay is not None:
+            replay.bind(hooks, raw_stream, device)
+            if on_replay is not None:
+                on_replay(replay)
 
     return launch
 
 
-def _c_launch(
-    run: Any, head: tuple[Any, ...], args: tuple[Any, ...]
-) -> Callable[[int, tuple[Any, ...]], None] | None:
+def _c_launch(run: Any, head: tuple[Any, ...], args: tuple[Any, ...]) -> Replay | None:
     """Launch once through Triton's Python launcher ``run`` (a ``CudaLauncher``) while
     recording the arguments it passes to its C launch function. When those are the grid, the
     stream, then values fixed for this kernel (function handle, flags, metadata, no scratch
-    buffers), then the kernel's arguments (spread, or as one tuple), return a function making
-    that C call for a new stream and new arguments; else None (Triton's launcher stays).
+    buffers), then the kernel's arguments (spread, or as one tuple), return the
+    :class:`Replay` of that C call; else None (Triton's launcher stays).
 
     The layout differs between Triton releases (3.6 spreads the arguments at the end, 3.9
     passes a tuple and two signature descriptions), which is why it is read from a real launch
@@ -258,7 +278,7 @@ def _replay(
     recorded: tuple[Any, ...],
     head: tuple[Any, ...],
     args: tuple[Any, ...],
-) -> Callable[[int, tuple[Any, ...]], None] | None:
+) -> Replay | None:
     """The C call of ``recorded`` with the stream (position 3) and the launch's arguments
     (tensors, seed, constexpr values: the C function skips the constexprs) replaced; None when
     ``recorded`` does not have that shape."""
@@ -284,14 +304,45 @@ def _replay(
     if any(isinstance(value, torch.Tensor) for value in fixed):
         return None  # a per-launch buffer: not ours to reuse
 
-    if spread:
+    return Replay(c_function, (gx, gy, gz), fixed, packed=not spread)
 
-        def call_spread(stream: int, arguments: tuple[Any, ...]) -> None:
-            c_function(gx, gy, gz, stream, *fixed, *arguments)
 
-        return call_spread
+class Replay:
+    """Triton's C launch call of one kernel: ``c_function(grid..., stream, *fixed, arguments)``
+    with the arguments spread (Triton 3.6) or as one tuple (``packed``, Triton 3.9)."""
 
-    def call_packed(stream: int, arguments: tuple[Any, ...]) -> None:
-        c_function(gx, gy, gz, stream, *fixed, arguments)
+    def __init__(
+        self,
+        c_function: Callable[..., Any],
+        grid: tuple[int, int, int],
+        fixed: tuple[Any, ...],
+        packed: bool,
+    ) -> None:
+        self.c_function = c_function
+        self.grid = grid
+        self.fixed = fixed
+        self.packed = packed
+        self.hooks: Any = None
+        self.stream: Callable[[int], int] = lambda device: 0
+        self.device = 0
 
-    return call_packed
+    def bind(self, hooks: Any, stream: Callable[[int], int], device: int) -> None:
+        """Where to read the launch hooks; the current stream of ``device``."""
+        self.hooks, self.stream, self.device = hooks, stream, device
+
+    def hooks_set(self) -> bool:
+        """Whether a profiler's launch hooks are set (then Triton's own runner launches)."""
+        hooks = self.hooks
+        if hooks is None:
+            return True
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+        return (enter is not None and bool(getattr(enter, "calls", True))) or (
+            leave is not None and bool(getattr(leave, "calls", True))
+        )
+
+    def __call__(self, arguments: tuple[Any, ...]) -> None:
+        stream = self.stream(self.device)
+        if self.packed:
+            self.c_function(*self.grid, stream, *self.fixed, arguments)
+        else:
+            self.c_function(*self.grid, stream, *self.fixed, *arguments)

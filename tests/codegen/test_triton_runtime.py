@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -364,6 +365,8 @@ def test_aligned_launches_call_the_recorded_c_launch(
     monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
     monkeypatch.setattr(triton_launch, "_specialization", lambda t, e: (
         tuple(x.data_ptr() % 16 == 0 for x in t), (), 0))  # fmt: skip
+    hooks = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    monkeypatch.setattr(triton_launch, "_hook_holder", lambda: hooks)
     source = generate_triton(_gelu_kernel(4096, F32), interpret=False)
     c_log: list[tuple[Any, ...]] = []
     python = _FakeCudaLauncher(layout, c_log)
@@ -389,6 +392,9 @@ def test_aligned_launches_call_the_recorded_c_launch(
     base = torch.empty(4097)
     launch(base[1:], *rest)  # misaligned: another specialization, through kernel[grid]
     assert [entry[0] for entry in fake.log] == ["slow", "slow"] and len(c_log) == 2
+    hooks.launch_enter_hook = lambda *args: None  # a profiler: Triton's own launcher again
+    launch(first, *rest)
+    assert python.python_calls == 2 and len(c_log) == 3
 
 
 def test_launches_with_scratch_buffers_keep_tritons_launcher(
