@@ -75,7 +75,7 @@ class TritonLauncher:
                 if r is None:
                     aligned(*arguments, *self.constexpr_values)
                     return
-                # inline on purpose (this runs once a kernel launch): r.hooks_set()
+                # a profiler's launch hooks (see _hook_set), inline: this runs every launch
                 enter, leave = r.hooks.launch_enter_hook, r.hooks.launch_exit_hook
                 if (enter is not None and getattr(enter, "calls", True)) or (
                     leave is not None and getattr(leave, "calls", True)
@@ -340,16 +340,6 @@ class Replay:
     def bind(self, hooks: Any, stream: Callable[[int], int], device: int) -> None:
         """Where to read the launch hooks; the current stream of ``device``."""
         self.hooks, self.stream, self.device = hooks, stream, device
-
-    def hooks_set(self) -> bool:
-        """Whether a profiler's launch hooks are set (then Triton's own runner launches)."""
-        hooks = self.hooks
-        if hooks is None:
-            return True
-        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-        return (enter is not None and bool(getattr(enter, "calls", True))) or (
-            leave is not None and bool(getattr(leave, "calls", True))
-        )
 
     def __call__(self, arguments: tuple[Any, ...]) -> None:
         stream = self.stream(self.device)
