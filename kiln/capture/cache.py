@@ -21,15 +21,16 @@ from __future__ import annotations
 import threading
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kiln.capture import native_guards
 from kiln.capture.breaks import BreakRecord, FullGraphError, SkipReason
 from kiln.capture.convert import Capture, Skip, capture_frame, param_names
-from kiln.capture.guards import compile_guards
+from kiln.capture.guards import compile_guards, wants_native
 from kiln.capture.sources import safe_name
 from kiln.config import config, logger
 
@@ -298,6 +299,8 @@ def _install(
     guard, source, first_failure = compile_guards(capture.guards, params)
     entry = Entry(capture, guard, source, first_failure, owner)
     cache.entries.insert(0, entry)
+    if wants_native(capture.guards):  # rebuilt with C++ tensor checks once they are built
+        native_guards.when_ready(lambda: _nativize(entry, params))
     counters.captures += 1
     counters.graphs += capture.graph is not None
     for record in capture.breaks:
@@ -313,6 +316,14 @@ def _install(
     for recorder in _RECORDERS:
         recorder.append((fn.__qualname__, capture))
     return entry
+
+
+def _nativize(entry: Entry, params: Sequence[str]) -> None:
+    """Swap ``entry``'s guard function for one checking its tensors natively (called from the
+    extension's build thread; the wrapper reads ``entry.guard`` at each call)."""
+    guard, source, _ = compile_guards(entry.capture.guards, params)
+    entry.guard_source = source
+    entry.guard = guard
 
 
 def _skip(cache: CodeCache, record: BreakRecord, options: Options, *, permanent: bool) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kiln.capture import native_guards
 from kiln.capture.sources import Binder, Source
 from kiln.ir.types import CPU
 
@@ -313,6 +314,58 @@ def _depth(source: Source) -> int:
     return 0 if base is None else 1 + _depth(base)
 
 
+@dataclass(frozen=True)
+class NativeTensorCheck(Guard):
+    """Many :class:`TensorMatch` guards as one call into the native extension
+    (``native_guards.py``), which reads each tensor's metadata in C++."""
+
+    members: tuple[TensorMatch, ...] = ()
+    packed: Any = field(default=None, compare=False)  # the extension's specs capsule
+    check_fn: Any = field(default=None, compare=False)
+
+    rank = 3
+
+    def check(self, binder: Binder) -> str:
+        paths = ", ".join(m.source.expr(binder) for m in self.members if m.source is not None)
+        function = binder.bind(self.check_fn, "native_check")
+        return f"{function}({binder.bind(self.packed, 'tensor_specs')}, ({paths},))"
+
+    def describe(self) -> str:
+        return f"{len(self.members)} tensors' type, dtype, device, shape, strides, requires_grad"
+
+
+def _tensor_guards(guards: Sequence[Guard]) -> list[TensorMatch]:
+    return [g for g in guards if type(g) is TensorMatch and g.source is not None]
+
+
+def wants_native(guards: Sequence[Guard]) -> bool:
+    """Whether these guards would check their tensors natively once the extension is built
+    (and it is not loaded yet)."""
+    tensors = _tensor_guards(guards)
+    return len(tensors) >= native_guards.NATIVE_MIN_TENSORS and native_guards.module() is None
+
+
+def _natively_checked(ordered: list[Guard]) -> list[Guard]:
+    """``ordered`` with its tensor guards as one :class:`NativeTensorCheck`, in the place of
+    the first, when there are enough of them and the extension is loaded (its build starts
+    here otherwise)."""
+    tensors = _tensor_guards(ordered)
+    if len(tensors) < native_guards.NATIVE_MIN_TENSORS:
+        return ordered
+    native: Any = native_guards.module()
+    if native is None:
+        native_guards.request()
+        return ordered
+    specs = [
+        (m.kind, m.dtype, m.device, m.requires_grad, tuple(m.shape), tuple(m.stride))
+        for m in tensors
+    ]
+    batch = NativeTensorCheck(None, "", tuple(tensors), native.specs(specs), native.check)
+    first = ordered.index(tensors[0])
+    rest = [g for g in ordered if not (type(g) is TensorMatch and g.source is not None)]
+    return [*rest[:first], batch, *rest[first:]]
+
+
 def compile_guards(
     guards: Sequence[Guard], params: Sequence[str]
 ) -> tuple[GuardFunction, str, Callable[..., str | None]]:
@@ -321,8 +374,9 @@ def compile_guards(
     ordered = sorted(guards, key=lambda guard: guard.rank)
     binder = Binder()
     checks = [guard.check(binder) for guard in ordered]  # also counts each path's uses
+    combined = _natively_checked(ordered)
     prelude = _hoist(binder)
-    hoisted_checks = [guard.check(binder) for guard in ordered]
+    hoisted_checks = [guard.check(binder) for guard in combined]
     body = "\n            and ".join(f"({check})" for check in hoisted_checks) or "True"
     signature = ", ".join(["___f", *params])
     source = (

@@ -1,0 +1,129 @@
+"""Tensor guards checked by the native extension agree with the Python checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kiln.capture import guards as guard_module
+from kiln.capture import native_guards
+from kiln.capture.guards import NativeTensorCheck, TensorMatch, compile_guards
+from kiln.capture.sources import Local
+
+COUNT = native_guards.NATIVE_MIN_TENSORS + 4
+
+
+@pytest.fixture(scope="module")
+def native() -> Any:
+    loaded = native_guards.load_now()
+    if loaded is None:
+        pytest.skip("the native guard extension does not build here (no g++ or headers)")
+    return loaded
+
+
+def _tensors() -> list[torch.Tensor]:
+    made: list[torch.Tensor] = []
+    for i in range(COUNT):
+        t = torch.randn(3 + i % 3, 4)
+        if i % 4 == 1:
+            t = t.t()  # strided
+        if i % 4 == 2:
+            t = torch.nn.Parameter(t)  # another type, requires_grad
+        if i % 4 == 3:
+            t = t.to(torch.float64)
+        made.append(t)
+    return made
+
+
+def _guard_functions(tensors: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> Any:
+    names = [f"x{i}" for i in range(len(tensors))]
+    guards = [TensorMatch.of(Local(n), t) for n, t in zip(names, tensors, strict=True)]
+    native_fn, native_source, _ = compile_guards(guards, names)
+    with monkeypatch.context() as patch:
+        patch.setattr(native_guards, "_module", None)
+        patch.setattr(native_guards, "request", lambda: None)
+        python_fn, python_source, _ = compile_guards(guards, names)
+    assert "native_check" in native_source and "native_check" not in python_source
+    return native_fn, python_fn
+
+
+def _variants(tensors: list[torch.Tensor]) -> list[list[Any]]:
+    """The captured tensors, then one changed position each: every property the guard checks."""
+    changed: list[list[Any]] = [list(tensors)]
+    base = tensors[0]
+    replacements = [
+        base.to(torch.float64),  # dtype
+        torch.randn(base.shape[0] + 1, base.shape[1]),  # shape
+        base.t().contiguous().t(),  # strides
+        torch.nn.Parameter(base.clone()),  # type (and requires_grad)
+        base.clone().requires_grad_(True),  # requires_grad
+        base.to("meta"),  # device
+        base.tolist(),  # not a tensor
+        base.clone(),  # equal metadata: passes
+    ]
+    for replacement in replacements:
+        changed.append([replacement, *tensors[1:]])
+    last = list(tensors)
+    last[-1] = tensors[-1].to(torch.float32) if tensors[-1].dtype != torch.float32 else tensors[-1]
+    changed.append(last)
+    return changed
+
+
+def test_native_tensor_checks_agree_with_python(
+    native: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensors = _tensors()
+    native_fn, python_fn = _guard_functions(tensors, monkeypatch)
+    results = []
+    for arguments in _variants(tensors):
+        expected = python_fn(None, *arguments)
+        assert native_fn(None, *arguments) is expected
+        results.append(expected)
+    # captured; dtype, shape, strides, type, requires_grad, device, a list; equal; last dtype
+    assert results == [True, False, False, False, False, False, False, False, True, False]
+
+
+def test_few_tensors_stay_in_python(native: Any) -> None:
+    tensors = _tensors()[:3]
+    names = [f"x{i}" for i in range(3)]
+    guards = [TensorMatch.of(Local(n), t) for n, t in zip(names, tensors, strict=True)]
+    _, source, _ = compile_guards(guards, names)
+    assert "native_check" not in source
+
+
+def test_a_guard_built_before_the_extension_is_rebuilt_natively(
+    native: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache entry made while the extension was still building checks in Python, and gets a
+    native guard when the build's callbacks run; it still accepts and rejects as before."""
+    import kiln
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(COUNT // 2)])
+    compiled = kiln.compile(model)
+    x = torch.randn(2, 4)
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr(native_guards, "_module", None)
+        patch.setattr(native_guards, "_state", "building")
+        patch.setattr(native_guards, "_callbacks", [])
+        torch.testing.assert_close(compiled(x), model(x))
+        callbacks = list(native_guards._callbacks)
+    entry = compiled._kiln_call._kiln_cache.entries[0]
+    assert "native_check" not in entry.guard_source and len(callbacks) == 1
+    callbacks[0]()
+    assert "native_check" in entry.guard_source
+    fn = compiled._kiln_call.__wrapped__
+    with torch.no_grad():
+        assert entry.guard(fn, model, (x,), {})
+        torch.testing.assert_close(compiled(x), model(x))
+        model[0].weight.data = model[0].weight.data.double()
+        assert not entry.guard(fn, model, (x,), {})
+
+
+def test_native_check_class_describes_itself(native: Any) -> None:
+    tensors = _tensors()
+    members = tuple(TensorMatch.of(Local(f"x{i}"), t) for i, t in enumerate(tensors))
+    check = NativeTensorCheck(None, "", members, None, None)
+    assert str(len(tensors)) in check.describe()
+    assert guard_module.NativeTensorCheck is NativeTensorCheck
