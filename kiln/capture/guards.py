@@ -341,8 +341,9 @@ def _tensor_guards(guards: Sequence[Guard]) -> list[TensorMatch]:
 def wants_native(guards: Sequence[Guard]) -> bool:
     """Whether these guards would check their tensors natively once the extension is built
     (and it is not loaded yet)."""
-    tensors = _tensor_guards(guards)
-    return len(tensors) >= native_guards.NATIVE_MIN_TENSORS and native_guards.module() is None
+    if native_guards.module() is not None or not native_guards.pending():
+        return False
+    return len(_tensor_guards(guards)) >= native_guards.NATIVE_MIN_TENSORS
 
 
 def _natively_checked(ordered: list[Guard]) -> list[Guard]:

@@ -183,6 +183,11 @@ def module() -> ModuleType | None:
     return _module
 
 
+def pending() -> bool:
+    """Whether the extension is being built (or may be): not failed, not turned off."""
+    return config.native_guards and _state in ("idle", "building")
+
+
 def request() -> None:
     """Start building (or loading) the extension in a background thread, once a process."""
     global _state

@@ -107,6 +107,7 @@ def test_a_guard_built_before_the_extension_is_rebuilt_natively(
         patch.setattr(native_guards, "_module", None)
         patch.setattr(native_guards, "_state", "building")
         patch.setattr(native_guards, "_callbacks", [])
+        patch.setattr(native_guards.config, "native_guards", True)
         torch.testing.assert_close(compiled(x), model(x))
         callbacks = list(native_guards._callbacks)
     entry = compiled._kiln_call._kiln_cache.entries[0]
@@ -127,3 +128,18 @@ def test_native_check_class_describes_itself(native: Any) -> None:
     check = NativeTensorCheck(None, "", members, None, None)
     assert str(len(tensors)) in check.describe()
     assert guard_module.NativeTensorCheck is NativeTensorCheck
+
+
+def test_turned_off_the_extension_is_neither_built_nor_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``KILN_NATIVE_GUARDS=0``: guards check in Python, no build starts, no entry waits."""
+    monkeypatch.setattr(native_guards.config, "native_guards", False)
+    monkeypatch.setattr(native_guards, "_module", None)
+    monkeypatch.setattr(native_guards, "_state", "idle")
+    tensors = _tensors()
+    names = [f"x{i}" for i in range(len(tensors))]
+    guards = [TensorMatch.of(Local(n), t) for n, t in zip(names, tensors, strict=True)]
+    function, source, _ = compile_guards(guards, names)
+    assert "native_check" not in source and function(None, *tensors)
+    assert native_guards._state == "idle" and not guard_module.wants_native(guards)
