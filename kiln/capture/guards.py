@@ -363,7 +363,8 @@ def _natively_checked(ordered: list[Guard]) -> list[Guard]:
     ]
     batch = NativeTensorCheck(None, "", tuple(tensors), native.specs(specs), native.check)
     first = ordered.index(tensors[0])
-    rest = [g for g in ordered if not (type(g) is TensorMatch and g.source is not None)]
+    members = {id(g) for g in tensors}
+    rest = [g for g in ordered if id(g) not in members]
     return [*rest[:first], batch, *rest[first:]]
 
 

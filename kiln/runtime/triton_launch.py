@@ -181,8 +181,8 @@ _get_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", _no_cuda_d
 
 
 def _current_device() -> int:
-    getter = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device, less Python
-    return int(getter()) if getter is not None else torch.cuda.current_device()
+    device = _get_device()
+    return device if device >= 0 else torch.cuda.current_device()
 
 
 def _hook_holder() -> Any:
