@@ -67,6 +67,23 @@ def _install() -> None:
     except ImportError:
         pass
     layouts.probe_strides = _timing("stride probes", layouts.probe_strides)
+    # The first call's stages, for the timeline (each patched where its caller looks it up).
+    from kiln import compiler
+    from kiln.backends import kiln as backend
+    from kiln.runtime import triton_build
+
+    compiler.optimize = _timing("passes", compiler.optimize)
+    backend.schedule = _timing("schedule", backend.schedule)
+    backend.build_kernels = _timing("build kernels", backend.build_kernels)
+    triton_build._specialize = _timing("specialize", triton_build._specialize)
+    triton_build._loaded = _timing("load", triton_build._loaded)
+    triton_build._join_parent_warm_up = _timing("join warm-up", triton_build._join_parent_warm_up)
+    if hasattr(triton_build, "_WarmUp"):
+        warm_up = triton_build._WarmUp
+        warm_up._run = _timing("Triton warm-up thread", warm_up._run)  # type: ignore[method-assign]
+    else:  # before its steps got their own events
+        warm = triton_build._warm_parent  # type: ignore[attr-defined]
+        triton_build._warm_parent = _timing("Triton warm-up thread", warm)  # type: ignore[attr-defined]
 
 
 def main() -> None:
@@ -110,6 +127,10 @@ def main() -> None:
             f"   {what}: {len(calls)} calls, {sum(d for _, d in calls):.2f} s summed, "
             f"first at {first:.2f} s"
         )
+    print("   timeline (s from kiln.compile; start-end, first five calls of each):")
+    events = [(s, d, what) for what, calls in _timed.items() for s, d in calls[:5]]
+    for begin, seconds, what in sorted(events):
+        print(f"     {begin - start:6.2f}-{begin - start + seconds:6.2f}  {what}")
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def load_triton_kernels(
     code-generator interface). ``interpret`` runs them on CPU tensors through Triton's
     interpreter."""
     if not interpret:
-        _join_parent_warm_up()
+        _join_parent_warm_up("gluon")
     sources = [generate_triton(kernel, interpret) for kernel in kernels]
     launchers = {s.kernel_name: build_triton(s) for s in sources}
     precompile(sources, [device])
@@ -226,61 +226,76 @@ def start_workers(devices: Iterable[torch.device]) -> None:
         _start_parent_warm_up()
 
 
-_warm_up: tuple[int, threading.Thread] | None = None  # (pid, thread)
+_warm_up: _WarmUp | None = None
 
 
 def _start_parent_warm_up() -> None:
     """Start, once per process, a thread doing Triton's one-time start-up in this process
-    (:func:`_warm_parent`) while the caller captures and schedules."""
+    (:class:`_WarmUp`) while the caller captures and schedules."""
     global _warm_up
     with LOCK:
-        if _warm_up is None or _warm_up[0] != os.getpid():
-            thread = threading.Thread(target=_warm_parent, name="kiln-triton-warm-up", daemon=True)
-            _warm_up = (os.getpid(), thread)
-            thread.start()
+        if _warm_up is None or _warm_up.pid != os.getpid():
+            _warm_up = _WarmUp()
 
 
-def _join_parent_warm_up() -> None:
-    """Wait for the warm-up thread (done by then, usually) before this process touches
-    Triton's driver, so the two never start it at once."""
+def _join_parent_warm_up(step: str = "cache key") -> None:
+    """Wait until the warm-up thread has done ``step`` and those before it (done by then,
+    usually), so this process never starts Triton's driver or hashes its cache key twice at
+    once. Taking a launch's specialization needs the driver and the compiler's imports; only
+    loading a compiled kernel needs the cache key, the longest step, which so goes on while
+    the workers compile."""
     warm_up = _warm_up
-    if warm_up is not None and warm_up[0] == os.getpid():
-        warm_up[1].join()
+    if warm_up is not None and warm_up.pid == os.getpid():
+        warm_up.done[step].wait()
 
 
-def _warm_parent() -> None:
+class _WarmUp:
     """What the parent's first kernel load would otherwise do on the first call's critical
-    path (cold caches, H100 host, ``benchmarks/first_call_profile.py``): hashing Triton's
+    path (cold caches, H100 host, ``benchmarks/first_call_profile.py``): starting Triton's
+    CUDA driver, which builds a C module with gcc on a cold cache (0.35 s, waiting on a
+    subprocess), importing the compiler (its Gluon modules: 0.3 s), and hashing Triton's
     compiler sources and its 500 MB library for cache keys (``triton_key``, 0.7 s; hashing
-    and file reads release the GIL), importing the compiler (its Gluon modules: 0.3 s), and
-    starting Triton's CUDA driver, which builds a C module with gcc on a cold cache
-    (0.35 s, waiting on a subprocess)."""
-    import importlib
+    and file reads release the GIL). One thread runs the steps in that order; ``done`` has
+    an event per step, set when it finished or failed (the first use then does it)."""
 
-    def driver_utils() -> object:
+    STEPS = ("driver", "compiler", "gluon", "cache key")
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.done = {step: threading.Event() for step in self.STEPS}
+        self.thread = threading.Thread(target=self._run, name="kiln-triton-warm-up", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for name in self.STEPS:
+            start = time.perf_counter()
+            try:
+                self._step(name)
+            except Exception as error:  # an older or newer Triton: the first load does it
+                _log.info(
+                    "Triton warm-up step %s failed: %s: %s", name, type(error).__name__, error
+                )
+            else:
+                _log.info("Triton warm-up step %s: %.2f s", name, time.perf_counter() - start)
+            finally:
+                self.done[name].set()
+
+    @staticmethod
+    def _step(name: str) -> None:
+        import importlib
+
         import triton
 
-        return triton.runtime.driver.active.utils
+        if name == "driver":
+            triton.runtime.driver.active.utils  # noqa: B018 (starting the driver builds it)
+        elif name == "compiler":
+            importlib.import_module("triton.compiler.compiler")
+        elif name == "gluon":
+            importlib.import_module("triton.experimental.gluon")
+        else:
+            from triton.runtime.cache import triton_key
 
-    def cache_key() -> object:
-        from triton.runtime.cache import triton_key
-
-        return triton_key()
-
-    steps: list[tuple[str, Callable[[], object]]] = [
-        ("driver", driver_utils),
-        ("compiler", lambda: importlib.import_module("triton.compiler.compiler")),
-        ("gluon", lambda: importlib.import_module("triton.experimental.gluon")),
-        ("cache key", cache_key),
-    ]
-    for name, step in steps:
-        start = time.perf_counter()
-        try:
-            step()
-        except Exception as error:  # an older or newer Triton: the first load does it
-            _log.info("Triton warm-up step %s failed: %s: %s", name, type(error).__name__, error)
-            continue
-        _log.info("Triton warm-up step %s: %.2f s", name, time.perf_counter() - start)
+            triton_key()
 
 
 def _target() -> dict[str, Any] | None:
@@ -352,7 +367,7 @@ def _specialize(job: Job) -> Job | None:
         previous = getattr(holder, attribute)
         setattr(holder, attribute, hook)
         try:
-            error = _warm_kernel(job)
+            error = _warm_kernel(job, loads=False)
         finally:
             setattr(holder, attribute, previous)
     if error:
@@ -368,9 +383,13 @@ def _specialize(job: Job) -> Job | None:
 _HOOK_LOCK = threading.Lock()
 
 
-def _warm_kernel(job: Job) -> str:
+def _warm_kernel(job: Job, loads: bool = True) -> str:
     """Compile one kernel: ``JITFunction.warmup`` with the launch's signature and options, so
-    the binary lands in Triton's cache under the key the first launch looks up."""
+    the binary lands in Triton's cache under the key the first launch looks up. ``loads``
+    False: Triton's JIT cache hook stops the warm-up before it compiles or loads anything
+    (:func:`_specialize`), so it need not wait for the cache key."""
+    if loads:
+        _join_parent_warm_up()
     try:
         with torch.cuda.device(job["device"]):
             return _warm_on_device(job)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -624,5 +625,25 @@ def test_parent_warm_up_fills_tritons_cache_key_once_per_process() -> None:
     triton_build._start_parent_warm_up()
     assert triton_build._warm_up is first and first is not None
     triton_build._join_parent_warm_up()
-    assert not first[1].is_alive()
+    assert all(event.is_set() for event in first.done.values())
+    first.thread.join(timeout=5)
+    assert not first.thread.is_alive()
     assert triton_key.cache_info().currsize == 1
+
+
+def test_a_join_waits_only_for_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taking specializations waits for the driver and imports; loading waits for the key."""
+    warm_up = triton_build._WarmUp.__new__(triton_build._WarmUp)
+    warm_up.pid = os.getpid()
+    warm_up.done = {step: threading.Event() for step in triton_build._WarmUp.STEPS}
+    for step in ("driver", "compiler", "gluon"):
+        warm_up.done[step].set()
+    monkeypatch.setattr(triton_build, "_warm_up", warm_up)
+    triton_build._join_parent_warm_up("gluon")  # returns: its steps are done
+    waiter = threading.Thread(target=triton_build._join_parent_warm_up)
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive()  # still waiting for the cache key
+    warm_up.done["cache key"].set()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive()
