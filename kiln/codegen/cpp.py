@@ -11,7 +11,8 @@ reduction phase (``omp simd reduction(...)``; float max/min carry NaN in a flag)
 recomputed in each loop that needs them; per-row values are hoisted out of the ``r`` loops.
 Two variants: few long rows run each ``r`` loop in parallel instead, and a reduction that
 reads along columns (a sum over a leading dim) reduces a block of rows side by side,
-vectorized across ``x``. Softmax over 4096 rows of 1024 (``t0 = a1[r + 1024*x]``)::
+vectorized across ``x`` (also a row kernel that only stores along ``r``). Softmax over 4096
+rows of 1024 (``t0 = a1[r + 1024*x]``)::
 
     extern "C" void softmax_0(float* a0, const float* a1) {
       #pragma omp parallel for num_threads(2) schedule(static)
@@ -34,6 +35,12 @@ vectorized across ``x``. Softmax over 4096 rows of 1024 (``t0 = a1[r + 1024*x]``
       }
     }
 
+When ``x`` enumerates two dims through ``x // C`` and ``x % C`` (rows ``(n, c)`` of a
+channels-last tensor; a flat BatchNorm-apply's per-channel values), the printer may split it
+as ``x = lanes*xb + xl`` (:mod:`kiln.codegen.cpp_split`): such rows are columns contiguous
+along ``xl``, and a flat kernel's values of ``xl`` alone are computed once into per-lane
+arrays, those of ``xb`` alone once per block.
+
 Math spellings, conversions and the helper prelude live in :mod:`kiln.codegen.cpp_math`.
 """
 
@@ -43,8 +50,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.codegen import cpp_math
+from kiln.codegen import cpp_math, cpp_split
 from kiln.codegen.cpp_math import compute_type, storage_type
+from kiln.codegen.cpp_split import XL, LaneSplit, PointwiseSplit
 from kiln.ir.op import Op
 from kiln.schedule.index import FloorDiv, Index, Indirect, Mod, Var
 from kiln.schedule.loops import (
@@ -246,6 +254,8 @@ class _KernelPrinter:
         self.row_cache: dict[int, str] = {}  # expression id -> the per-row array keeping it
         self.cached: set[int] = set()  # cached expressions an earlier r loop already stored
         self.caching: set[int] = set()  # those the current r loop stores
+        self.split: LaneSplit | None = None  # x printed as lanes*xb + xl (kiln/codegen/cpp_split)
+        self.lane_arrays: dict[int, str] = {}  # expression id -> the per-lane array keeping it
 
     # -- names and the signature ----------------------------------------------------------
 
@@ -272,6 +282,8 @@ class _KernelPrinter:
             dtype = str(buffer.dtype).removeprefix("torch.")
             shape = ", ".join(str(s) for s in buffer.shape)
             lines.append(f"//   {self.pointer[id(buffer)]} = {buffer.name}: {dtype}[{shape}]")
+        if self.split is not None:
+            lines.append(f"// x = {self.split.lanes}*xb + xl")
         if kernel.fused:
             lines.append("// fused:")
             lines += [f"//   {node}" for node in kernel.fused]
@@ -294,6 +306,9 @@ class _KernelPrinter:
     # -- expressions ----------------------------------------------------------------------
 
     def index(self, index: Index) -> str:
+        return self.index_text(self.split.substitute(index) if self.split else index)
+
+    def index_text(self, index: Index) -> str:
         parts: list[str] = []
         for atom, coef in index.terms:
             if isinstance(atom, Var):
@@ -303,7 +318,7 @@ class _KernelPrinter:
             else:
                 operator = "/" if isinstance(atom, FloorDiv) else "%"
                 assert isinstance(atom, (FloorDiv, Mod))
-                text = f"(({self.index(atom.operand)}) {operator} {atom.divisor})"
+                text = f"(({self.index_text(atom.operand)}) {operator} {atom.divisor})"
             parts.append(text if coef == 1 else f"{coef}*{text}")
         if index.const or not parts:
             parts.append(str(index.const))
@@ -340,19 +355,33 @@ class _KernelPrinter:
             return cpp_math.literal(expr.value, expr.dtype)
         return self.name(expr)
 
-    def emit(self, roots: list[Expr], block: _Block, row: _Block | None = None) -> None:
+    def emit(
+        self,
+        roots: list[Expr],
+        block: _Block,
+        row: _Block | None = None,
+        varies: dict[int, bool] | None = None,
+    ) -> None:
         """Define every expression ``roots`` need in ``block`` (operands first). Inside an
-        ``r`` loop, per-row values go to ``row``, the block around the loop."""
+        inner loop, the values that do not vary along it (``varies``, by default along ``r``)
+        go to ``row``, the block around the loop; values kept in per-lane arrays are read
+        from them."""
+        varies = self.r_dependent if varies is None else varies
         stack: list[tuple[Expr, bool]] = [(root, False) for root in reversed(roots)]
         while stack:
             expr, expanded = stack.pop()
             target = block
-            if row is not None and not self.r_dependent[id(expr)]:
+            if row is not None and not varies[id(expr)]:
                 target = row
             if target.has(id(expr)) or isinstance(expr, Const):
                 continue
             if isinstance(expr, Reduce):
                 raise AssertionError(f"{self.kernel.name}: a reduction used before its loop")
+            if id(expr) in self.lane_arrays:
+                slot = f"{self.lane_arrays[id(expr)]}[{self.lane}]"
+                target.add(f"const {compute_type(expr.dtype)} {self.name(expr)} = {slot};")
+                target.defined.add(id(expr))
+                continue
             array = self.row_cache.get(id(expr)) if target is block and row is not None else None
             if array is not None and id(expr) in self.cached:  # computed by an earlier loop
                 target.add(f"const {compute_type(expr.dtype)} {self.name(expr)} = {array}[r];")
@@ -388,6 +417,11 @@ class _KernelPrinter:
 
     def pointwise(self, body: _Block) -> None:
         xnumel, t = self.kernel.xnumel, self.index_type
+        min_blocks = self.threads if self.parallel else 1
+        split = cpp_split.pointwise_split(xnumel, self.roots, min_blocks)
+        if split is not None:
+            self.split_pointwise(body, split)
+            return
         if self.parallel:
             chunk = -(-xnumel // self.threads)
             chunk = -(-chunk // 64) * 64
@@ -411,6 +445,55 @@ class _KernelPrinter:
         body.lines += inner.lines
         body.add("}")
 
+    def split_pointwise(self, body: _Block, plan: PointwiseSplit) -> None:
+        """Blocks ``xb`` (in parallel) of a vectorized loop over lanes ``xl``: values of ``xl``
+        alone (a channels-last BatchNorm's per-channel scale) come from per-lane arrays filled
+        once, values of ``xb`` alone (an NCHW one's) are computed once per block."""
+        self.split = plan.split
+        if plan.lane_values:
+            self.fill_lane_arrays(body, plan.lane_values, plan.split.lanes)
+        if self.parallel:
+            body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
+        body.add(f"for ({self.index_type} xb = 0; xb < {plan.split.blocks}; ++xb) {{")
+        outer = body.child()
+        inner = outer.child()
+        self.emit(self.roots, inner, outer, plan.on_lane)
+        for store in self.kernel.stores:
+            self.store(store, inner)
+        outer.add("#pragma omp simd")
+        outer.add(self.lane_loop())
+        outer.lines += inner.lines
+        outer.add("}")
+        body.lines += outer.lines
+        body.add("}")
+
+    @property
+    def lane(self) -> str:
+        """The C++ index of the current row within its block of rows."""
+        return XL if self.split else "x - x0"
+
+    def lane_loop(self) -> str:
+        """The head of a (vectorized) loop over the rows of one block."""
+        if self.split:
+            return f"for (int32_t {XL} = 0; {XL} < {self.split.lanes}; ++{XL}) {{"
+        return f"for ({self.index_type} x = x0; x < x1; ++x) {{"
+
+    def fill_lane_arrays(self, block: _Block, values: list[Expr], lanes: int) -> None:
+        """One array slot per row of a block for each of ``values``, filled by one loop over
+        the block's rows; later loops over them read the arrays instead of recomputing."""
+        names = {id(value): f"lane{number}" for number, value in enumerate(values)}
+        for value in values:
+            block.add(f"{compute_type(value.dtype)} {names[id(value)]}[{lanes}];")
+        block.add("#pragma omp simd")
+        block.add(self.lane_loop())
+        inner = block.child()
+        self.emit(values, inner)
+        for value in values:
+            inner.add(f"{names[id(value)]}[{self.lane}] = {self.name(value)};")
+        block.lines += inner.lines
+        block.add("}")
+        self.lane_arrays = names
+
     def pointwise_body(self, block: _Block) -> None:
         self.emit(self.roots, block)
         for store in self.kernel.stores:
@@ -425,7 +508,7 @@ class _KernelPrinter:
         phases = max((self.phase[id(r)] for r in reduces), default=0)
         has_arg = any(r.kind in {ReduceKind.ARGMAX, ReduceKind.ARGMIN} for r in reduces)
         r_stores = [s for s in kernel.stores if self.per_position(s)]
-        if phases >= 1 and not has_arg and self.reads_columns(reduces, r_stores):
+        if not has_arg and self.reads_columns(reduces, r_stores):
             self.column_reduction(body, reduces, r_stores, phases)
             return
         split_rows = self.parallel and kernel.xnumel < self.threads and not has_arg
@@ -476,19 +559,25 @@ class _KernelPrinter:
                 )
 
     def reads_columns(self, reduces: list[Reduce], r_stores: list[Store]) -> bool:
-        """Whether the reduced values read memory along columns: some load is contiguous in
-        ``x`` and none in ``r`` (a sum over a leading dim), so rows are better reduced a block
-        of them at a time, vectorized across ``x``."""
+        """Whether the values the ``r`` loops compute read memory along columns: some read
+        that varies along ``r`` is contiguous in ``x`` and none in ``r`` (a sum over a leading
+        dim), so rows are better reduced (or stored) a block of them at a time, vectorized
+        across ``x``. Rows that enumerate ``(n, c)`` of a channels-last tensor are columns
+        once ``x`` is split as ``lanes*xb + xl`` (then ``self.split`` is set)."""
         if self.kernel.xnumel < 16:
             return False
-        along_x = along_r = False
         stored = [e for s in r_stores for e in _store_needs(s)]
-        for expr in walk([r.value for r in reduces] + stored):
-            if isinstance(expr, (Load, Rand)):
-                coefficients = {a.name: c for a, c in expr.offset.terms if isinstance(a, Var)}
-                along_x |= coefficients.get(X) == 1
-                along_r |= coefficients.get(R) == 1
-        return along_x and not along_r
+        offsets = [
+            expr.offset
+            for expr in walk([r.value for r in reduces] + stored)
+            if isinstance(expr, (Load, Rand)) and R in expr.offset.variables()
+        ]
+        if cpp_split.reads_columns(offsets, X):
+            return True
+        min_blocks = self.threads if self.parallel else 1
+        xnumel = self.kernel.xnumel
+        self.split = cpp_split.column_split(xnumel, offsets, COLUMN_BLOCK, min_blocks)
+        return self.split is not None
 
     def column_reduction(
         self, body: _Block, reduces: list[Reduce], r_stores: list[Store], phases: int
@@ -496,24 +585,28 @@ class _KernelPrinter:
         """Blocks of rows (in parallel), each reduced by one ``r`` loop per phase around a
         vectorized loop over the block's rows, with one accumulator slot per row (a later
         phase reads an earlier one's result from its slot: a variance's mean); then per-row
-        stores. A BatchNorm's statistics over channels-last ``[N*H*W, C]`` are such columns."""
+        stores. A BatchNorm's statistics over channels-last ``[N*H*W, C]`` are such columns,
+        and so, split by ``x = lanes*xb + xl``, are its sums per ``(n, c)``. Values the ``r``
+        loops need that vary along the rows only are computed once per block into per-lane
+        arrays."""
         kernel, t = self.kernel, self.index_type
-        xnumel = kernel.xnumel
-        lanes = -(-xnumel // self.threads) if self.parallel else xnumel
-        lanes = min(COLUMN_BLOCK, -(-lanes // 16) * 16)
-        if self.parallel:
-            body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
-        body.add(f"for ({t} x0 = 0; x0 < {xnumel}; x0 += {lanes}) {{")
-        outer = body.child()
-        outer.add(f"const {t} x1 = x0 + {lanes} < {xnumel} ? x0 + {lanes} : {xnumel};")
+        outer, lanes = self.column_blocks(body)
+        invariants = cpp_split.loop_invariants(
+            [r.value for r in reduces] + [e for s in r_stores for e in _store_needs(s)],
+            self.r_dependent,
+        )
+        invariants = [e for e in invariants if self.phase[id(e)] == 0]
+        if invariants:  # a BatchNorm's per-channel scale and shift, once per block
+            self.fill_lane_arrays(outer, invariants, lanes)
         accumulators = [self.accumulator(reduce) for reduce in reduces]
         variables = [v for acc in accumulators for v in acc.variables()]
         for ctype, name, _ in variables:
             outer.add(f"{ctype} {name}[{lanes}];")
-        outer.add(f"for (int lane = 0; lane < {lanes}; ++lane) {{")
-        for _, name, initial in variables:
-            outer.add(f"  {name}[lane] = {initial};")
-        outer.add("}")
+        if variables:
+            outer.add(f"for (int lane = 0; lane < {lanes}; ++lane) {{")
+            for _, name, initial in variables:
+                outer.add(f"  {name}[lane] = {initial};")
+            outer.add("}")
         for loop in range(1, phases + 2):
             updating = [a for a in accumulators if self.phase[id(a.reduce)] == loop]
             finished = [a for a in accumulators if self.phase[id(a.reduce)] < loop]
@@ -526,9 +619,26 @@ class _KernelPrinter:
             outer.lines += per_r.lines
             outer.add("}")
         row_stores = [s for s in kernel.stores if s not in r_stores]
-        self.x_loop(outer, row_stores, [], accumulators)
+        if row_stores:
+            self.x_loop(outer, row_stores, [], accumulators)
         body.lines += outer.lines
         body.add("}")
+
+    def column_blocks(self, body: _Block) -> tuple[_Block, int]:
+        """Opens the loop over blocks of rows (in parallel): ``x0 <= x < x1``, or the block
+        ``xb`` of a split; returns the block's body and its number of rows."""
+        t, xnumel = self.index_type, self.kernel.xnumel
+        if self.parallel:
+            body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
+        if self.split is not None:
+            body.add(f"for ({t} xb = 0; xb < {self.split.blocks}; ++xb) {{")
+            return body.child(), self.split.lanes
+        lanes = -(-xnumel // self.threads) if self.parallel else xnumel
+        lanes = min(COLUMN_BLOCK, -(-lanes // 16) * 16)
+        body.add(f"for ({t} x0 = 0; x0 < {xnumel}; x0 += {lanes}) {{")
+        outer = body.child()
+        outer.add(f"const {t} x1 = x0 + {lanes} < {xnumel} ? x0 + {lanes} : {xnumel};")
+        return outer, lanes
 
     def x_loop(
         self,
@@ -537,20 +647,21 @@ class _KernelPrinter:
         updating: list[_Accumulator],
         finished: list[_Accumulator],
     ) -> None:
-        """A vectorized loop over the rows ``x0 <= x < x1`` of a block: it reads the results of
-        the ``finished`` accumulators, updates the ``updating`` ones (inside an ``r`` loop),
-        then runs ``stores``."""
+        """A vectorized loop over the rows of a block: it reads the results of the ``finished``
+        accumulators, updates the ``updating`` ones (inside an ``r`` loop), then runs
+        ``stores``."""
         block.add("#pragma omp simd")
-        block.add(f"for ({self.index_type} x = x0; x < x1; ++x) {{")
+        block.add(self.lane_loop())
         inner = block.child()
+        slot = f"[{self.lane}]"
         for acc in finished:
             ctype = compute_type(acc.reduce.dtype)
-            inner.add(f"const {ctype} {self.name(acc.reduce)} = {acc.result('[x - x0]')};")
+            inner.add(f"const {ctype} {self.name(acc.reduce)} = {acc.result(slot)};")
             inner.defined.add(id(acc.reduce))
         values = [acc.reduce.value for acc in updating]
         self.emit(values + [e for s in stores for e in _store_needs(s)], inner)
         for acc in updating:
-            for line in acc.update(self.operand(acc.reduce.value), "[x - x0]"):
+            for line in acc.update(self.operand(acc.reduce.value), slot):
                 inner.add(line)
         for store in stores:
             self.store(store, inner)
