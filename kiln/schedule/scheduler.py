@@ -28,6 +28,7 @@ import torch
 
 from kiln.ir.graph import Graph, InputKind, Node, Origin, Value
 from kiln.ir.op import Op, Tag, op_def
+from kiln.ops.attrs import ConvertAttrs
 from kiln.ops.externs import convolution_backward
 from kiln.schedule import index as ix
 from kiln.schedule.index import Index
@@ -135,7 +136,7 @@ class Scheduler:
         self.buffers: dict[Value, Buffer] = {}  # values a group stores
         self.inputs: list[Buffer] = []
         self._cost: dict[Value, int] = {}
-        self._has_batch_statistics = any(self._is_batch_statistic(n) for n in graph.nodes)
+        self._copies: dict[Value, Value] = {}  # graph input -> its channels-last copy
         for value, tensor in zip(graph.inputs, inputs, strict=True):
             buffer = Buffer(
                 value.name,
@@ -385,11 +386,11 @@ class Scheduler:
 
     def _extern(self, node: Node) -> None:
         operands: list[object] = []
-        for operand in node.inputs:
+        for position, operand in enumerate(node.inputs):
             if isinstance(operand, Value):
                 if operand not in self.layouts:
                     self._place_pointwise(operand)  # e.g. a view that needs a copy
-                operands.append(self.layouts[operand])
+                operands.append(self._convolution_operand(node, position, operand))
             else:
                 operands.append(operand)
         position = len(self.steps)
@@ -405,6 +406,43 @@ class Scheduler:
             self.producer[value] = position
         reason = "" if node.op in EXTERN_OPS else "not handled by the code generator"
         self.steps.append(ExternCall(node, tuple(operands), tuple(outputs), reason))  # type: ignore[arg-type]
+
+    def _convolution_operand(self, node: Node, position: int, operand: Value) -> View:
+        """How an extern reads ``operand``, its operand at ``position``: as it is in memory,
+        except that a graph input a convolution reads as its input (or its backward as the
+        gradient or the input) in the NCHW layout, where convolutions go channels-last
+        (``_wants_channels_last``), is copied channels-last first. Else the convolution
+        answers NCHW (oneDNN and cuDNN follow the input), and every kernel between it and the
+        next convolution converts between the layouts: small_cnn's first BatchNorm read NCHW
+        and wrote channels-last, column by column. Weights stay as they are (the libraries
+        reorder them anyway). Not for transposed convolutions: oneDNN's channels-last float16
+        one accumulates in float16 (4 ulps off on the op table's sample)."""
+        view = self.layouts[operand]
+        shape = shape_of(operand)
+        activations = 1 if node.op is Op.CONVOLUTION else 2  # (x) or (gradient, x)
+        if (
+            self.producer.get(operand) != -1
+            or not _is_convolution(node)
+            or position >= activations
+            or _transposed(node)
+            or len(shape) != 4
+            or view.strides == channels_last_strides(shape)
+            or view.strides != ix.contiguous_strides(shape)
+            or not self._wants_channels_last(operand)
+        ):
+            return view
+        copy = self._copies.get(operand)
+        if copy is None:
+            attrs = ConvertAttrs(operand.type.dtype)
+            copy = Value(f"{operand.name}_channels_last", operand.type)
+            copy.node = Node(Op.CONVERT, (operand,), attrs, (copy,), _copy_origin(node))
+            self.users[copy] = [node]
+            group = self._new_group(_numel(shape), operand.type.device, None)
+            group.shape = shape
+            group.order = memory_order(channels_last_strides(shape))
+            self._join(group, copy, require=True)
+            self._copies[operand] = copy
+        return self.layouts[copy]
 
     # -- kernels ------------------------------------------------------------------------------
 
@@ -523,32 +561,16 @@ class Scheduler:
                 stack.append(operand)
         return None
 
-    def _is_batch_statistic(self, node: Node) -> bool:
-        """A per-channel reduction of an ``[N, C, H, W]`` value over N (and H, W): a training
-        BatchNorm's, whole or split by ``passes.reduction_split`` into ``(2, 3)`` then N."""
-        operand = node.inputs[0] if node.inputs else None
-        if node.op not in REDUCE_KINDS or not isinstance(operand, Value):
-            return False
-        if len(shape_of(operand)) != 4 or 1 in reduced_dims(node):
-            return False
-        if 0 in reduced_dims(node):
-            return True
-        return any(
-            u.op in REDUCE_KINDS and 0 in reduced_dims(u) for u in self.users.get(node.output, ())
-        )
-
     def _wants_channels_last(self, value: Value) -> bool:
-        """Whether ``value`` feeds a convolution (or its backward) on the GPU."""
+        """Whether ``value`` feeds a convolution (or its backward) on the GPU or the CPU:
+        cuDNN's convolutions are fastest on channels-last operands, and so are oneDNN's on the
+        CPU (small_cnn inference on two cores: 1.6-1.9x eager against about 1x; training, with
+        the C++ generator's split column reductions for the BatchNorm statistics over
+        channels-last rows, ``kiln/codegen/cpp_split.py``: see benchmarks/RESULTS.md)."""
         feeds_convolution = any(_is_convolution(u) for u in self.users.get(value, ()))
         if len(shape_of(value)) != 4 or not feeds_convolution:
             return False
-        # cuDNN's convolutions are fastest on channels-last operands, and so are oneDNN's on
-        # the CPU (small_cnn inference on two cores: 1.6-1.9x eager against about 1x); but
-        # the C++ kernels reduce channels-last BatchNorm statistics column by column, slowly
-        # (small_cnn training went from 0.76x to 0.4-0.75x eager), so on the CPU only graphs
-        # without such reductions (inference) go channels-last.
-        device = value.type.device.type
-        return device == "cuda" or (device == "cpu" and not self._has_batch_statistics)
+        return value.type.device.type in ("cuda", "cpu")
 
     def _store_in(self, group: Group, value: Value) -> None:
         target = self.in_place.get(value)
@@ -632,6 +654,20 @@ def _origin(value: Value) -> Origin:
 def _elements(group: Group) -> int:
     """How many elements a group's loops visit."""
     return group.numel * (group.rows.rnumel if group.rows else 1)
+
+
+def _transposed(convolution: Node) -> bool:
+    """Whether a convolution (or its backward: the forward's attrs are its keywords) is
+    transposed."""
+    attrs = convolution.attrs
+    if convolution.op is Op.CONVOLUTION:
+        return bool(attrs.transposed)
+    return bool(attrs.kwargs.get("transposed", False))
+
+
+def _copy_origin(convolution: Node) -> Origin:
+    origin = convolution.origin
+    return Origin("channels_last", origin.file, origin.line)
 
 
 def _is_convolution(node: Node) -> bool:

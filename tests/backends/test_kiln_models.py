@@ -109,21 +109,29 @@ def test_attention_layouts_are_predicted_so_nothing_rebuilds(codegen: str) -> No
 
 
 @pytest.mark.parametrize("codegen", ["cpp"], indirect=True)
-def test_cpu_convolution_inputs_are_channels_last_in_inference_only(codegen: str) -> None:
-    """On the CPU, kernels feeding a convolution store channels-last in inference graphs
-    (oneDNN is faster on them) and contiguous in training graphs (the C++ kernels' channels-last
-    BatchNorm statistics would be slow); both match eager."""
+def test_cpu_convolution_inputs_are_channels_last(codegen: str) -> None:
+    """On the CPU, kernels feeding a convolution (or its backward) store channels-last, in
+    inference and training graphs (oneDNN is faster on them), and an NCHW graph input a
+    convolution reads is copied channels-last first (so the convolution answers channels-last
+    and no kernel after it converts layouts); forward and gradients match eager."""
     from kiln.backends.kiln import RECORDERS
     from kiln.schedule.program import ExternCall
 
-    def conv_operand_layouts(train: bool) -> set[bool]:
+    def conv_operand_layouts(train: bool) -> set[tuple[str, bool]]:
         model, args = small_resnet()
         model.train(train)
+        reference = copy.deepcopy(model)
         records: list[Any] = []
         RECORDERS.append(records)
         try:
             out = kiln.compile(model)(*args)
-            torch.testing.assert_close(out, model(*args), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out, reference(*args), rtol=1e-4, atol=1e-4)
+            if train:
+                out.square().mean().backward()
+                reference(*args).square().mean().backward()
+                for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+                    assert mine.grad is not None and theirs.grad is not None
+                    torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-4)
         finally:
             RECORDERS.remove(records)
         layouts = set()
@@ -131,10 +139,9 @@ def test_cpu_convolution_inputs_are_channels_last_in_inference_only(codegen: str
             for step in record.program.steps:
                 if isinstance(step, ExternCall) and step.node.op.name == "CONVOLUTION":
                     view = step.operands[0]
-                    if view.buffer.kind.value == "temp":  # computed by a kernel
-                        layouts.add(view.strides[1] == 1)
+                    layouts.add((view.buffer.kind.value, view.strides[1] == 1))
         return layouts
 
     with torch.no_grad():
-        assert conv_operand_layouts(train=False) == {True}
-    assert conv_operand_layouts(train=True) == {False}
+        assert conv_operand_layouts(train=False) == {("temp", True)}
+    assert conv_operand_layouts(train=True) == {("temp", True)}
