@@ -73,7 +73,10 @@ class CompiledProgramRecord:
                 ops = list(dict.fromkeys(f.split()[0] for f in step.fused))
                 places = list(dict.fromkeys(f.split()[-1] for f in step.fused if ":" in f))
                 where = f"  [{', '.join(places[:4])}]" if places else ""
-                space = f"x<{step.xnumel}" + (f", r<{step.rnumel}" if step.rnumel > 1 else "")
+                space = " + ".join(
+                    f"x<{k.xnumel}" + (f", r<{k.rnumel}" if k.rnumel > 1 else "")
+                    for k in (step, *step.parts)
+                )
                 lines.append(f"{self.graph}: {step.name} ({space}): {', '.join(ops)}{where}")
             else:
                 note = f" ({step.reason})" if step.reason else ""
@@ -142,6 +145,13 @@ def kernel_signature(kernel: Kernel) -> str:
     """The kernel's structure with names replaced by positions: equal signatures compile to
     the same code."""
     position = {id(b): i for i, b in enumerate(kernel_arguments(kernel))}
+    parts = _structure(kernel, position)
+    for part in kernel.parts:
+        parts += ["part", *_structure(part, position)]
+    return "\n".join(parts)
+
+
+def _structure(kernel: Kernel, position: dict[int, int]) -> list[str]:
     number: dict[int, int] = {}
 
     def index(value: Index) -> str:
@@ -175,7 +185,7 @@ def kernel_signature(kernel: Kernel) -> str:
     for store in kernel.stores:
         buffer, value = store.buffer, number[id(store.value)]
         parts.append(f"store @{position[id(buffer)]} {buffer.dtype} {index(store.offset)} %{value}")
-    return "\n".join(parts)
+    return parts
 
 
 class Unavailable(BackendError):

@@ -256,6 +256,7 @@ class _KernelPrinter:
         self.caching: set[int] = set()  # those the current r loop stores
         self.split: LaneSplit | None = None  # x printed as lanes*xb + xl (kiln/codegen/cpp_split)
         self.lane_arrays: dict[int, str] = {}  # expression id -> the per-lane array keeping it
+        self.linkage = 'extern "C"'  # a part's own function is static
 
     # -- names and the signature ----------------------------------------------------------
 
@@ -273,7 +274,7 @@ class _KernelPrinter:
             params.append(f"{const}{storage_type(buffer.dtype)}* {self.pointer[id(buffer)]}")
         if self.kernel.seed() is not None:
             params.append("int64_t seed")
-        return f'extern "C" void {self.kernel.name}({", ".join(params)})'
+        return f"{self.linkage} void {self.kernel.name}({', '.join(params)})"
 
     def header(self) -> list[str]:
         kernel = self.kernel
@@ -301,7 +302,15 @@ class _KernelPrinter:
                 self.pointwise(body)
         else:
             self.reduction(body)
-        return "\n".join([*self.header(), self.signature() + " {", *body.lines, "}", ""])
+        functions = []
+        for part in self.kernel.parts:  # launched with this kernel (kiln/schedule/combine.py)
+            printer = _KernelPrinter(part, self.threads)
+            printer.linkage = "static"
+            functions.append(printer.source())
+            arguments = [self.pointer[id(b)] for b in printer.arguments]
+            body.add(f"{part.name}({', '.join(arguments)});")
+        head = [*self.header(), self.signature() + " {", *body.lines, "}", ""]
+        return "\n".join([*functions, *head])
 
     # -- expressions ----------------------------------------------------------------------
 

@@ -197,7 +197,7 @@ def generate_triton(
     constexprs = {"XBLOCK": blocks.xblock}
     if blocks.form is not Form.POINTWISE:
         constexprs["RBLOCK"] = blocks.rblock
-    grid = (-(-kernel.xnumel // blocks.xblock), 1, 1)
+    grid = (printer.programs + sum(p.programs for p in printer.parts), 1, 1)
     return TritonSource(
         name=printer.function_name,
         kernel_name=kernel.name,
@@ -262,6 +262,8 @@ class _Printer:
     scopes: list[dict[int, str]] = field(default_factory=lambda: [{}])
     counter: int = 0
     function_name: str = ""
+    program: str = "tl.program_id(0)"  # a part's program number is its function's argument
+    parts: list[_Printer] = field(default_factory=list)  # kiln/schedule/combine.py
 
     def __post_init__(self) -> None:
         kernel = self.kernel
@@ -281,6 +283,16 @@ class _Printer:
             id(b): _identifier(f"{b.name}_ptr", taken) for b in kernel_arguments(kernel)
         }
         self.function_name = _identifier(kernel.name, set(tm.helper_names()) | taken)
+        for part in kernel.parts:
+            printer = _Printer(part, choose_blocks(part, self.interpret), self.interpret)
+            printer.pointers = {id(b): self.pointers[id(b)] for b in kernel_arguments(part)}
+            printer.function_name = _identifier(f"{self.function_name}_{part.name}", taken)
+            self.parts.append(printer)
+
+    @property
+    def programs(self) -> int:
+        """How many programs the kernel's own positions take."""
+        return -(-self.kernel.xnumel // self.blocks.xblock)
 
     # -- shapes and masks ---------------------------------------------------------------------
 
@@ -387,25 +399,57 @@ class _Printer:
     # -- module ------------------------------------------------------------------------------
 
     def module_source(self) -> str:
-        self.emit_body()
-        body = "\n".join(self.lines)
-        used = {n for n in re.findall(r"\b_kiln_\w+\b", body) if n in tm.helper_names()}
+        functions = self.combined_functions() if self.parts else [self.function(self.body())]
+        text = "\n".join(functions)
+        used = {n for n in re.findall(r"\b_kiln_\w+\b", text) if n in tm.helper_names()}
         helpers = tm.helper_sources(used, self.interpret)
-        uses_libdevice = "libdevice." in body + "".join(helpers)
-        header = self.header()
+        uses_libdevice = "libdevice." in text + "".join(helpers)
         imports = ["import triton", "import triton.language as tl"]
         if uses_libdevice:
             imports.append("from triton.language.extra import libdevice")
+        parts = ["\n".join(self.header()), "\n".join(imports), *helpers, *functions]
+        return "\n\n\n".join(parts) + "\n"
+
+    def body(self) -> str:
+        self.emit_body()
+        return "\n".join(self.lines)
+
+    def constexpr_params(self) -> list[str]:
+        return ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.two_d else [])
+
+    def function(self, body: str, name: str = "", extra: tuple[str, ...] = ()) -> str:
         params = [self.pointers[id(b)] for b in kernel_arguments(self.kernel)]
         if self.kernel.seed() is not None:
             params.append("seed")
-        params.append("XBLOCK: tl.constexpr")
-        if self.two_d:
-            params.append("RBLOCK: tl.constexpr")
+        params += [*extra, *self.constexpr_params()]
         jit = '@triton.jit(do_not_specialize=["seed"])' if "seed" in params else "@triton.jit"
-        definition = f"{jit}\ndef {self.function_name}({', '.join(params)}):"
-        parts = ["\n".join(header), "\n".join(imports), *helpers, f"{definition}\n{body}"]
-        return "\n\n\n".join(parts) + "\n"
+        return f"{jit}\ndef {name or self.function_name}({', '.join(params)}):\n{body}"
+
+    def combined_functions(self) -> list[str]:
+        """A kernel with parts: one function per kernel, taking its program number, and the
+        launched function, which gives each its range of programs (the head's first)."""
+        printers = [self, *self.parts]
+        names = [f"{self.function_name}_main", *(p.function_name for p in self.parts)]
+        functions = []
+        for printer, name in zip(printers, names, strict=True):
+            printer.program = "pid"
+            functions.append(printer.function(printer.body(), name, ("pid",)))
+        lines = ["    pid = tl.program_id(0)"]
+        start = 0
+        for number, (printer, name) in enumerate(zip(printers, names, strict=True)):
+            arguments = [printer.pointers[id(b)] for b in kernel_arguments(printer.kernel)]
+            arguments.append(f"pid - {start}" if start else "pid")
+            if printer is self:
+                arguments += ["XBLOCK"] + (["RBLOCK"] if self.two_d else [])
+            else:
+                arguments += [str(printer.blocks.xblock)]
+            start += printer.programs
+            test = "if" if number == 0 else "elif"
+            last = number == len(printers) - 1
+            lines.append("    else:" if last else f"    {test} pid < {start}:")
+            lines.append(f"        {name}({', '.join(arguments)})")
+        launched = self.function("\n".join(lines))
+        return [*functions, launched]
 
     def header(self) -> list[str]:
         kernel, blocks = self.kernel, self.blocks
@@ -426,7 +470,7 @@ class _Printer:
 
     def emit_body(self) -> None:
         kernel = self.kernel
-        program = "tl.program_id(0).to(tl.int64)" if self.int64 else "tl.program_id(0)"
+        program = f"{self.program}.to(tl.int64)" if self.int64 else self.program
         self.emit(f"xnumel = {kernel.xnumel}")
         if self.two_d:
             self.emit(f"rnumel = {kernel.rnumel}")

@@ -55,6 +55,8 @@ def evaluate_kernel(
         offset, value = torch.broadcast_tensors(offset, value)
         flat = _flat(target)
         flat[offset.reshape(-1)] = value.reshape(-1).to(target.dtype)
+    for part in kernel.parts:  # independent of this kernel's stores (kiln/schedule/combine.py)
+        evaluate_kernel(part, [storage[id(b)] for b in kernel_arguments(part)])
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -142,7 +142,11 @@ class KernelKind(enum.Enum):
 
 @dataclass(eq=False)
 class Kernel:
-    """One fused loop nest. ``fused`` lists the graph nodes it computes (``op  file:line``)."""
+    """One fused loop nest. ``fused`` lists the graph nodes it computes (``op  file:line``).
+
+    ``parts``: independent kernels launched with this one (``kiln/schedule/combine.py``),
+    each over its own positions; none reads what another writes. Their buffers are this
+    kernel's arguments too, after its own."""
 
     name: str
     xnumel: int
@@ -150,6 +154,7 @@ class Kernel:
     stores: list[Store]
     fused: list[str] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    parts: list[Kernel] = field(default_factory=list)
 
     @property
     def kind(self) -> KernelKind:
@@ -161,10 +166,14 @@ class Kernel:
         return any(isinstance(e, Reduce) for e in walk([s.value for s in self.stores]))
 
     def reads(self) -> list[Buffer]:
+        """The buffers its loads (and its parts') read, in order of first appearance."""
         seen: dict[int, Buffer] = {}
         for expr in walk([s.value for s in self.stores]):
             if isinstance(expr, Load):
                 seen.setdefault(id(expr.buffer), expr.buffer)
+        for part in self.parts:
+            for buffer in part.reads():
+                seen.setdefault(id(buffer), buffer)
         return list(seen.values())
 
     def seed(self) -> Buffer | None:
@@ -172,12 +181,16 @@ class Kernel:
         for expr in walk([s.value for s in self.stores]):
             if isinstance(expr, Rand):
                 return expr.seed
-        return None
+        return next((seed for seed in (p.seed() for p in self.parts) if seed is not None), None)
 
     def writes(self) -> list[Buffer]:
+        """The buffers it stores to (and its parts', after its own)."""
         seen: dict[int, Buffer] = {}
         for store in self.stores:
             seen.setdefault(id(store.buffer), store.buffer)
+        for part in self.parts:
+            for buffer in part.writes():
+                seen.setdefault(id(buffer), buffer)
         return list(seen.values())
 
 
@@ -272,6 +285,9 @@ def format_kernel(kernel: Kernel) -> str:
         lines.append(f"  {name(expr)} = {_describe(expr, name, idx)}")
     for store in kernel.stores:
         lines.append(f"  store({store.buffer.name}, {idx(store.offset)}, {name(store.value)})")
+    for part in kernel.parts:
+        lines.append("  and, in the same launch:")
+        lines += ["  " + line for line in format_kernel(part).splitlines()]
     return "\n".join(lines)
 
 

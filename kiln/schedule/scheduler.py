@@ -31,6 +31,7 @@ from kiln.ir.op import Op, Tag, op_def
 from kiln.ops.attrs import ConvertAttrs
 from kiln.ops.externs import convolution_backward
 from kiln.schedule import index as ix
+from kiln.schedule.combine import combine_kernels
 from kiln.schedule.index import Index
 from kiln.schedule.layouts import (
     channels_last_strides,
@@ -615,7 +616,7 @@ class Scheduler:
                 if not step.stores:
                     continue  # a kernel with xnumel == 0 stays: the wrapper allocates its outputs
             steps.append(step)
-        program = Program(self.graph.name, self.inputs, steps, outputs)
+        program = Program(self.graph.name, self.inputs, combine_kernels(steps), outputs)
         plan_buffers(program)
         return program
 

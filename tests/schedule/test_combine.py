@@ -1,0 +1,98 @@
+"""Independent kernels launched together (kiln/schedule/combine.py): which kernels combine,
+and that a combined launch computes every part, through each executor, with several
+programs per part in Triton's interpreter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.backends.kiln import RECORDERS, KilnProgram, kernel_signature
+from kiln.codegen.triton import generate_triton
+from kiln.config import config
+from kiln.frontends.trace import graph_inputs
+from kiln.passes import optimize
+from kiln.schedule.loops import BufferKind, format_kernel
+from kiln.schedule.program import Program
+from kiln.schedule.scheduler import schedule
+
+
+def program_of(fn: Callable[..., Any], *args: torch.Tensor) -> tuple[Program, Any]:
+    graph = optimize(kiln.trace(fn, *args))
+    return schedule(graph, graph_inputs(graph, fn, *args)), graph
+
+
+def relu_and_cast(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first kernel reads x; the second only the input w: they combine."""
+    return (x * 3).relu(), (w * 2 + 1).to(torch.float64)
+
+
+def dependent(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second kernel reads what the first one writes (through a sum): not combined."""
+    y = (x * 3).relu()
+    return y, y.sum(1, keepdim=True) * w
+
+
+def test_a_kernel_reading_only_inputs_joins_the_launch_before() -> None:
+    program, _ = program_of(relu_and_cast, torch.randn(300, 70), torch.randn(130, 90))
+    (kernel,) = program.kernels()
+    (part,) = kernel.parts
+    assert all(b.kind is BufferKind.INPUT for b in part.reads())
+    assert set(map(id, part.writes())) <= set(map(id, kernel.writes()))
+    assert "and, in the same launch:" in format_kernel(kernel)
+    assert "part" in kernel_signature(kernel)
+
+
+def test_dependent_kernels_stay_apart() -> None:
+    program, _ = program_of(dependent, torch.randn(300, 70), torch.randn(300, 1))
+    assert all(not k.parts for k in program.kernels())
+
+
+def test_eval_conv_batchnorm_weights_fold_in_one_launch_per_convolution() -> None:
+    """The folded weight and bias of each convolution (they read only parameters) run in the
+    launch of the kernel before it: one launch a convolution."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3), nn.BatchNorm2d(8)
+    ).eval()
+    with torch.no_grad():
+        records: list[Any] = []
+        RECORDERS.append(records)
+        try:
+            x = torch.randn(2, 3, 12, 12)
+            torch.testing.assert_close(kiln.compile(model)(x), model(x), rtol=1e-5, atol=1e-5)
+        finally:
+            RECORDERS.remove(records)
+    (record,) = records
+    assert len(record.program.kernels()) == 2
+    assert all(k.parts for k in record.program.kernels())
+
+
+@pytest.mark.parametrize("codegen", ["evaluate", "cpp", "triton"])
+def test_combined_launches_match_eager(codegen: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """21000 and 11700 elements: several programs each in the interpreter (8192 a block)."""
+    program, graph = program_of(relu_and_cast, torch.randn(300, 70), torch.randn(130, 90))
+    assert any(k.parts for k in program.kernels())
+    monkeypatch.setattr(config, "codegen", codegen)
+    monkeypatch.setattr(config, "strict", True)
+    compiled = KilnProgram(graph)
+    for _ in range(2):
+        args = (torch.randn(300, 70), torch.randn(130, 90))
+        got = compiled(graph_inputs(graph, relu_and_cast, *args))
+        for mine, theirs in zip(got, relu_and_cast(*args), strict=True):
+            torch.testing.assert_close(mine, theirs)
+
+
+def test_the_triton_launch_gives_each_part_its_programs() -> None:
+    program, _ = program_of(relu_and_cast, torch.randn(300, 70), torch.randn(130, 90))
+    (kernel,) = program.kernels()
+    source = generate_triton(kernel, interpret=True)
+    assert source.grid == (3 + 2, 1, 1)  # 21000 / 8192 and 11700 / 8192, rounded up
+    text = source.source
+    assert "    pid = tl.program_id(0)\n    if pid < 3:" in text
+    assert "    else:\n" in text and "pid - 3, 8192)" in text
+    assert f"def {kernel.name}_main(" in text
