@@ -198,6 +198,17 @@ def request() -> None:
     threading.Thread(target=_build_and_load, name="kiln-native-guards", daemon=True).start()
 
 
+def wait(timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for a build in flight (benchmarks time the steady state,
+    which a build of 15-20 s on a fresh machine would otherwise straddle); whether the
+    extension is loaded."""
+    done = threading.Event()
+    when_ready(done.set)
+    if _state == "building":
+        done.wait(timeout)
+    return _module is not None
+
+
 def when_ready(callback: Callable[[], None]) -> None:
     """Call ``callback`` once the extension is loaded (now, when it already is; never, when
     the build failed)."""

@@ -1,11 +1,12 @@
 """Layouts: dense strides in a given dim order (channels-last among them), and the strides an
 extern call's results will have, which the scheduler must know before the call runs.
 
-Extern strides come, in order, from one real call per signature on CUDA for the externs whose
-layout depends on the kernel PyTorch picks (attention, its backward, convolutions), from rules
-(matmuls are contiguous, a convolution with a channels-last operand is channels-last,
-attention returns its ``[B, S, H, D]`` buffer transposed), and otherwise from running the
-op's reference implementation on meta tensors. The host program still checks every result
+Extern strides come, in order, from a rule that needs no call (a convolution with a
+channels-last operand is channels-last), from one real call per signature on CUDA for the
+externs whose layout depends on the kernel PyTorch picks (attention, its backward, other
+convolutions), from rules (matmuls are contiguous, attention returns its ``[B, S, H, D]``
+buffer transposed), and otherwise from running the op's reference implementation on meta
+tensors. The host program still checks every result
 and a mismatch is learned for the next compilation (``KilnProgram.observed``).
 """
 
@@ -51,21 +52,16 @@ def extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
     a rule, or a meta run, in that order (module docstring); contiguous when all fail. The
     wrapper checks them at run time, and a mismatch is learned for the next compilation
     (``observed``)."""
-    if _is_probed(node) and all(
-        o.buffer.device.type == "cuda" for o in operands if isinstance(o, View)
-    ):
+    convolution = _convolution_rule(node, operands)
+    on_gpu = all(o.buffer.device.type == "cuda" for o in operands if isinstance(o, View))
+    if convolution is not None and (not on_gpu or torch.backends.cudnn.enabled):
+        # Not probed: with a channels-last operand, cuDNN answers channels-last whichever
+        # kernel it picks. ResNet-50's first call spent 0.3-0.6 s in 53 such probes.
+        return convolution
+    if _is_probed(node) and on_gpu:
         probed = probe_strides(node, operands)
         if probed is not None:
             return probed
-    if node.op is Op.CONVOLUTION and len(shape_of(node.output)) == 4:
-        # Meta convolutions answer contiguous; cuDNN and oneDNN answer channels-last when
-        # the input or the weight is channels-last (PyTorch's suggest_memory_format).
-        laid_out = [o for o in operands[:2] if isinstance(o, View) and len(o.shape) == 4]
-        if any(
-            o.strides == channels_last_strides(o.shape) != ix.contiguous_strides(o.shape)
-            for o in laid_out
-        ):
-            return [channels_last_strides(shape_of(node.output))]
     if node.op is Op.SDPA and len(shape_of(node.output)) == 4:
         # The flash kernels (CUDA's and the CPU one), memory-efficient and cuDNN kernels write
         # [B, S, H, D] and return its [B, H, S, D] transpose (meta answers contiguous; the math
@@ -84,6 +80,22 @@ def extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
         # about a second); a wrong guess costs one copy and is learned (see the docstring).
         return [ix.contiguous_strides(shape_of(v)) for v in node.outputs]
     return _meta_strides(node, operands)
+
+
+def _convolution_rule(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
+    """Meta convolutions answer contiguous; cuDNN and oneDNN answer channels-last when the
+    input or the weight is channels-last (PyTorch's ``suggest_memory_format``; a tensor that
+    is both, such as one of a single channel, counts as contiguous). Channels-last strides
+    then, else None (the probe or the meta run decides)."""
+    if node.op is not Op.CONVOLUTION or len(shape_of(node.output)) != 4:
+        return None
+    laid_out = [o for o in operands[:2] if isinstance(o, View) and len(o.shape) == 4]
+    if any(
+        o.strides == channels_last_strides(o.shape) != ix.contiguous_strides(o.shape)
+        for o in laid_out
+    ):
+        return [channels_last_strides(shape_of(node.output))]
+    return None
 
 
 def _is_probed(node: Node) -> bool:

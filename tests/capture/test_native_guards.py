@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -142,3 +143,21 @@ def test_turned_off_the_extension_is_neither_built_nor_waited_for(
     function, source, _ = compile_guards(guards, names)
     assert "native_check" not in source and function(None, *tensors)
     assert native_guards._state == "idle" and not guard_module.wants_native(guards)
+
+
+def test_waiting_returns_when_the_build_finishes_or_at_once_without_one(
+    native: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The benchmarks' wait: immediate without a build in flight (idle, failed, loaded), and
+    released by the build's end otherwise."""
+    assert native_guards.wait(timeout=5)  # loaded (the fixture built it)
+    monkeypatch.setattr(native_guards, "_module", None)
+    monkeypatch.setattr(native_guards, "_callbacks", [])
+    for state in ("idle", "failed"):
+        monkeypatch.setattr(native_guards, "_state", state)
+        assert not native_guards.wait(timeout=5)
+    monkeypatch.setattr(native_guards, "_state", "building")
+    finish = threading.Timer(0.2, native_guards._build_and_load)
+    finish.start()
+    assert native_guards.wait(timeout=30)
+    finish.join()
