@@ -96,3 +96,27 @@ def test_the_triton_launch_gives_each_part_its_programs() -> None:
     assert "    pid = tl.program_id(0)\n    if pid < 3:" in text
     assert "    else:\n" in text and "pid - 3, 8192)" in text
     assert f"def {kernel.name}_main(" in text
+
+
+def softmax_and_cast(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reduction kernel (softmax rows) with a pointwise part."""
+    return x.softmax(1) * 3, w * 2 + 1
+
+
+@pytest.mark.parametrize("codegen", ["cpp", "triton"])
+def test_a_reduction_kernel_launches_its_part(
+    codegen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """700 rows of 300: 22 programs of 32 rows in the interpreter, then the part's 2."""
+    args = (torch.randn(700, 300), torch.randn(90, 130))
+    program, graph = program_of(softmax_and_cast, *args)
+    (kernel,) = program.kernels()
+    assert kernel.rnumel == 300 and len(kernel.parts) == 1
+    monkeypatch.setattr(config, "codegen", codegen)
+    monkeypatch.setattr(config, "strict", True)
+    compiled = KilnProgram(graph)
+    for _ in range(2):
+        args = (torch.randn(700, 300), torch.randn(90, 130))
+        got = compiled(graph_inputs(graph, softmax_and_cast, *args))
+        for mine, theirs in zip(got, softmax_and_cast(*args), strict=True):
+            torch.testing.assert_close(mine, theirs)
