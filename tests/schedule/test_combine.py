@@ -27,6 +27,25 @@ def program_of(fn: Callable[..., Any], *args: torch.Tensor) -> tuple[Program, An
     return schedule(graph, graph_inputs(graph, fn, *args)), graph
 
 
+def matches_eager(
+    fn: Callable[..., Any],
+    graph: Any,
+    shapes: list[tuple[int, ...]],
+    codegen: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One compiled program through ``codegen``, called twice on fresh random inputs of
+    ``shapes``; every output compared with ``fn`` run eagerly."""
+    monkeypatch.setattr(config, "codegen", codegen)
+    monkeypatch.setattr(config, "strict", True)
+    compiled = KilnProgram(graph)
+    for _ in range(2):
+        args = [torch.randn(shape) for shape in shapes]
+        got = compiled(graph_inputs(graph, fn, *args))
+        for mine, theirs in zip(got, fn(*args), strict=True):
+            torch.testing.assert_close(mine, theirs)
+
+
 def relu_and_cast(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The first kernel reads x; the second only the input w: they combine."""
     return (x * 3).relu(), (w * 2 + 1).to(torch.float64)
@@ -77,14 +96,7 @@ def test_combined_launches_match_eager(codegen: str, monkeypatch: pytest.MonkeyP
     """21000 and 11700 elements: several programs each in the interpreter (8192 a block)."""
     program, graph = program_of(relu_and_cast, torch.randn(300, 70), torch.randn(130, 90))
     assert any(k.parts for k in program.kernels())
-    monkeypatch.setattr(config, "codegen", codegen)
-    monkeypatch.setattr(config, "strict", True)
-    compiled = KilnProgram(graph)
-    for _ in range(2):
-        args = (torch.randn(300, 70), torch.randn(130, 90))
-        got = compiled(graph_inputs(graph, relu_and_cast, *args))
-        for mine, theirs in zip(got, relu_and_cast(*args), strict=True):
-            torch.testing.assert_close(mine, theirs)
+    matches_eager(relu_and_cast, graph, [(300, 70), (130, 90)], codegen, monkeypatch)
 
 
 def test_the_triton_launch_gives_each_part_its_programs() -> None:
@@ -112,11 +124,4 @@ def test_a_reduction_kernel_launches_its_part(
     program, graph = program_of(softmax_and_cast, *args)
     (kernel,) = program.kernels()
     assert kernel.rnumel == 300 and len(kernel.parts) == 1
-    monkeypatch.setattr(config, "codegen", codegen)
-    monkeypatch.setattr(config, "strict", True)
-    compiled = KilnProgram(graph)
-    for _ in range(2):
-        args = (torch.randn(700, 300), torch.randn(90, 130))
-        got = compiled(graph_inputs(graph, softmax_and_cast, *args))
-        for mine, theirs in zip(got, softmax_and_cast(*args), strict=True):
-            torch.testing.assert_close(mine, theirs)
+    matches_eager(softmax_and_cast, graph, [(700, 300), (90, 130)], codegen, monkeypatch)
