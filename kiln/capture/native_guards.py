@@ -202,9 +202,9 @@ def wait(timeout: float) -> bool:
     """Wait up to ``timeout`` seconds for a build in flight (benchmarks time the steady state,
     which a build of 15-20 s on a fresh machine would otherwise straddle); whether the
     extension is loaded."""
-    done = threading.Event()
-    when_ready(done.set)
     if _state == "building":
+        done = threading.Event()
+        when_ready(done.set)  # set at once if the build finished meanwhile
         done.wait(timeout)
     return _module is not None
 
