@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.codegen import cpp_math, cpp_split
+from kiln.codegen import cpp_math, cpp_segments, cpp_split
 from kiln.codegen.cpp_math import compute_type, storage_type
 from kiln.codegen.cpp_split import XL, LaneSplit, PointwiseSplit
 from kiln.ir.op import Op
@@ -256,6 +256,7 @@ class _KernelPrinter:
         self.caching: set[int] = set()  # those the current r loop stores
         self.split: LaneSplit | None = None  # x printed as lanes*xb + xl (kiln/codegen/cpp_split)
         self.lane_arrays: dict[int, str] = {}  # expression id -> the per-lane array keeping it
+        self.across_rows: dict[int, bool] = {}  # in column reductions: varies along the block
         self.linkage = 'extern "C"'  # a part's own function is static
 
     # -- names and the signature ----------------------------------------------------------
@@ -459,20 +460,33 @@ class _KernelPrinter:
         alone (a channels-last BatchNorm's per-channel scale) come from per-lane arrays filled
         once, values of ``xb`` alone (an NCHW one's) are computed once per block."""
         self.split = plan.split
-        if plan.lane_values:
-            self.fill_lane_arrays(body, plan.lane_values, plan.split.lanes)
+        lanes = plan.split.lanes
+        segments = cpp_segments.lane_segments(plan.split, plan.lane_values)
+        if segments is None:  # one loop over every lane
+            segments = [cpp_segments.Segment(0, lanes, {})]
+        constant = segments[0].constants
+        lane_values = [v for v in plan.lane_values if id(v) not in constant]
+        if lane_values:
+            self.fill_lane_arrays(body, lane_values, lanes)
         if self.parallel:
             body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
         body.add(f"for ({self.index_type} xb = 0; xb < {plan.split.blocks}; ++xb) {{")
         outer = body.child()
-        inner = outer.child()
-        self.emit(self.roots, inner, outer, plan.on_lane)
-        for store in self.kernel.stores:
-            self.store(store, inner)
-        outer.add("#pragma omp simd")
-        outer.add(self.lane_loop())
-        outer.lines += inner.lines
-        outer.add("}")
+        values = {id(v): v for v in plan.lane_values}
+        for segment in segments:  # kiln/codegen/cpp_segments.py: masks constant in each
+            inner = outer.child()
+            for key, value in segment.constants.items():
+                expr = values[key]
+                literal = cpp_math.literal(value, expr.dtype)
+                inner.add(f"const {compute_type(expr.dtype)} {self.name(expr)} = {literal};")
+                inner.defined.add(key)
+            self.emit(self.roots, inner, outer, plan.on_lane)
+            for store in self.kernel.stores:
+                self.store(store, inner)
+            outer.add("#pragma omp simd")
+            outer.add(f"for (int32_t {XL} = {segment.start}; {XL} < {segment.stop}; ++{XL}) {{")
+            outer.lines += inner.lines
+            outer.add("}")
         body.lines += outer.lines
         body.add("}")
 
@@ -600,6 +614,7 @@ class _KernelPrinter:
         arrays."""
         kernel, t = self.kernel, self.index_type
         outer, lanes = self.column_blocks(body)
+        self.across_rows = cpp_split.varies_across_rows(self.roots, self.split)
         invariants = cpp_split.loop_invariants(
             [r.value for r in reduces] + [e for s in r_stores for e in _store_needs(s)],
             self.r_dependent,
@@ -659,8 +674,6 @@ class _KernelPrinter:
         """A vectorized loop over the rows of a block: it reads the results of the ``finished``
         accumulators, updates the ``updating`` ones (inside an ``r`` loop), then runs
         ``stores``."""
-        block.add("#pragma omp simd")
-        block.add(self.lane_loop())
         inner = block.child()
         slot = f"[{self.lane}]"
         for acc in finished:
@@ -668,12 +681,15 @@ class _KernelPrinter:
             inner.add(f"const {ctype} {self.name(acc.reduce)} = {acc.result(slot)};")
             inner.defined.add(id(acc.reduce))
         values = [acc.reduce.value for acc in updating]
-        self.emit(values + [e for s in stores for e in _store_needs(s)], inner)
+        needs = values + [e for s in stores for e in _store_needs(s)]
+        self.emit(needs, inner, block, self.across_rows)  # a row's own values once per r
         for acc in updating:
             for line in acc.update(self.operand(acc.reduce.value), slot):
                 inner.add(line)
         for store in stores:
             self.store(store, inner)
+        block.add("#pragma omp simd")
+        block.add(self.lane_loop())
         block.lines += inner.lines
         block.add("}")
 

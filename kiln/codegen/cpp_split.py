@@ -120,9 +120,15 @@ def x_divisors(indexes: Iterable[Index]) -> list[int]:
 
 def reads_columns(offsets: list[Index], along: str) -> bool:
     """Whether some read at ``offsets`` is contiguous along the variable ``along`` and none
-    along ``r``: then a block of rows is better read side by side than one row at a time."""
+    that varies along it is contiguous along ``r``: then a block of rows is better read side
+    by side than one row at a time. A read of ``r`` alone (a LayerNorm's per-row statistics
+    in its weight gradient's column sums) is one value for the whole block."""
     strides = [{a.name: c for a, c in o.terms if isinstance(a, Var)} for o in offsets]
-    return any(s.get(along) == 1 for s in strides) and not any(s.get(R) == 1 for s in strides)
+    if not any(s.get(along) == 1 for s in strides):
+        return False
+    return not any(
+        s.get(R) == 1 and along in o.variables() for s, o in zip(strides, offsets, strict=True)
+    )
 
 
 def lane_counts(divisor: int, most: int) -> list[int]:
@@ -157,6 +163,24 @@ def varies_along(roots: list[Expr], name: str, split: LaneSplit) -> dict[int, bo
     result: dict[int, bool] = {}
     for expr in walk(roots):
         uses = any(name in split.substitute(index).variables() for index in index_of(expr))
+        result[id(expr)] = uses or any(result[id(c)] for c in children(expr))
+    return result
+
+
+def varies_across_rows(roots: list[Expr], split: LaneSplit | None) -> dict[int, bool]:
+    """For every expression reachable from ``roots``: whether it varies from one row of a
+    column block to the next (along ``xl`` under ``split``, else along ``x``). Reductions do
+    (one accumulator slot per row); what does not is computed once per ``r``."""
+    name = XL if split is not None else X
+    result: dict[int, bool] = {}
+    for expr in walk(roots):
+        if isinstance(expr, Reduce):
+            result[id(expr)] = True
+            continue
+        indexes = index_of(expr)
+        if split is not None:
+            indexes = [split.substitute(index) for index in indexes]
+        uses = any(name in index.variables() for index in indexes)
         result[id(expr)] = uses or any(result[id(c)] for c in children(expr))
     return result
 
