@@ -11,6 +11,8 @@
                           workers; ``threads``: in this process, on ``KILN_COMPILE_THREADS``.
 ``KILN_CODEGEN``  force one kernel code generator: ``triton`` (on CPU: Triton's interpreter),
                   ``cpp`` or ``evaluate`` (PyTorch ops; the scheduler's oracle).
+``KILN_CPU_MATMUL``  ``blas`` or ``onednn`` forces the library of float32 CPU matmuls (default:
+                     measured once per machine, :mod:`kiln.ops.cpu_matmul`).
 ``KILN_NATIVE_GUARDS``  "0" keeps every tensor guard in Python (default: guard sets with many
                         tensors check them in a C++ extension built once per machine).
 """
@@ -51,6 +53,7 @@ class Config:
     compile_workers: str = field(
         default_factory=lambda: os.environ.get("KILN_COMPILE_WORKERS", "auto")
     )
+    cpu_matmul: str = field(default_factory=lambda: os.environ.get("KILN_CPU_MATMUL", "auto"))
     native_guards: bool = field(
         default_factory=lambda: os.environ.get("KILN_NATIVE_GUARDS", "1") != "0"
     )

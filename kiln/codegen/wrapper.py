@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kiln.ir.graph import Value
 from kiln.ir.op import Op, op_def
 from kiln.ops.externs import extern_runner
 from kiln.ops.host_calls import host_call
@@ -152,7 +153,8 @@ def extern_function(
         bound = extern_runner(attrs)
     else:
         row = functools.partial(op_def(call.node.op).impl, attrs)
-        bound = host_call(call.node.op, attrs) or row
+        types = [v.type if isinstance(v, Value) else None for v in call.node.inputs]
+        bound = host_call(call.node.op, attrs, types) or row
     layouts = [(b.shape, b.strides) for b in call.outputs]
 
     def run(*operands: Any) -> list[torch.Tensor]:
