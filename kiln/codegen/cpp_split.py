@@ -208,8 +208,10 @@ def loop_invariants(roots: list[Expr], varies: dict[int, bool]) -> list[Expr]:
 def pointwise_split(xnumel: int, roots: list[Expr], min_blocks: int) -> PointwiseSplit | None:
     """The split of a flat kernel by its innermost dim (the smallest divisor of ``x``): worth
     it when some computed value depends on ``xl`` alone or on ``xb`` alone (per-channel math),
-    else None."""
-    divisors = x_divisors(index for expr in walk(roots) for index in index_of(expr))
+    or when it takes divisions out of the indexes (a bias read at ``x % C`` is a gather in
+    the flat loop and a contiguous read at ``xl`` in the split one), else None."""
+    indexes = [index for expr in walk(roots) for index in index_of(expr)]
+    divisors = x_divisors(indexes)
     lanes = next((d for d in divisors if d >= MIN_LANES and xnumel % d == 0), 0)
     if not lanes or lanes > LANE_LIMIT or xnumel // lanes < max(min_blocks, 2):
         return None
@@ -218,6 +220,18 @@ def pointwise_split(xnumel: int, roots: list[Expr], min_blocks: int) -> Pointwis
     lane_values = loop_invariants(roots, varies_along(roots, XB, split))
     if lanes * len(lane_values) > LANE_ARRAY_LIMIT:
         lane_values = []  # recomputed per element rather than risk the stack
-    if not lane_values and not loop_invariants(roots, on_lane):
+    fewer_divisions = sum(map(_divisions, indexes)) > sum(
+        _divisions(split.substitute(index)) for index in indexes
+    )
+    if not lane_values and not loop_invariants(roots, on_lane) and not fewer_divisions:
         return None
     return PointwiseSplit(split, lane_values, on_lane)
+
+
+def _divisions(index: Index) -> int:
+    """How many floor divisions and modulos printing ``index`` takes."""
+    count = 0
+    for atom, _ in index.terms:
+        if isinstance(atom, (FloorDiv, Mod)):
+            count += 1 + _divisions(atom.operand)
+    return count

@@ -205,6 +205,33 @@ def test_pointwise_batchnorm_apply_computes_channel_math_once(layout: str, cache
     torch.testing.assert_close(result["out"], expected.flatten(), rtol=1e-5, atol=1e-5)
 
 
+def test_bias_read_by_modulo_splits_into_contiguous_reads(cache: Path) -> None:
+    """``gelu(x + b) + y`` over ``[rows, C]``: the bias read at ``x % C`` is a gather in the flat
+    loop; split as ``C*xb + xl`` every read is contiguous and no division is left."""
+    rows, cols = 6, 80
+    x = var("x", rows * cols)
+    data = load(buffer("data", (rows * cols,), F32), x)
+    biased = apply(Op.ADD, data, load(buffer("bias", (cols,), F32), x % cols))
+    erf = apply(Op.ERF, apply(Op.MUL, biased, const(0.7071067811865476)))
+    gelu = apply(Op.MUL, apply(Op.MUL, biased, const(0.5)), apply(Op.ADD, erf, const(1.0)))
+    value = apply(Op.ADD, gelu, load(buffer("other", (rows * cols,), F32), x))
+    out = buffer("out", (rows * cols,), F32)
+    kernel = Kernel("bias_gelu", rows * cols, 1, [Store(out, x, value)])
+    body = generate_cpp([kernel], THREADS).split("void bias_gelu")[1]
+    assert f"for (int32_t xl = 0; xl < {cols}; ++xl)" in body
+    assert re.search(r"= a\d\[xl\];", body)  # the bias, contiguous along the lanes
+    assert "%" not in body and "/ " not in body.replace("// ", "")
+    inputs = {
+        "data": torch.randn(rows * cols),
+        "bias": torch.randn(cols),
+        "other": torch.randn(rows * cols),
+    }
+    result = run_both(kernel, inputs, cache)
+    biased_ref = inputs["data"].view(rows, cols) + inputs["bias"]
+    expected = torch.nn.functional.gelu(biased_ref) + inputs["other"].view(rows, cols)
+    torch.testing.assert_close(result["out"], expected.flatten(), rtol=1e-5, atol=1e-5)
+
+
 def test_no_split_when_lanes_do_not_fit(cache: Path) -> None:
     """Eight channels are too few lanes; 1000 elements are no whole number of 48-lane blocks:
     both kernels keep the flat forms and their results."""

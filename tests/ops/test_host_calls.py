@@ -88,24 +88,26 @@ def test_onednn_matmuls_match_the_rows(forced: None, transposed: tuple[bool, boo
     torch.testing.assert_close(addmm(bias, a, b), with_bias, rtol=1e-4, atol=1e-4)
 
 
-@needs_onednn
-def test_onednn_only_where_it_applies(forced: None) -> None:
-    """Scaled products, full-matrix biases, other dtypes and small sizes keep PyTorch's call."""
-    plain = host_call(Op.MM, None)
+def test_onednn_only_where_it_applies(forced: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small products, other dtypes, scaled products and full-matrix biases keep PyTorch's
+    call even when oneDNN is forced (a oneDNN call here would raise)."""
+
+    def refuse(*args: object) -> torch.Tensor:
+        raise AssertionError("oneDNN called")
+
+    monkeypatch.setattr(cpu_matmul, "onednn_linear", lambda: refuse)
+    f64 = TensorType((256, 256), torch.float64)
     cases = [
         (Op.MM, None, [_f32(8, 8), _f32(8, 8)]),  # too small to pay oneDNN's fixed cost
-        (Op.MM, None, [TensorType((256, 256), torch.float64)] * 2),
+        (Op.MM, None, [f64, f64]),
         (Op.ADDMM, GemmAttrs(0.5, 1.0), [_f32(256), _f32(256, 256), _f32(256, 256)]),
         (Op.ADDMM, GemmAttrs(), [_f32(256, 256), _f32(256, 256), _f32(256, 256)]),
     ]
     for op, attrs, types in cases:
         call = host_call(op, attrs, types)
-        assert call is plain or op is Op.ADDMM and call is not None
-        if op is Op.ADDMM:
-            bias = torch.randn(types[0].shape, dtype=torch.float32)
-            a, b = torch.randn(256, 256), torch.randn(256, 256)
-            expected = op_def(op).impl(attrs, bias, a, b)
-            torch.testing.assert_close(call(bias, a, b), expected)  # type: ignore[misc]
+        assert call is not None
+        operands = [torch.randn(t.shape, dtype=t.dtype) for t in types]  # type: ignore[arg-type]
+        torch.testing.assert_close(call(*operands), op_def(op).impl(attrs, *operands))
 
 
 def test_choice_is_measured_once_per_machine(
@@ -154,7 +156,7 @@ def test_linear_training_through_onednn_matches_eager(
     x = torch.randn(200, 192)
     compiled = kiln.compile(model)
     try:
-        for net, run in ((eager, eager), (model, compiled)):
+        for run in (eager, compiled):
             run(x).square().mean().backward()
     finally:
         kiln.reset()
