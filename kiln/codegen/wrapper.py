@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kiln.codegen import temp_pool
 from kiln.ir.graph import Value
 from kiln.ir.op import Op, op_def
 from kiln.ops.externs import extern_runner
@@ -58,6 +59,7 @@ class Wrapper:
         self.namespace.update(launchers)
         self.names: dict[int, str] = {}
         self.lines: list[str] = []
+        self.slots: dict[int, int] = {}  # id(buffer) -> its place in the pooled temporaries
 
     def name(self, buffer: Buffer) -> str:
         if id(buffer) not in self.names:
@@ -85,6 +87,12 @@ class Wrapper:
         for buffer in program.inputs:
             if id(buffer) in seeds:
                 self.lines.append(f"    seed = int({self.name(buffer)})")
+        pooled = temp_pool.pooled_allocations(program)  # kept from call to call (CPU)
+        self.slots = {id(b): number for number, b in enumerate(pooled)}
+        if pooled:
+            slots = [temp_pool.Slot(b.shape, b.strides, b.dtype) for b in pooled]
+            self.namespace["pool"] = temp_pool.TempPool(slots)
+            self.lines.append("    temps = pool.take()")
         reused = {id(b) for b in program.reuses.values()}  # freed when taken over instead
         for position, step in enumerate(program.steps):
             if isinstance(step, Kernel):
@@ -95,6 +103,8 @@ class Wrapper:
             if dead:
                 self.lines.append(f"    del {', '.join(dead)}")
         outputs = ", ".join(self.view(v) for v in program.outputs)
+        if pooled:
+            self.lines.append("    pool.give(temps)")
         self.lines.append(f"    return [{outputs}]")
         return "\n".join(self.lines) + "\n"
 
@@ -109,6 +119,8 @@ class Wrapper:
                     f"    {self.name(buffer)} = as_strided({old}, {buffer.shape!r}, "
                     f"{buffer.strides!r}); del {old}  # reuse"
                 )
+            elif id(buffer) in self.slots:
+                self.lines.append(f"    {self.name(buffer)} = temps[{self.slots[id(buffer)]}]")
             else:
                 self.lines.append(
                     f"    {self.name(buffer)} = empty_strided({buffer.shape!r}, "
