@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.op import Op, Sample
+from kiln.ir.types import FLOATING, TensorType
 from kiln.ops import prims
 from kiln.ops.attrs import ExternAttrs, SdpaAttrs, Slot
+from kiln.ops.extern_shapes import EXTERN_FORMULAS
 from kiln.ops.externs import (
     EXTERN_VJPS,
     Case,
@@ -136,6 +138,47 @@ def _sdpa_cpu_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads
 
 
 EXTERN_VJPS[sdpa_cpu_forward] = _sdpa_cpu_vjp
+
+
+def _flash_operands(attrs: ExternAttrs, operands: Sequence[Any]) -> list[TensorType] | None:
+    """q, k and v of a CPU flash call when their types are regular (4-D, static, one dtype
+    and device, one head size; k and v of one length), else None (the meta runs PyTorch)."""
+    slots = attrs.args[:3]
+    if len(slots) < 3 or not all(isinstance(s, Slot) and s.index < len(operands) for s in slots):
+        return None
+    q, k, v = (operands[s.index] for s in slots)
+    types = [q, k, v]
+    if not all(isinstance(t, TensorType) and t.rank == 4 for t in types):
+        return None
+    if any(not all(isinstance(d, int) for d in t.shape) for t in types):
+        return None
+    if len({(t.dtype, t.device) for t in types}) != 1 or q.dtype not in FLOATING:
+        return None
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        return None
+    if len({t.shape[3] for t in types}) != 1:  # PyTorch's flash kernel wants one head size
+        return None
+    return types
+
+
+def _sdpa_cpu_forward_types(attrs: ExternAttrs, *operands: Any) -> Any:
+    found = _flash_operands(attrs, operands)
+    if found is None:
+        return None
+    q = found[0]
+    lse = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q, TensorType(q.shape[:3], lse, q.device))
+
+
+def _sdpa_cpu_backward_types(attrs: ExternAttrs, *operands: Any) -> Any:
+    shifted = ExternAttrs(attrs.fn, attrs.args[1:], attrs.kwargs)  # grad comes first
+    found = _flash_operands(shifted, operands)
+    return None if found is None else tuple(found)
+
+
+# Their output types by formula: no fake run, whose first use costs about a second.
+EXTERN_FORMULAS[sdpa_cpu_forward] = _sdpa_cpu_forward_types
+EXTERN_FORMULAS[sdpa_cpu_backward] = _sdpa_cpu_backward_types
 
 
 def _sdpa_vjp(attrs: SdpaAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:

@@ -3,14 +3,16 @@
 An extern's meta runs its PyTorch function on tensors without data (``meta_by_running``). The
 first such call in a process imports PyTorch's meta registrations, about a second: a visible
 share of a model's first call. Matmuls, convolutions and attention, which every model has, get
-their output type from the usual formulas here. Anything irregular (mismatched shapes or
-dtypes, unbatched or transposed convolutions, grouped-query attention) returns None, and the
-meta runs PyTorch after all, so errors are still eager's.
+their output type from the usual formulas here, and so do generic externs whose function
+registered one in ``EXTERN_FORMULAS`` (the CPU flash attention a training graph calls).
+Anything irregular (mismatched shapes or dtypes, unbatched or transposed convolutions,
+grouped-query attention) returns None, and the meta runs PyTorch after all, so errors are
+still eager's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -118,7 +120,7 @@ def _attention(attrs: Any, q: Any, k: Any, v: Any, mask: Any = None) -> TensorTy
     return _result(q, (*q_shape[:-1], v_shape[-1]))
 
 
-FORMULAS: dict[Op, Callable[..., TensorType | None]] = {
+FORMULAS: dict[Op, Callable[..., Any]] = {
     Op.MM: _mm,
     Op.BMM: _bmm,
     Op.ADDMM: _with_bias(_mm),
@@ -126,6 +128,25 @@ FORMULAS: dict[Op, Callable[..., TensorType | None]] = {
     Op.CONVOLUTION: _convolution,
     Op.SDPA: _attention,
 }
+
+
+# Formulas of generic externs, by the function they call (``kiln.ops.attention`` registers the
+# CPU flash kernel's forward and backward): the operand types (a Slot's index picks one) and
+# the call's attrs give the result's types, a TensorType or a tuple of them; None: run it.
+EXTERN_FORMULAS: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def _extern(attrs: Any, *operands: Any) -> Any:
+    formula = EXTERN_FORMULAS.get(attrs.fn)
+    return formula(attrs, *operands) if formula is not None else None
+
+
+FORMULAS[Op.EXTERN] = _extern
+
+
+def extern_result_types(attrs: Any, operands: Sequence[Any]) -> Any:
+    """The result types of a generic extern by its function's formula, or None."""
+    return _extern(attrs, *operands)
 
 
 def with_formula(op: Op, meta: Callable[..., Any]) -> Callable[..., Any]:

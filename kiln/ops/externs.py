@@ -50,7 +50,7 @@ from kiln.ops.attrs import (
     SortAttrs,
     TopkAttrs,
 )
-from kiln.ops.extern_shapes import with_formula
+from kiln.ops.extern_shapes import EXTERN_FORMULAS, extern_result_types, with_formula
 from kiln.ops.sampling import FLOATS, make_tensor
 
 INT64 = frozenset({torch.int64})
@@ -362,6 +362,27 @@ def convolution_backward(
     return tuple(result for result, wanted in zip(results, mask, strict=True) if wanted)
 
 
+def _convolution_backward_types(attrs: ExternAttrs, *operands: Any) -> Any:
+    """The types of :func:`convolution_backward`'s results: x's and weight's (those wanted),
+    then the bias gradient, in the gradient's dtype; None when the call is irregular."""
+    if len(attrs.args) != 5 or not all(isinstance(a, Slot) for a in attrs.args[:3]):
+        return None
+    grad, x, weight = (operands[a.index] for a in attrs.args[:3])
+    bias_sizes, wanted = attrs.args[3], attrs.args[4]
+    types = [grad, x, weight]
+    if not all(isinstance(t, TensorType) for t in types):
+        return None
+    if len({(t.dtype, t.device) for t in types}) != 1 or grad.dtype not in FLOATING:
+        return None
+    results = [t for t, want in zip((x, weight), wanted, strict=True) if want]
+    if bias_sizes is not None:
+        results.append(TensorType(tuple(bias_sizes), grad.dtype, grad.device))
+    return tuple(results)
+
+
+EXTERN_FORMULAS[convolution_backward] = _convolution_backward_types
+
+
 def fields_of(attrs: Any) -> dict[str, Any]:
     return {name: getattr(attrs, name) for name in attrs.__dataclass_fields__}
 
@@ -642,8 +663,12 @@ def extern_call(
     slotted_args, slotted_kwargs = pytree.tree_map(slot, (tuple(args), dict(kwargs or {})))
     attrs = ExternAttrs(fn, slotted_args, slotted_kwargs)
     outputs = emit(Op.EXTERN, *slots, attrs=attrs)
-    # The node's meta accepted the call; run it abstractly again for the result's structure.
-    result = _run_abstractly(_call, attrs, [value.type for value in slots], fake=True)
+    # The node's meta accepted the call; the formula's result (or a second abstract run)
+    # gives the result's structure.
+    types = [value.type for value in slots]
+    result = extern_result_types(attrs, types)
+    if result is None:
+        result = _run_abstractly(_call, attrs, types, fake=True)
     _, structure = pytree.tree_flatten(result)
     flat = [outputs] if isinstance(outputs, Value) else list(outputs)
     return pytree.tree_unflatten(flat, structure)

@@ -18,7 +18,9 @@ import torch
 
 from kiln.ir.graph import Node
 from kiln.ir.op import Op, op_def
-from kiln.ops.attention import sdpa_backward
+from kiln.ops.attention import sdpa_backward, sdpa_cpu_backward, sdpa_cpu_forward
+from kiln.ops.attrs import Slot
+from kiln.ops.externs import convolution_backward
 from kiln.schedule import index as ix
 from kiln.schedule.lowering import shape_of
 from kiln.schedule.program import View
@@ -26,6 +28,11 @@ from kiln.schedule.program import View
 # Externs whose results PyTorch allocates contiguous (convolutions: unless an operand is
 # channels-last, see extern_strides).
 CONTIGUOUS_RESULTS = frozenset({Op.MM, Op.BMM, Op.ADDMM, Op.BADDBMM, Op.CONVOLUTION, Op.SDPA})
+
+
+# Externs that write a copy of operand 0 (an embedding's gradient is an index_put into zeros):
+# on the CPU a contiguous base gives a contiguous result.
+SAME_AS_CONTIGUOUS_BASE = frozenset({Op.INDEX_PUT, Op.SCATTER, Op.SCATTER_ADD})
 
 
 def memory_order(strides: Sequence[int]) -> tuple[int, ...]:
@@ -75,11 +82,65 @@ def extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
             else ix.contiguous_strides(shape)
             for shape in (shape_of(v) for v in node.outputs)
         ]
+    flash = _cpu_flash_rule(node, operands)
+    if flash is not None:
+        return flash
+    backward = _cpu_convolution_backward_rule(node, operands)
+    if backward is not None and not on_gpu:
+        return backward
+    if node.op in SAME_AS_CONTIGUOUS_BASE and not on_gpu:
+        base = operands[0] if operands else None
+        if isinstance(base, View) and base.strides == ix.contiguous_strides(base.shape):
+            return [ix.contiguous_strides(shape_of(node.output))]
     if node.op in CONTIGUOUS_RESULTS:
         # Known answers save the meta run (its first call imports PyTorch's meta registrations,
         # about a second); a wrong guess costs one copy and is learned (see the docstring).
         return [ix.contiguous_strides(shape_of(v)) for v in node.outputs]
     return _meta_strides(node, operands)
+
+
+def _cpu_flash_rule(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
+    """PyTorch's CPU flash kernel (training graphs call it directly, see
+    ``passes.attention_statistics``) returns its output contiguous for a contiguous query,
+    else as the transpose of a ``[B, L, H, E]`` buffer, and its log-sum-exp as the transpose
+    of ``[B, L, H]``; its backward returns every gradient as ``[B, L, H, E]`` transposed.
+    Known here, the meta run (whose first call imports sympy, 0.4 s) is saved."""
+    if node.op is not Op.EXTERN or node.attrs.fn not in (sdpa_cpu_forward, sdpa_cpu_backward):
+        return None
+    shapes = [shape_of(v) for v in node.outputs]
+    if any(len(shape) not in (3, 4) for shape in shapes):
+        return None
+    transposed = [strides_in_order(s, (0, 2, 1, 3) if len(s) == 4 else (0, 2, 1)) for s in shapes]
+    if node.attrs.fn is sdpa_cpu_forward:
+        query = node.attrs.args[0]
+        view = operands[query.index] if isinstance(query, Slot) else None
+        if isinstance(view, View) and view.strides == ix.contiguous_strides(view.shape):
+            transposed[0] = ix.contiguous_strides(shapes[0])
+    return transposed
+
+
+def _cpu_convolution_backward_rule(
+    node: Node, operands: list[object]
+) -> list[tuple[int, ...]] | None:
+    """oneDNN's (and meta's) convolution backward: the input and weight gradients are
+    channels-last when the input or the weight is, else contiguous; a bias gradient is a
+    vector. Known here, the meta run (whose first call imports sympy, 0.4 s) is saved."""
+    if node.op is not Op.EXTERN or node.attrs.fn is not convolution_backward:
+        return None
+    slots = node.attrs.args[1:3]
+    views = [operands[s.index] if isinstance(s, Slot) else None for s in slots]
+    if not all(isinstance(v, View) and len(v.shape) == 4 for v in views):
+        return None
+    laid_out = any(
+        v.strides == channels_last_strides(v.shape) != ix.contiguous_strides(v.shape)
+        for v in views
+        if isinstance(v, View)
+    )
+    shapes = [shape_of(v) for v in node.outputs]
+    return [
+        channels_last_strides(s) if laid_out and len(s) == 4 else ix.contiguous_strides(s)
+        for s in shapes
+    ]
 
 
 def _convolution_rule(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
