@@ -99,8 +99,17 @@ def sdpa_cpu_forward(
     re-running the forward under autograd. ``enable_gqa`` is never set here (the pass keeps
     those graphs on the general path)."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = op(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    out, lse = op(q, k, v, 0.0, is_causal, attn_mask=_additive(mask, q), scale=scale)
     return out, lse
+
+
+def _additive(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """A boolean mask as the additive one ``F.scaled_dot_product_attention`` makes of it
+    before calling the flash kernel (0 where attended, -inf elsewhere): PyTorch 2.11's kernel
+    takes only a mask of the query's dtype."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros_like(mask, dtype=q.dtype).masked_fill_(mask.logical_not(), float("-inf"))
 
 
 def sdpa_cpu_backward(
@@ -118,6 +127,7 @@ def sdpa_cpu_backward(
     """The gradients of q, k and v of :func:`sdpa_cpu_forward`, by the flash kernel's
     backward, from the forward's output and log-sum-exp (what eager autograd saves)."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    mask = _additive(mask, q)
     gq, gk, gv = op(grad, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
     return gq, gk, gv
 
@@ -166,8 +176,9 @@ def _sdpa_cpu_forward_types(attrs: ExternAttrs, *operands: Any) -> Any:
     if found is None:
         return None
     q = found[0]
-    lse = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (q, TensorType(q.shape[:3], lse, q.device))
+    if q.dtype == torch.float64:  # its log-sum-exp's dtype differs between PyTorch versions
+        return None
+    return (q, TensorType(q.shape[:3], torch.float32, q.device))
 
 
 def _sdpa_cpu_backward_types(attrs: ExternAttrs, *operands: Any) -> Any:
