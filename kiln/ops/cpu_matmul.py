@@ -20,6 +20,7 @@ from eager's by rounding (about 1e-6 relative), as two BLAS builds would.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -71,6 +72,7 @@ def onednn_is_faster() -> bool:
     return _CHOICES[key]
 
 
+@functools.cache
 def _machine() -> str:
     """The CPU model and its flags, the PyTorch version: what the answer depends on."""
     flags = ""
