@@ -27,6 +27,7 @@ from kiln.errors import BackendError
 from kiln.ir.graph import Graph, InputKind
 from kiln.ir.interpreter import interpret
 from kiln.ir.op import Op
+from kiln.ops import host_calls
 from kiln.runtime.triton_build import start_workers
 from kiln.schedule.evaluate import evaluate_kernel
 from kiln.schedule.index import Index, format_index
@@ -80,6 +81,8 @@ class CompiledProgramRecord:
                 lines.append(f"{self.graph}: {step.name} ({space}): {', '.join(ops)}{where}")
             else:
                 note = f" ({step.reason})" if step.reason else ""
+                via = host_calls.library(step.node)
+                note += f" via {via}" if via else ""
                 origin = f"  [{step.node.origin}]" if step.node.origin.api else ""
                 lines.append(f"{self.graph}: extern {step.node.op.printed_name}{note}{origin}")
         return lines

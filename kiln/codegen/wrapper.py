@@ -27,10 +27,9 @@ from typing import Any
 import torch
 
 from kiln.codegen import temp_pool
-from kiln.ir.graph import Value
 from kiln.ir.op import Op, op_def
 from kiln.ops.externs import extern_runner
-from kiln.ops.host_calls import host_call
+from kiln.ops.host_calls import host_call, operand_types
 from kiln.schedule.loops import Buffer, BufferKind, Kernel
 from kiln.schedule.program import ExternCall, Program, View, kernel_arguments
 
@@ -165,8 +164,7 @@ def extern_function(
         bound = extern_runner(attrs)
     else:
         row = functools.partial(op_def(call.node.op).impl, attrs)
-        types = [v.type if isinstance(v, Value) else None for v in call.node.inputs]
-        bound = host_call(call.node.op, attrs, types) or row
+        bound = host_call(call.node.op, attrs, operand_types(call.node)) or row
     layouts = [(b.shape, b.strides) for b in call.outputs]
 
     def run(*operands: Any) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kiln.ir.graph import Node, Value
 from kiln.ir.op import Op
 from kiln.ir.types import TensorType
 from kiln.ops import cpu_matmul
@@ -63,6 +64,17 @@ def host_call(op: Op, attrs: Any, operands: Sequence[TensorType | None] = ()) ->
         return onednn
     binder = _BINDERS.get(op)
     return binder(attrs) if binder is not None else None
+
+
+def operand_types(node: Node) -> list[TensorType | None]:
+    """The types of ``node``'s operands (None for a non-tensor operand)."""
+    return [v.type if isinstance(v, Value) else None for v in node.inputs]
+
+
+def library(node: Node) -> str:
+    """Which library other than PyTorch's default call runs ``node`` ("oneDNN"), or ""
+    (``kiln.explain`` says it)."""
+    return "oneDNN" if _onednn_gemm(node.op, node.attrs, operand_types(node)) else ""
 
 
 def _onednn_gemm(op: Op, attrs: Any, operands: Sequence[TensorType | None]) -> HostCall | None:

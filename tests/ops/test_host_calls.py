@@ -164,3 +164,17 @@ def test_linear_training_through_onednn_matches_eager(
         assert p.grad is not None and q.grad is not None
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert len(calls) == 5  # two forward products, three backward (x's gradient needs none)
+
+
+@needs_onednn
+@pytest.mark.parametrize("choice", ["onednn", "blas"])
+def test_explain_names_the_matmul_library(choice: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kiln.explain`` lists a linear layer's extern with the library that runs it."""
+    monkeypatch.setattr(config, "cpu_matmul", choice)
+    model = torch.nn.Linear(192, 160)
+    try:
+        report = str(kiln.explain(model, torch.randn(200, 192)))
+    finally:
+        kiln.reset()
+    assert "extern addmm" in report
+    assert ("addmm via oneDNN" in report) == (choice == "onednn")
