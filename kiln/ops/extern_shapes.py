@@ -12,7 +12,7 @@ still eager's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,17 +136,13 @@ FORMULAS: dict[Op, Callable[..., Any]] = {
 EXTERN_FORMULAS: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
-def _extern(attrs: Any, *operands: Any) -> Any:
+def extern_result_types(attrs: Any, *operands: Any) -> Any:
+    """The result types of a generic extern by its function's formula, or None."""
     formula = EXTERN_FORMULAS.get(attrs.fn)
     return formula(attrs, *operands) if formula is not None else None
 
 
-FORMULAS[Op.EXTERN] = _extern
-
-
-def extern_result_types(attrs: Any, operands: Sequence[Any]) -> Any:
-    """The result types of a generic extern by its function's formula, or None."""
-    return _extern(attrs, *operands)
+FORMULAS[Op.EXTERN] = extern_result_types
 
 
 def with_formula(op: Op, meta: Callable[..., Any]) -> Callable[..., Any]:

@@ -666,7 +666,7 @@ def extern_call(
     # The node's meta accepted the call; the formula's result (or a second abstract run)
     # gives the result's structure.
     types = [value.type for value in slots]
-    result = extern_result_types(attrs, types)
+    result = extern_result_types(attrs, *types)
     if result is None:
         result = _run_abstractly(_call, attrs, types, fake=True)
     _, structure = pytree.tree_flatten(result)

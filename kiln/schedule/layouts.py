@@ -82,21 +82,22 @@ def extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
             else ix.contiguous_strides(shape)
             for shape in (shape_of(v) for v in node.outputs)
         ]
-    flash = _cpu_flash_rule(node, operands)
-    if flash is not None:
-        return flash
-    backward = _cpu_convolution_backward_rule(node, operands)
-    if backward is not None and not on_gpu:
-        return backward
-    if node.op in SAME_AS_CONTIGUOUS_BASE and not on_gpu:
+    if not on_gpu:
+        cpu = _cpu_flash_rule(node, operands) or _cpu_convolution_backward_rule(node, operands)
+        if cpu is not None:
+            return cpu
         base = operands[0] if operands else None
-        if isinstance(base, View) and base.strides == ix.contiguous_strides(base.shape):
+        if node.op in SAME_AS_CONTIGUOUS_BASE and _is_contiguous(base):
             return [ix.contiguous_strides(shape_of(node.output))]
     if node.op in CONTIGUOUS_RESULTS:
         # Known answers save the meta run (its first call imports PyTorch's meta registrations,
         # about a second); a wrong guess costs one copy and is learned (see the docstring).
         return [ix.contiguous_strides(shape_of(v)) for v in node.outputs]
     return _meta_strides(node, operands)
+
+
+def _is_contiguous(operand: object) -> bool:
+    return isinstance(operand, View) and operand.strides == ix.contiguous_strides(operand.shape)
 
 
 def _cpu_flash_rule(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
@@ -114,7 +115,7 @@ def _cpu_flash_rule(node: Node, operands: list[object]) -> list[tuple[int, ...]]
     if node.attrs.fn is sdpa_cpu_forward:
         query = node.attrs.args[0]
         view = operands[query.index] if isinstance(query, Slot) else None
-        if isinstance(view, View) and view.strides == ix.contiguous_strides(view.shape):
+        if _is_contiguous(view):
             transposed[0] = ix.contiguous_strides(shapes[0])
     return transposed
 

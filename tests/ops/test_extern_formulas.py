@@ -38,7 +38,7 @@ def _check(
     """The formula's types equal the abstract run's; the layout rule's strides the real call's."""
     attrs = ExternAttrs(fn, args, kwargs)
     types = [TensorType(tuple(t.shape), t.dtype, t.device) for t in tensors]
-    formula = extern_result_types(attrs, types)
+    formula = extern_result_types(attrs, *types)
     if formula is None:  # no formula for this case: the abstract run types it
         assert fn is sdpa_cpu_forward and tensors[0].dtype == torch.float64
         return
@@ -83,9 +83,9 @@ def test_irregular_flash_calls_run_pytorch() -> None:
     formula: the abstract run decides, with PyTorch's error."""
     attrs = ExternAttrs(sdpa_cpu_forward, (Slot(0), Slot(1), Slot(2), None), {})
     odd = [TensorType((B, H, L, E), torch.float32), TensorType((B, H, S, E), torch.float32)]
-    assert extern_result_types(attrs, [*odd, TensorType((B, H, S, 4), torch.float32)]) is None
+    assert extern_result_types(attrs, *odd, TensorType((B, H, S, 4), torch.float32)) is None
     flat = [TensorType((H, L, E), torch.float32)] * 3
-    assert extern_result_types(attrs, flat) is None
+    assert extern_result_types(attrs, *flat) is None
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
