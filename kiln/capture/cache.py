@@ -31,6 +31,8 @@ from kiln.capture import native_guards
 from kiln.capture.breaks import BreakRecord, FullGraphError, SkipReason
 from kiln.capture.convert import Capture, Skip, capture_frame, param_names
 from kiln.capture.guards import compile_guards, wants_native
+from kiln.capture.resume import Router
+from kiln.capture.rewrite import route_calls
 from kiln.capture.sources import safe_name
 from kiln.config import config, logger
 
@@ -40,8 +42,11 @@ _log_guards = logger("guards")
 _log_graph = logger("graph")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Options:
+    """How a function is compiled. Caches are kept per code object *and* options: the same
+    function compiled with another backend or limit gets its own entries."""
+
     backend: str = "kiln"
     mode: str | None = None
     fullgraph: bool = False
@@ -87,14 +92,17 @@ counters = Counters()
 
 @dataclass
 class CodeCache:
+    options: Options
     entries: list[Entry] = field(default_factory=list)
     skip: BreakRecord | None = None
     routed: types.CodeType | None = None  # the original code with calls routed (for skips)
+    warned: bool = False  # the recompile-limit warning was given
 
 
-# Keyed by the code object's identity (code objects compare equal by value).
-_CACHES: dict[int, tuple[types.CodeType, CodeCache]] = {}
+# Keyed by the code object's identity (code objects compare equal by value) and the options.
+_CACHES: dict[tuple[int, Options], tuple[types.CodeType, CodeCache]] = {}
 _WRAPPERS: dict[Any, Any] = {}
+_ROUTERS: dict[Options, Router] = {}
 _LOCK = threading.RLock()
 # Captures made while a recorder is installed (kiln.explain).
 _RECORDERS: list[list[tuple[str, Capture | BreakRecord]]] = []
@@ -115,22 +123,33 @@ def reset() -> None:
         resume._RESUME_CODES.clear()
 
 
-def cache_of(code: types.CodeType) -> CodeCache:
-    known = _CACHES.get(id(code))
+def cache_of(code: types.CodeType, options: Options) -> CodeCache:
+    key = (id(code), options)
+    known = _CACHES.get(key)
     if known is None or known[0] is not code:
-        known = _CACHES[id(code)] = (code, CodeCache())
+        known = _CACHES[key] = (code, CodeCache(options))
     return known[1]
 
 
 def compiled_function(fn: types.FunctionType, options: Options | None = None) -> Any:
     """The compiled wrapper of ``fn`` (one per function object and options)."""
     options = options or Options()
-    key = (fn, options.backend, options.fullgraph)
+    key = (fn, options)
     wrapper = _WRAPPERS.get(key)
     if wrapper is None:
-        wrapper = _make_wrapper(fn, options)
-        _WRAPPERS[key] = wrapper
+        with _LOCK:
+            wrapper = _WRAPPERS.get(key)
+            if wrapper is None:
+                wrapper = _WRAPPERS[key] = _make_wrapper(fn, options)
     return wrapper
+
+
+def router(options: Options) -> Router:
+    """Routes the callees of code compiled with ``options`` through wrappers with the same."""
+    known = _ROUTERS.get(options)
+    if known is None:
+        known = _ROUTERS[options] = Router(lambda fn: compiled_function(fn, options))
+    return known
 
 
 def _signature(fn: types.FunctionType, binder: dict[str, Any]) -> str:
@@ -169,7 +188,7 @@ def _signature(fn: types.FunctionType, binder: dict[str, Any]) -> str:
 
 def _make_wrapper(fn: types.FunctionType, options: Options) -> Any:
     code = fn.__code__
-    cache = cache_of(code)
+    cache = cache_of(code, options)
     scope: dict[str, Any] = {"___entries": cache.entries, "___f": fn}
     signature = _signature(fn, scope)
     args = ", ".join(param_names(code))
@@ -217,11 +236,8 @@ def run_uncompiled(fn: types.FunctionType, cache: CodeCache, values: tuple[Any, 
     if cache.skip is None or cache.skip.reason not in _ROUTED_SKIPS:
         return run_original(fn, values)
     if cache.routed is None:
-        from kiln.capture.resume import route_callee
-        from kiln.capture.rewrite import route_calls
-
         try:
-            cache.routed = route_calls(fn.__code__, route_callee)
+            cache.routed = route_calls(fn.__code__, router(cache.options))
         except Exception:  # routing is an optimization: the original code is always right
             cache.routed = fn.__code__
     routed = types.FunctionType(
@@ -259,37 +275,72 @@ def _miss(
     with _LOCK:
         if cache.skip is not None:
             return run_uncompiled(fn, cache, values)
-        owner = _owner(values)
-        mine = [entry for entry in cache.entries if entry.owner == owner]
-        if mine:
-            reason = mine[0].first_failure(fn, *values) or "no guard failed (concurrent change)"
-            counters.recompiles.append((fn.__qualname__, reason))
-            _log_recompiles.info("recompiling %s: %s", fn.__qualname__, reason)
-            if len(mine) >= options.recompile_limit:
-                record = BreakRecord(
-                    SkipReason.RECOMPILE_LIMIT,
-                    f"{len(mine)} entries; last guard failure: {reason}",
-                    None,
-                    fn.__qualname__,
-                )
-                _skip(cache, record, options, permanent=False)
+        # Another thread may have compiled an entry for these inputs while this one waited.
+        entry: Entry | _Eager | None = next(
+            (e for e in cache.entries if e.guard(fn, *values)), None
+        )
+        if isinstance(entry, Entry):
+            entry.hits += 1
+        else:
+            entry = _compile_entry(fn, cache, values, options)
+            if entry is None:
                 return run_uncompiled(fn, cache, values)
-        try:
-            capture = capture_frame(fn, values, _graph_compiler(options), options.fullgraph)
-        except Skip as skip:
-            if options.strict and skip.reason is SkipReason.BACKEND_ERROR:
-                raise skip.__cause__ or skip from None
-            record = BreakRecord(skip.reason, skip.detail, skip.location, fn.__qualname__)
-            if options.fullgraph:
-                raise FullGraphError(f"fullgraph=True: {record}", skip.location) from skip
-            _skip(cache, record, options, permanent=True)
-            return run_uncompiled(fn, cache, values)
-        except FullGraphError:
-            raise
-        except Exception as error:
-            return _capture_failed(fn, cache, values, options, error)
-        entry = _install(fn, cache, capture, owner)
+    if isinstance(entry, _Eager):
+        return entry.result
     return entry.head(fn, *values)
+
+
+@dataclass
+class _Eager:
+    """The frame already ran as its original code (capture failed and eager succeeded)."""
+
+    result: Any
+
+
+def _compile_entry(
+    fn: types.FunctionType, cache: CodeCache, values: tuple[Any, ...], options: Options
+) -> Entry | _Eager | None:
+    """A new cache entry for ``values``; None when the frame must run uncompiled."""
+    owner = _owner(values)
+    mine = [entry for entry in cache.entries if entry.owner == owner]
+    if mine:
+        reason = mine[0].first_failure(fn, *values) or "no guard failed"
+        counters.recompiles.append((fn.__qualname__, reason))
+        _log_recompiles.info("recompiling %s: %s", fn.__qualname__, reason)
+        if len(mine) >= options.recompile_limit:
+            record = BreakRecord(
+                SkipReason.RECOMPILE_LIMIT,
+                f"{len(mine)} entries; last guard failure: {reason}",
+                None,
+                fn.__qualname__,
+            )
+            _skip(cache, record, options, permanent=False)
+            if not cache.warned:
+                cache.warned = True
+                warnings.warn(
+                    f"kiln: {fn.__qualname__} hit the recompile limit "
+                    f"(recompile_limit={options.recompile_limit}) and runs uncompiled from now "
+                    f"on; last guard failure: {reason}",
+                    stacklevel=5,
+                )
+            return None
+    try:
+        capture = capture_frame(
+            fn, values, _graph_compiler(options), router(options), options.fullgraph
+        )
+    except Skip as skip:
+        if options.strict and skip.reason is SkipReason.BACKEND_ERROR:
+            raise skip.__cause__ or skip from None
+        record = BreakRecord(skip.reason, skip.detail, skip.location, fn.__qualname__)
+        if options.fullgraph:
+            raise FullGraphError(f"fullgraph=True: {record}", skip.location) from skip
+        _skip(cache, record, options, permanent=True)
+        return None
+    except FullGraphError:
+        raise
+    except Exception as error:
+        return _Eager(_capture_failed(fn, cache, values, options, error))
+    return _install(fn, cache, capture, owner)
 
 
 def _install(

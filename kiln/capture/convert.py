@@ -23,6 +23,7 @@ from __future__ import annotations
 import dis
 import linecache
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,15 +93,21 @@ def param_names(code: types.CodeType) -> tuple[str, ...]:
 
 
 def capture_frame(
-    fn: types.FunctionType, values: tuple[Any, ...], compile_graph: Any, fullgraph: bool = False
+    fn: types.FunctionType,
+    values: tuple[Any, ...],
+    compile_graph: Any,
+    router: Callable[[Any], Any],
+    fullgraph: bool = False,
 ) -> Capture:
     """Capture ``fn`` called with argument locals ``values``; raise :class:`Skip` when the
-    frame must run uncompiled, :class:`FullGraphError` when ``fullgraph`` and a break is needed."""
+    frame must run uncompiled, :class:`FullGraphError` when ``fullgraph`` and a break is needed.
+    ``compile_graph`` compiles each captured graph; the generated code calls callees and resume
+    functions through ``router`` (their compiled wrappers, with the same options)."""
     break_at: int | None = None
     first_break: GraphBreak | None = None
     for _ in range(MAX_RESTARTS):
         try:
-            return _capture_once(fn, values, break_at, first_break, compile_graph)
+            return _capture_once(fn, values, break_at, first_break, compile_graph, router)
         except Restart as restart:
             if fullgraph:
                 error = restart.error
@@ -125,11 +132,12 @@ def _capture_once(
     break_at: int | None,
     first_break: GraphBreak | None,
     compile_graph: Any,
+    router: Callable[[Any], Any],
 ) -> Capture:
     code = fn.__code__
     if code.co_flags & (CO_GENERATOR | CO_ASYNC):
         raise Skip(SkipReason.GENERATOR, f"{code.co_qualname} is a generator or coroutine")
-    session = Session(_graph_name(code), break_at)
+    session = Session(_graph_name(code), break_at, router)
     names = arg_names(code)
     binder = Binder()
     with _capturing(session):
@@ -203,7 +211,8 @@ class _capturing:
         self.stack: list[Any] = []
 
     def __enter__(self) -> None:
-        for ctx in (self.session.builder, _compiling(), TraceMode()):
+        mode = TraceMode(on_constant=self.session.constant_tensor)
+        for ctx in (self.session.builder, _compiling(), mode):
             ctx.__enter__()
             self.stack.append(ctx)
 

@@ -73,6 +73,10 @@ class Reconstructor:
         ):
             return self._new(obj)  # (containers from native calls are rebuilt too)
         if isinstance(obj, torch.Tensor):
+            if id(obj) not in session.constant_tensors:
+                # Reached without a source (an item of an argument container nobody read):
+                # baking it in would replay this call's value on every later call.
+                raise Unreconstructible("a tensor the capture reached without an access path")
             return f"{self.binder.bind(obj, 'tensor')}.clone()"
         if any(isinstance(v, ProxyTensor) for v in getattr(obj, "__dict__", {}).values()):
             raise Unreconstructible(f"a {type(obj).__name__} holding traced tensors")

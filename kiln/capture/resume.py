@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,18 +101,25 @@ def _native_call(
     frame: Frame, inst: Any, stack: list[Any], rebuild: Reconstructor
 ) -> tuple[str, list[Any]]:
     """The call expression for the CALL instruction at ``inst``, and the stack below it."""
+    route = rebuild.binder.bind(rebuild.session.router, "route")
     if inst.opname == "CALL_FUNCTION_EX":
-        kwargs = stack.pop() if (inst.arg or 0) & 1 else {}
-        args = list(stack.pop())
-        names: tuple[str, ...] = tuple(kwargs)
-        values = [*args, *kwargs.values()]
-        count = len(args)
-    else:
-        names = tuple(stack.pop()) if inst.opname == "CALL_KW" else frame.kw_names
-        total = inst.arg or 0
-        values = stack[len(stack) - total :] if total else []
-        del stack[len(stack) - total :]
-        count = total - len(names)
+        # The argument tuple and dict are passed whole (``f(*args, **kwargs)``): an argument
+        # tuple read from outside (a ``*args`` parameter) is re-read through its source on
+        # every call; its items were never read, so they have no sources of their own.
+        kwargs = stack.pop() if (inst.arg or 0) & 1 else None
+        packed = stack.pop()
+        upper = stack.pop()
+        lower = stack.pop()
+        callee = lower if upper is NULL else upper
+        spread = [f"*{rebuild.value(packed)}"]
+        if kwargs is not None:
+            spread.append(f"**{rebuild.value(kwargs)}")
+        return f"{route}({rebuild.value(callee)})({', '.join(spread)})", stack
+    names = tuple(stack.pop()) if inst.opname == "CALL_KW" else frame.kw_names
+    total = inst.arg or 0
+    values = stack[len(stack) - total :] if total else []
+    del stack[len(stack) - total :]
+    count = total - len(names)
     upper = stack.pop()
     lower = stack.pop()
     if PY >= (3, 13):
@@ -123,7 +131,6 @@ def _native_call(
         count += 1
     args = [rebuild.value(v) for v in values[:count]]
     args += [f"{name}={rebuild.value(v)}" for name, v in zip(names, values[count:], strict=True)]
-    route = rebuild.binder.bind(route_callee, "route")
     return f"{route}({rebuild.value(callee)})({', '.join(args)})", stack
 
 
@@ -170,7 +177,9 @@ def _resume(
         resume = resume_code(code, offset, slots, live, name=name, cells=cells)
         _RESUME_CODES[key] = resume
         _BASE_NAMES[id(resume)] = base
-    target = ResumeTarget(resume, compiled)
+    router = rebuild.session.router
+    assert isinstance(router, Router)
+    target = ResumeTarget(resume, router if compiled else None)
     plan.resumes.append(target)
     return f"{rebuild.binder.bind(target, 'resume')}(___f)({', '.join(args)})"
 
@@ -182,12 +191,34 @@ def _line_at(frame: Frame, offset: int) -> int:
     return frame.code.co_firstlineno
 
 
+class Router:
+    """The callable a compiled frame calls in place of each callee: Python functions, methods
+    and plain modules go through their compiled wrappers made with the capture's own options
+    (backend, fullgraph, limits), so nested frames are compiled as the caller asked."""
+
+    def __init__(self, compiled_function: Callable[[types.FunctionType], Any]) -> None:
+        self.compiled_function = compiled_function
+
+    def __call__(self, callee: Any) -> Any:
+        compiled = self.compiled_function
+        if isinstance(callee, types.FunctionType) and not _runs_natively(callee):
+            return compiled(callee)
+        method = getattr(callee, "__func__", None) if isinstance(callee, types.MethodType) else None
+        if isinstance(method, types.FunctionType) and not _runs_natively(method):
+            return types.MethodType(compiled(method), callee.__self__)
+        if isinstance(callee, torch.nn.Module) and _plain_call(callee):
+            forward = getattr(callee.forward, "__func__", None)
+            if isinstance(forward, types.FunctionType) and not _runs_natively(forward):
+                return types.MethodType(compiled(forward), callee)
+        return callee
+
+
 class ResumeTarget:
     """The resume function for the calling function's closure (compiled, or raw)."""
 
-    def __init__(self, code: types.CodeType, compiled: bool) -> None:
+    def __init__(self, code: types.CodeType, router: Router | None) -> None:
         self.code = code
-        self.compiled = compiled
+        self.router = router  # None: the resume runs uncompiled
         self._by_closure: dict[int, tuple[Any, Any]] = {}
 
     def __call__(self, fn: types.FunctionType) -> Any:
@@ -198,10 +229,8 @@ class ResumeTarget:
         resume = types.FunctionType(self.code, fn.__globals__, self.code.co_name, None, closure)
         resume.__qualname__ = self.code.co_qualname
         target: Any = resume
-        if self.compiled:
-            from kiln.capture.cache import compiled_function
-
-            target = compiled_function(resume)
+        if self.router is not None:
+            target = self.router.compiled_function(resume)
         self._by_closure[id(closure)] = (closure, target)
         return target
 
@@ -212,23 +241,6 @@ def _runs_natively(fn: types.FunctionType) -> bool:
 
     module = (fn.__module__ or "").split(".")[0]
     return native(fn) or module in sys.stdlib_module_names or module == "kiln"
-
-
-def route_callee(callee: Any) -> Any:
-    """The callable a compiled frame calls in place of ``callee``: Python functions and methods
-    go through their compiled wrappers, so the callee's own frame is compiled too."""
-    from kiln.capture.cache import compiled_function
-
-    if isinstance(callee, types.FunctionType) and not _runs_natively(callee):
-        return compiled_function(callee)
-    method = getattr(callee, "__func__", None) if isinstance(callee, types.MethodType) else None
-    if isinstance(method, types.FunctionType) and not _runs_natively(method):
-        return types.MethodType(compiled_function(method), callee.__self__)
-    if isinstance(callee, torch.nn.Module) and _plain_call(callee):
-        forward = getattr(callee.forward, "__func__", None)
-        if isinstance(forward, types.FunctionType) and not _runs_natively(forward):
-            return types.MethodType(compiled_function(forward), callee)
-    return callee
 
 
 def _plain_call(module: torch.nn.Module) -> bool:

@@ -117,7 +117,9 @@ _ABSENT = object()
 class Session:
     """One capture of one frame (restarted from scratch at each graph break it discovers)."""
 
-    def __init__(self, name: str, break_at: int | None = None) -> None:
+    def __init__(
+        self, name: str, break_at: int | None = None, router: Callable[[Any], Any] | None = None
+    ) -> None:
         self.graph = Graph(name=name)
         self.builder = GraphBuilder(self.graph)
         self.guards: dict[Guard, None] = {}
@@ -126,11 +128,17 @@ class Session:
         self.input_proxies: dict[int, ProxyTensor] = {}
         self.input_tensors: dict[Value, torch.Tensor] = {}
         self.new_objects: dict[int, Any] = {}
+        # Tensors torch calls made during capture from Python data (``torch.arange(4)``):
+        # constants the generated code may copy. Any other real tensor was reached without a
+        # source (an unread item of an argument) and must not be baked in.
+        self.constant_tensors: set[int] = set()
         self.recipes: dict[int, Recipe] = {}
         self.effects: dict[tuple[Any, ...], Effect] = {}
         self.journal: list[Callable[[], None]] = []
         self.keepalive: list[Any] = []
         self.break_at = break_at
+        # Generated code calls callees through it (their compiled wrappers, same options).
+        self.router = router
         self.inline_depth = 0
         self.contexts: list[Any] = []  # context managers entered natively, innermost last
         self.add_guard(GlobalState(None, "torch state at the call", global_state()))
@@ -252,6 +260,11 @@ class Session:
 
     def is_new(self, obj: Any) -> bool:
         return id(obj) in self.new_objects
+
+    def constant_tensor(self, tensor: torch.Tensor) -> None:
+        """``tensor`` was computed during capture from Python data (a constant)."""
+        self.constant_tensors.add(id(tensor))
+        self.keepalive.append(tensor)
 
     # --- side effects on pre-existing objects -------------------------------------------
     def touch_container(self, obj: Any) -> None:

@@ -162,14 +162,25 @@ RANDOM_FACTORIES = {
 
 class TraceMode(torch.overrides.TorchFunctionMode):
     """Routes every torch call that touches a proxy, or draws random numbers, to ``dispatch``;
-    other calls (factories of constants such as ``torch.arange(4)``) run normally."""
+    other calls (factories of constants such as ``torch.arange(4)``) run normally, and
+    ``on_constant`` (when given) sees each tensor they return: bytecode capture keeps them
+    apart from tensors it reached without reading them through a source."""
+
+    def __init__(self, on_constant: Callable[[torch.Tensor], None] | None = None) -> None:
+        super().__init__()
+        self.on_constant = on_constant
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         leaves = pytree.tree_leaves((args, kwargs))
         if func in RANDOM_FACTORIES or any(isinstance(leaf, ProxyTensor) for leaf in leaves):
             return dispatch(func, tuple(args), kwargs)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if self.on_constant is not None:
+            for leaf in result if isinstance(result, tuple | list) else (result,):
+                if isinstance(leaf, torch.Tensor):
+                    self.on_constant(leaf)
+        return result
 
 
 def _native(func: Any) -> bool:

@@ -340,10 +340,94 @@ def test_recompile_limit_option() -> None:
     kiln.reset()
     compiled = kiln.compile(int_program, options={"recompile_limit": 2})
     x = torch.randn(3)
-    for n in range(4):
-        torch.testing.assert_close(compiled(x, n), int_program(x, n))
+    with pytest.warns(UserWarning, match=r"int_program hit the recompile limit") as record:
+        for n in range(4):
+            torch.testing.assert_close(compiled(x, n), int_program(x, n))
     assert kiln.counters.captures == 2
     assert [r.reason for r in kiln.counters.fallbacks] == [kiln.SkipReason.RECOMPILE_LIMIT]
+    # Warned once, naming the limit and the last guard that failed, at the user's call.
+    limit = [w for w in record if "recompile limit" in str(w.message)]
+    assert len(limit) == 1
+    assert "recompile_limit=2" in str(limit[0].message)
+    assert "L['n'] == 1" in str(limit[0].message)
+    assert limit[0].filename == __file__
+
+
+def test_options_of_a_second_compile_apply() -> None:
+    """The same function compiled again with another limit gets its own cache and limit."""
+    kiln.reset()
+    x = torch.randn(3)
+    first = kiln.compile(int_program)
+    for n in range(3):
+        first(x, n)
+    second = kiln.compile(int_program, options={"recompile_limit": 1})
+    assert second is not first
+    with pytest.warns(UserWarning, match="recompile_limit=1"):
+        for n in range(3):
+            torch.testing.assert_close(second(x, n), int_program(x, n))
+    assert kiln.counters.captures == 3 + 1
+    assert [r.reason for r in kiln.counters.fallbacks] == [kiln.SkipReason.RECOMPILE_LIMIT]
+    first(x, 2)  # the first wrapper's entries are untouched
+    assert kiln.counters.captures == 4
+
+
+def test_backend_of_a_second_compile_applies() -> None:
+    """``backend="eager"`` after ``backend="kiln"`` runs the reference interpreter, not the
+    first compile's kernels, down to the resume functions after a break and the callees."""
+    import kiln.compiler
+
+    def callee(x):
+        return x.cos() * 2
+
+    def program(x):
+        y = x.sin()
+        kiln.graph_break()
+        return callee(y) + 1
+
+    kiln.reset()
+    x = torch.randn(4)
+    kiln.compile(program, backend="kiln")(x)
+    used: list[str] = []
+    original = kiln.compiler.get_backend
+
+    def spy(name: str) -> Any:
+        used.append(name)
+        return original(name)
+
+    kiln.compiler.get_backend = spy  # type: ignore[assignment]
+    try:
+        torch.testing.assert_close(kiln.compile(program, backend="eager")(x), program(x))
+    finally:
+        kiln.compiler.get_backend = original  # type: ignore[assignment]
+    assert used and set(used) == {"eager"}, used
+
+
+def test_concurrent_first_calls_compile_once() -> None:
+    """Threads calling a new function at once: one capture, no recompile, every result right."""
+    import threading
+
+    kiln.reset()
+    compiled = kiln.compile(tensor_program, options={"recompile_limit": 1})
+    x = torch.randn(3, 4)
+    expected = tensor_program(x)
+    results: list[Any] = []
+    start = threading.Barrier(4)
+
+    def call() -> None:
+        start.wait()
+        results.append(compiled(x))
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4
+    for result in results:
+        torch.testing.assert_close(result, expected)
+    assert kiln.counters.captures == 1
+    assert kiln.counters.recompiles == []
+    assert kiln.counters.fallbacks == []
 
 
 class Method(nn.Module):
