@@ -37,6 +37,12 @@ class TraceError(KilnError):
     """Tracing could not follow the program (data-dependent control flow, an unsupported call)."""
 
 
+class OpaqueCallError(TraceError):
+    """A torch call a graph cannot hold as a node: it writes to an operand in place, returns
+    Python values, or cannot run on tensors without data. Bytecode capture runs it natively
+    (a graph break at the call); symbolic tracing stops there."""
+
+
 class OpError(KilnError, RuntimeError):
     """An op was given inputs eager PyTorch rejects at run time (shape mismatch, bad index)."""
 

@@ -33,6 +33,9 @@ class SkipReason(enum.Enum):
     INTERNAL_ERROR = "internal capture error"
     BACKEND_ERROR = "backend failed to compile the graph"
     ALIASED_MUTATION = "an input written in place shares memory with another input"
+    RESUMED_UNCOMPILED = (
+        "the rest of the frame after a break at an instruction capture cannot resume after"
+    )
 
 
 @dataclass(frozen=True)

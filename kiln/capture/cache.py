@@ -357,6 +357,9 @@ def _install(
     for record in capture.breaks:
         counters.graph_breaks.append(record)
         _log_breaks.info("graph break: %s", record)
+    for record in capture.uncompiled:
+        counters.fallbacks.append(record)
+        _log_breaks.info("running part of %s uncompiled: %s", record.function, record)
     if capture.graph is not None:
         from kiln.ir.printer import format_graph
 
@@ -366,6 +369,7 @@ def _install(
     )
     for recorder in _RECORDERS:
         recorder.append((fn.__qualname__, capture))
+        recorder.extend((record.function, record) for record in capture.uncompiled)
     return entry
 
 

@@ -35,6 +35,7 @@ from kiln.capture.frame import BreakHere, Frame
 from kiln.capture.guards import Guard, Identity
 from kiln.capture.ops_flow import is_known_context
 from kiln.capture.reconstruct import Reconstructor, Unreconstructible
+from kiln.capture.resume import OPERATIONS, OPERATORS, emit_break
 from kiln.capture.session import Session
 from kiln.capture.sources import Binder, FunctionAttr, Local, safe_name
 from kiln.config import config
@@ -77,6 +78,8 @@ class Capture:
     breaks: list[BreakRecord] = field(default_factory=list)
     resumes: list[Any] = field(default_factory=list)
     saved: list[str] = field(default_factory=list)  # values kept for the backward, if any
+    # The rest of the frame after a break that runs as original code (explain lists it).
+    uncompiled: list[BreakRecord] = field(default_factory=list)
 
 
 def arg_names(code: types.CodeType) -> tuple[str, ...]:
@@ -200,6 +203,7 @@ def _capture_once(
         graph=graph if runner is not None else None,
         breaks=plan.breaks,
         resumes=plan.resumes,
+        uncompiled=plan.uncompiled,
     )
 
 
@@ -324,6 +328,7 @@ class _ReturnPlan:
     value: Any
     breaks: list[BreakRecord] = field(default_factory=list)
     resumes: list[Any] = field(default_factory=list)
+    uncompiled: list[BreakRecord] = field(default_factory=list)
 
     def lines(self, rebuild: Reconstructor, fn: types.FunctionType) -> list[str]:
         result = rebuild.value(self.value)
@@ -334,14 +339,13 @@ class _ReturnPlan:
 @dataclass
 class _BreakPlan:
     frame: Frame
-    kind: str  # "call", "branch", "bool", "native"
+    kind: str  # "call", "branch", "bool", "operation", "native"
     error: GraphBreak
     breaks: list[BreakRecord] = field(default_factory=list)
     resumes: list[Any] = field(default_factory=list)
+    uncompiled: list[BreakRecord] = field(default_factory=list)
 
     def lines(self, rebuild: Reconstructor, fn: types.FunctionType) -> list[str]:
-        from kiln.capture.resume import emit_break
-
         rebuild.effects()
         return emit_break(self, rebuild, fn)
 
@@ -352,7 +356,15 @@ def _break_plan(root: Frame, error: GraphBreak) -> _BreakPlan:
     record = BreakRecord(error.reason, error.detail, error.location, root.code.co_qualname)
     _check_breakable(root, inst, f"{error.reason.name}: {error.detail}")
     kind = _break_kind(inst)
-    return _BreakPlan(root, kind, error, breaks=[record])
+    plan = _BreakPlan(root, kind, error, breaks=[record])
+    if kind == "native":
+        detail = f"the rest of the frame, from {inst.opname} at the break on: {error.detail}"
+        plan.uncompiled.append(
+            BreakRecord(
+                SkipReason.RESUMED_UNCOMPILED, detail, error.location, root.code.co_qualname
+            )
+        )
+    return plan
 
 
 def _break_kind(inst: dis.Instruction) -> str:
@@ -362,6 +374,8 @@ def _break_kind(inst: dis.Instruction) -> str:
         return "branch"
     if inst.opname == "TO_BOOL":
         return "bool"
+    if inst.opname in OPERATIONS and (inst.opname != "BINARY_OP" or inst.argrepr in OPERATORS):
+        return "operation"
     return "native"
 
 

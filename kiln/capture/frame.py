@@ -23,7 +23,7 @@ from typing import Any
 
 from kiln.capture.breaks import BreakReason, GraphBreak
 from kiln.capture.session import Session
-from kiln.errors import SourceLocation, TraceError
+from kiln.errors import OpaqueCallError, SourceLocation, TraceError
 from kiln.frontends.source import set_user_location
 
 PY = sys.version_info[:2]
@@ -171,6 +171,10 @@ class Frame:
                 if error.location is None:
                     error.location = self.location
                 raise
+            except OpaqueCallError as error:  # a torch call no graph node can hold
+                raise GraphBreak(
+                    BreakReason.UNSUPPORTED_CALL, error.message, self.location
+                ) from error
             except TraceError as error:  # a proxy's data was needed (bool(), item(), ...)
                 raise GraphBreak(
                     BreakReason.DATA_DEPENDENT, error.message.split("(")[0].strip(), self.location

@@ -17,6 +17,7 @@ created once per (code, offset, stack layout, live locals) and compiled like any
 
 from __future__ import annotations
 
+import operator
 import sys
 import types
 from collections.abc import Callable
@@ -72,8 +73,88 @@ def emit_break(plan: Any, rebuild: Reconstructor, fn: types.FunctionType) -> lis
         cond = rebuild.value(condition)
         resume = _resume(plan, rebuild, fn, after, [*stack, _RESULT])
         return [*lines, *rebuild.lines, f"___r = bool({cond})", f"return {resume}"]
+    if plan.kind == "operation":
+        statement, pushes = _native_operation(inst, stack, rebuild)
+        resume = _resume(plan, rebuild, fn, after, [*stack, _RESULT] if pushes else stack)
+        return [*lines, *rebuild.lines, statement, f"return {resume}"]
     resume = _resume(plan, rebuild, fn, inst.offset, stack, compiled=False)
     return [*lines, *rebuild.lines, f"return {resume}"]
+
+
+# Operators of BINARY_OP (by its argrepr) and COMPARE_OP, performed natively at a break.
+OPERATORS: dict[str, Callable[[Any, Any], Any]] = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+    "/": operator.truediv,
+    "//": operator.floordiv,
+    "%": operator.mod,
+    "**": operator.pow,
+    "@": operator.matmul,
+    "&": operator.and_,
+    "|": operator.or_,
+    "^": operator.xor,
+    "<<": operator.lshift,
+    ">>": operator.rshift,
+    "+=": operator.iadd,
+    "-=": operator.isub,
+    "*=": operator.imul,
+    "/=": operator.itruediv,
+    "//=": operator.ifloordiv,
+    "%=": operator.imod,
+    "**=": operator.ipow,
+    "@=": operator.imatmul,
+    "&=": operator.iand,
+    "|=": operator.ior,
+    "^=": operator.ixor,
+    "<<=": operator.ilshift,
+    ">>=": operator.irshift,
+    "<": operator.lt,
+    "<=": operator.le,
+    "==": operator.eq,
+    "!=": operator.ne,
+    ">": operator.gt,
+    ">=": operator.ge,
+}
+_UNARY = {
+    "UNARY_NEGATIVE": operator.neg,
+    "UNARY_INVERT": operator.invert,
+    "UNARY_NOT": operator.not_,
+}
+# The instructions a head can perform natively as one statement, and then resume after (any
+# other breaking instruction makes the rest of the frame run uncompiled).
+OPERATIONS = frozenset(
+    {"BINARY_SUBSCR", "BINARY_SLICE", "STORE_SUBSCR", "BINARY_OP", "COMPARE_OP", "CONTAINS_OP"}
+    | set(_UNARY)
+)
+
+
+def _native_operation(inst: Any, stack: list[Any], rebuild: Reconstructor) -> tuple[str, bool]:
+    """The statement performing ``inst`` on the stack's top values (popped from ``stack``), and
+    whether it pushes a result (``___r``)."""
+    name = inst.opname
+    value = rebuild.value
+    if name == "STORE_SUBSCR":
+        key, container, item = stack.pop(), stack.pop(), stack.pop()
+        return f"{value(container)}[{value(key)}] = {value(item)}", False
+    if name == "BINARY_SLICE":
+        stop, start, container = stack.pop(), stack.pop(), stack.pop()
+        return f"___r = {value(container)}[{value(start)}:{value(stop)}]", True
+    if name in _UNARY:
+        function = _UNARY[name]
+        bound = rebuild.binder.bind(function, function.__name__)
+        return f"___r = {bound}({value(stack.pop())})", True
+    right, left = stack.pop(), stack.pop()
+    if name == "BINARY_SUBSCR":
+        return f"___r = {value(left)}[{value(right)}]", True
+    if name == "CONTAINS_OP":
+        negate = "not " if inst.arg else ""
+        return f"___r = {negate}({value(left)} in {value(right)})", True
+    symbol = str(inst.argrepr)
+    as_bool = symbol.startswith("bool(")  # 3.13: COMPARE_OP that also converts to bool
+    function = OPERATORS[symbol.removeprefix("bool(").removesuffix(")")]
+    call = f"{rebuild.binder.bind(function, function.__name__)}({value(left)}, {value(right)})"
+    return f"___r = {'bool(' + call + ')' if as_bool else call}", True
 
 
 def _take(rebuild: Reconstructor) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from kiln.errors import KilnError, OpError, TraceError, op_error
+from kiln.errors import KilnError, OpaqueCallError, OpError, TraceError, op_error
 from kiln.frontends.source import user_location
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Origin, Value
@@ -257,9 +257,20 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _extern(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An ``extern`` node calling ``func``; a call no node can hold (one that writes to an
+    operand, returns Python values, or fails without data) raises :class:`OpaqueCallError`,
+    so bytecode capture runs it natively (eager raises its own error if the call is wrong)."""
     from kiln.ops.externs import extern_call
 
-    return extern_call(func, args, kwargs)
+    try:
+        return extern_call(func, args, kwargs)
+    except TraceError:
+        raise
+    except (KilnError, TypeError, ValueError, RuntimeError, IndexError, NotImplementedError) as e:
+        detail = e.message if isinstance(e, KilnError) else str(e)
+        raise OpaqueCallError(
+            f"{api_name(func)} cannot be a graph node: {detail}", user_location()
+        ) from e
 
 
 def _unwrap(item: Any, seen: dict[Value, ProxyTensor] | None = None) -> Any:

@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from kiln.errors import TraceError
 from kiln.ir.builder import emit, require_builder
 from kiln.ir.graph import Value
 from kiln.ir.op import ImplFn, MetaFn, Op, OpDef, Sample, SampleFn, Tag, register
@@ -99,7 +100,9 @@ def _run_abstractly(impl: ImplFn, attrs: Any, operands: Sequence[Any], *, fake: 
         try:
             result = impl(attrs, *stand_ins)
         except (DataDependentOutputException, DynamicOutputShapeException) as error:
-            raise RuntimeError(f"the result of {error} depends on tensor data") from error
+            raise TraceError(
+                f"data-dependent result: the result of {error} depends on tensor data"
+            ) from error
     if versions != [t._version for t in stand_ins if isinstance(t, torch.Tensor)]:
         raise RuntimeError("writes to an operand in place (translate it to a pure op)")
     return result
