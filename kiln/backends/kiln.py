@@ -209,6 +209,8 @@ def codegen_for(device: torch.device) -> str:
     forced = config.codegen
     if forced:
         return forced
+    if device.type not in ("cuda", "cpu"):
+        raise Unavailable(f"no code generator for {device.type} tensors")
     return "triton" if device.type == "cuda" else "cpp"
 
 
@@ -266,6 +268,11 @@ class KilnProgram:
     def _compile(self, inputs: Sequence[torch.Tensor]) -> Runner:
         start = time.perf_counter()
         names: list[str] = []
+        if any(t.device.type == "meta" for t in inputs if isinstance(t, torch.Tensor)):
+            # Tensors without data: only types to propagate, which the interpreter does on
+            # meta tensors as eager would (a kernel would read memory that does not exist).
+            self._record("", None, start, "meta tensors")
+            return lambda tensors: interpret(self.graph, tensors)
         try:
             start_workers({t.device for t in inputs if isinstance(t, torch.Tensor)})
             program = schedule(self.graph, inputs, self.observed)

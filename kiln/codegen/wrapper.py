@@ -59,6 +59,9 @@ class Wrapper:
         self.names: dict[int, str] = {}
         self.lines: list[str] = []
         self.slots: dict[int, int] = {}  # id(buffer) -> its place in the pooled temporaries
+        # Line of the host program (1-based) -> the step it runs and the user lines behind it,
+        # for errors raised there (an out-of-memory allocation, a failing extern).
+        self.steps: dict[int, str] = {}
 
     def name(self, buffer: Buffer) -> str:
         if id(buffer) not in self.names:
@@ -79,6 +82,7 @@ class Wrapper:
     def source(self) -> str:
         program = self.program
         self.lines = ["def run(inputs):"]
+        self.steps = {}
         names = [self.name(b) for b in program.inputs]
         if names:
             self.lines.append(f"    {', '.join(names)}{',' if len(names) == 1 else ''} = inputs")
@@ -107,7 +111,18 @@ class Wrapper:
         self.lines.append(f"    return [{outputs}]")
         return "\n".join(self.lines) + "\n"
 
+    def _mark(self, first: int, step: str) -> None:
+        """Lines ``first`` to the last one printed run ``step``."""
+        for number in range(first + 1, len(self.lines) + 1):
+            self.steps[number] = step
+
     def _kernel(self, kernel: Kernel) -> None:
+        first = len(self.lines)
+        self._emit_kernel(kernel)
+        places = list(dict.fromkeys(f.split("  ", 1)[-1] for f in kernel.fused))
+        self._mark(first, f"kernel {kernel.name} ({'; '.join(places[:6])})")
+
+    def _emit_kernel(self, kernel: Kernel) -> None:
         for buffer in kernel.writes():
             if buffer.kind is BufferKind.INPUT:
                 continue  # a mutated input written in place
@@ -141,16 +156,46 @@ class Wrapper:
         results = ", ".join(self.name(b) for b in call.outputs)
         comment = f"  # {call.node.op.printed_name}  {call.node.origin}".rstrip()
         self.lines.append(f"    {results}, = {function}({operands}){comment}")
+        origin = call.node.origin
+        where = f"{origin.api} at {origin.file}:{origin.line}" if origin.file else origin.api
+        self._mark(len(self.lines) - 1, f"{call.node.op.printed_name} ({where})")
 
     def compile(self) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
-        source = self.source()
+        source = _noting_errors(self.source())
         filename = f"<kiln wrapper {self.program.name} {next(_serial)}>"
         # Tracebacks and memory snapshots show the host program's lines, not just numbers.
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         code = compile(source, filename, "exec")
+        # The try of _noting_errors moves every body line one down.
+        steps = {number + 1: step for number, step in self.steps.items()}
+        self.namespace["note_error"] = functools.partial(
+            note_error, filename=filename, steps=steps, graph=self.program.name
+        )
         exec(code, self.namespace)
         run: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] = self.namespace["run"]
         return run
+
+
+def _noting_errors(source: str) -> str:
+    """``run``'s body inside ``try``: an error on the way out gets a note naming the step
+    and the user's source lines (no cost while nothing is raised)."""
+    head, *body = source.rstrip("\n").split("\n")
+    inner = [f"    {line}" for line in body]
+    handler = ["    except BaseException as error:", "        note_error(error)", "        raise"]
+    return "\n".join([head, "    try:", *inner, *handler]) + "\n"
+
+
+def note_error(error: BaseException, *, filename: str, steps: dict[int, str], graph: str) -> None:
+    """Add to ``error`` which step of graph ``graph``'s host program raised it."""
+    traceback = error.__traceback__
+    line = None
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_filename == filename:
+            line = traceback.tb_lineno
+        traceback = traceback.tb_next
+    step = steps.get(line) if line is not None else None
+    if step is not None:
+        error.add_note(f"kiln: raised by {step} in compiled graph {graph}")
 
 
 def extern_function(
