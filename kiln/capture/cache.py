@@ -405,7 +405,8 @@ def _capture_failed(
     record = BreakRecord(
         SkipReason.INTERNAL_ERROR, f"{type(error).__name__}: {error}", None, fn.__qualname__
     )
-    warnings.warn(f"kiln: {fn.__qualname__} runs uncompiled: {record.detail}", stacklevel=3)
+    # stacklevel: the user's call (here, _compile_entry, _miss, the miss lambda, the wrapper).
+    warnings.warn(f"kiln: {fn.__qualname__} runs uncompiled: {record.detail}", stacklevel=6)
     _skip(cache, record, options, permanent=True)
     return result
 

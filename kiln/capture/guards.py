@@ -113,6 +113,18 @@ class Equals(Guard):
     def describe(self) -> str:
         return f"{self.source} == {self.value!r}"
 
+    def __hash__(self) -> int:
+        # Slices cannot be hashed before Python 3.12; hash them by their fields.
+        return hash((type(self), self.source, self.reason, _hashable(self.value)))
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, slice):
+        return (slice, _hashable(value.start), _hashable(value.stop), _hashable(value.step))
+    if type(value) is tuple:
+        return tuple(_hashable(item) for item in value)
+    return value
+
 
 @dataclass(frozen=True, eq=False)
 class Identity(Guard):

@@ -687,3 +687,24 @@ def test_written_input_that_later_shares_memory_recompiles() -> None:
     torch.testing.assert_close(base, eager_base)
     assert len(kiln.counters.recompiles) == 1, kiln.counters.recompiles
     assert "share no memory" in kiln.counters.recompiles[0][1]
+
+
+def test_slice_arguments_are_guarded_by_value() -> None:
+    """Slices (unhashable before Python 3.12), alone and in tuples, specialize by value."""
+
+    def program(x, rows, index):
+        return x[rows] * 2 + x[index].sum()
+
+    kiln.reset()
+    compiled = kiln.compile(program)
+    x = torch.randn(6, 5)
+    calls = [
+        (slice(0, 3), (slice(1, 4), 2)),
+        (slice(1, 4), (slice(0, 3), 0)),
+        (slice(0, 3), (slice(1, 4), 2)),
+        (slice(None, None, 2), (slice(3, None), 1)),
+    ]
+    for rows, index in calls:
+        torch.testing.assert_close(compiled(x, rows, index), program(x, rows, index))
+    assert kiln.counters.fallbacks == []
+    assert kiln.counters.captures == 3  # the third call hits the first entry
