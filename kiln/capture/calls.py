@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kiln.capture.autograd_function import apply_function, is_function_apply
 from kiln.capture.breaks import BreakReason, GraphBreak
 from kiln.capture.frame import NULL, Frame
 from kiln.capture.iteration import SymbolicIterator, collect, items_of
@@ -109,6 +110,8 @@ def _runs_natively(fn: types.FunctionType) -> bool:
     if lookup(fn) is not None:
         return True
     module = fn.__module__ or ""
+    if module.startswith("kiln.capture."):
+        return True  # capture's own stand-ins met by user code (a Function's ctx)
     if module.split(".")[0] in _NATIVE_PYTHON_MODULES:
         return True
     if module == "torch" or module.startswith("torch."):
@@ -125,6 +128,8 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
     model = models.MODELS.get(_key(fn))
     if model is not None:
         return model(frame, *args, **kwargs)
+    if is_function_apply(fn):
+        return apply_function(frame, fn.__self__, args, kwargs)
     if isinstance(fn, types.MethodType):
         return call_function(frame, fn.__func__, (fn.__self__, *args), kwargs)
     if isinstance(fn, types.FunctionType):

@@ -13,6 +13,7 @@ from kiln.capture.breaks import BreakRecord
 from kiln.capture.convert import Capture
 from kiln.ir.graph import Graph
 from kiln.ir.op import Op
+from kiln.ops.autograd_function import function_outputs
 
 
 @dataclass
@@ -108,7 +109,8 @@ def report_of(log: list[tuple[str, Capture | BreakRecord]]) -> ExplainReport:
         if item.graph is not None:
             report.graphs.append(item.graph)
             for node in item.graph.nodes:
-                if node.op is Op.EXTERN:
+                # (a custom autograd Function's marker is not an opaque call)
+                if node.op is Op.EXTERN and node.attrs.fn is not function_outputs:
                     report.externs.append(
                         f"{node.origin.api} ({node.origin.file}:{node.origin.line})"
                     )

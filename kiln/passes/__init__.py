@@ -14,6 +14,7 @@ from kiln.passes.attention_statistics import keep_attention_statistics
 from kiln.passes.conv_bn import fold_conv_batchnorm
 from kiln.passes.cse import eliminate_common_subexpressions
 from kiln.passes.dce import eliminate_dead_code
+from kiln.passes.function_outputs import unwrap_function_outputs
 from kiln.passes.matmul_padding import pad_matmul
 from kiln.passes.matmul_transpose import transpose_matmul
 from kiln.passes.reduction_split import split_reductions
@@ -23,6 +24,7 @@ from kiln.passes.sum_factor import factor_sums
 # The pattern rewrites run first, on the graph as the translations wrote it (CSE could give a
 # pattern's values extra readers); CSE and DCE then clean up after them.
 PIPELINE = [
+    unwrap_function_outputs,
     fuse_attention,
     keep_attention_statistics,
     fold_conv_batchnorm,
@@ -39,8 +41,9 @@ PIPELINE = [
 # Passes that shape the work for kernels rather than change the math run on the forward and
 # backward graphs after partitioning, not on the graph autodiff differentiates: there a split
 # reduction's VJP becomes a permuted, reshaped broadcast, which hides a per-channel factor
-# from factor_sums (a BatchNorm backward's third sum then needs a kernel of its own).
-AFTER_AUTODIFF = frozenset({factor_sums, split_reductions})
+# from factor_sums (a BatchNorm backward's third sum then needs a kernel of its own). The
+# markers of custom autograd Functions carry their backward until autodiff has used it.
+AFTER_AUTODIFF = frozenset({unwrap_function_outputs, factor_sums, split_reductions})
 
 
 def optimize(graph: Graph, *, differentiating: bool = False) -> Graph:
@@ -66,4 +69,5 @@ __all__ = [
     "read_relu_masks_from_outputs",
     "split_reductions",
     "transpose_matmul",
+    "unwrap_function_outputs",
 ]

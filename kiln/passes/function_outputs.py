@@ -1,0 +1,78 @@
+"""Custom autograd Functions' markers dropped once autodiff has used them.
+
+The ``function_outputs`` extern (``kiln/ops/autograd_function.py``) only passes its first
+operands through; it exists so that autodiff differentiates a Function by its own backward.
+After autodiff (and in graphs nothing differentiates) its readers read those operands directly,
+so no copy runs::
+
+    before:  t3 = neg(x); t4, = extern(t3, x, fn=function_outputs, ...); t5 = mul(t4, 2)
+    after:   t3 = neg(x); t5 = mul(t3, 2)
+
+A graph output that would become a graph input, or a view of one, is copied: outputs are
+fresh memory (capture re-creates the views eager returns).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from kiln.ir.builder import GraphBuilder
+from kiln.ir.graph import Graph, Node, Value
+from kiln.ir.op import Op
+from kiln.ops import prims
+from kiln.ops.attrs import Slot
+from kiln.ops.autograd_function import function_outputs
+
+_VIEWS = frozenset(
+    {Op.RESHAPE, Op.PERMUTE, Op.BROADCAST, Op.EXPAND, Op.SLICE, Op.SQUEEZE, Op.UNSQUEEZE}
+)
+
+
+def _passed_through(node: Node) -> dict[Value, Value] | None:
+    """Each output of a marker node -> the operand it passes through; None for other nodes."""
+    if node.op is not Op.EXTERN or node.attrs.fn is not function_outputs:
+        return None
+    count = node.attrs.kwargs["outputs"]
+    slots = [slot.index for slot in node.attrs.args if isinstance(slot, Slot)]
+    operands = [node.inputs[index] for index in slots[:count]]
+    return dict(zip(node.outputs, operands, strict=True))  # type: ignore[arg-type]
+
+
+def unwrap_function_outputs(graph: Graph) -> Graph:
+    """``graph`` without ``function_outputs`` markers (module docstring)."""
+    replaced: dict[Value, Value] = {}
+    for node in graph.nodes:
+        passed = _passed_through(node)
+        if passed is not None:
+            replaced.update({out: replaced.get(v, v) for out, v in passed.items()})
+    if not replaced:
+        return graph
+    result = copy.copy(graph)
+    result.nodes = []
+    for node in graph.nodes:
+        if node.op is Op.EXTERN and node.attrs.fn is function_outputs:
+            continue
+        node.inputs = tuple(replaced.get(i, i) if isinstance(i, Value) else i for i in node.inputs)
+        result.nodes.append(node)
+    producers = {out: node for node in result.nodes for out in node.outputs}
+    inputs = set(result.inputs)
+    outputs = []
+    with GraphBuilder(result):
+        for value in graph.outputs:
+            new = replaced.get(value, value)
+            if new is not value and _views_input(new, producers, inputs):
+                copied = prims.convert(new, dtype=new.type.dtype)
+                assert isinstance(copied, Value)
+                new = copied
+            outputs.append(new)
+    result.outputs = outputs
+    result.mutations = [(target, replaced.get(new, new)) for target, new in graph.mutations]
+    return result
+
+
+def _views_input(value: Value, producers: dict[Value, Node], inputs: set[Value]) -> bool:
+    while value in producers and producers[value].op in _VIEWS:
+        operand = producers[value].inputs[0]
+        assert isinstance(operand, Value)
+        value = operand
+    return value in inputs
