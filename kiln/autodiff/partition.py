@@ -13,7 +13,9 @@ by the node producing ``w`` is an infinite edge ``u_out -> w_in``. The cut's edg
 values to save; everything the backward needs beyond them is recomputed there.
 
 For ``gelu(x @ w + b)`` this saves ``x``, ``w``, ``b`` and ``x @ w`` and recomputes the bias
-add and gelu's elementwise chain in the backward.
+add and gelu's elementwise chain in the backward. Nodes of a ``torch.utils.checkpoint`` region
+(``Node.recompute``) are never saved: the backward recomputes them from the region's inputs,
+matmuls included, as eager's checkpoint does.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class Partition:
 
 
 def recomputable(node: Node) -> bool:
+    """Whether the backward may compute ``node`` again: cheap work, or any work the user
+    asked to recompute (a checkpointed region)."""
+    if node.recompute:
+        return True
     row = op_def(node.op)
     return bool(row.tags & _RECOMPUTABLE_TAGS) and node.op not in _NOT_RECOMPUTABLE
 
@@ -78,6 +84,8 @@ def choose_saved(joint: Joint) -> list[Value]:
         # Scaled, plus one for recomputable values: of two cuts of equal size, keep the one
         # that saves externs' and reductions' outputs and recomputes elementwise work.
         cost = 4 * _size(value) + (1 if recomputable(producer) else 0)
+        if producer.recompute:
+            cost = INFINITE  # checkpointed: recomputed from the region's inputs, never saved
         flow.edge(("in", value), ("out", value), cost)
         if not recomputable(producer):
             flow.edge("S", ("in", value), INFINITE)

@@ -14,7 +14,8 @@ per-code cache), ``explain``. The bytecode toolkit (``bytecode``, ``assembler``,
 builds resume functions.
 """
 
-from kiln.capture import (  # noqa: F401  (register the opcode handlers)
+from kiln.capture import (  # noqa: F401  (register the opcode handlers and call models)
+    higher_order,
     ops_calls,
     ops_data,
     ops_flow,

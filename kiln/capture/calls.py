@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 import types
 from typing import Any
 
@@ -116,7 +117,12 @@ def _runs_natively(fn: types.FunctionType) -> bool:
         return True
     if module == "torch" or module.startswith("torch."):
         return not (module.startswith("torch.nn.modules") or module.startswith("torch.nn.utils"))
-    return False
+    # torch.func's transformed functions carry the user function's module (functools.wraps)
+    # but are functorch's code, which runs only on real tensors.
+    return fn.__code__.co_filename.startswith(_FUNCTORCH)
+
+
+_FUNCTORCH = os.path.join(os.path.dirname(torch.__file__), "_functorch", "")
 
 
 def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -130,6 +136,9 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
         return model(frame, *args, **kwargs)
     if is_function_apply(fn):
         return apply_function(frame, fn.__self__, args, kwargs)
+    if id(fn) in frame.session.opaque_callables:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{name} transformed by torch.func")
     if isinstance(fn, types.MethodType):
         return call_function(frame, fn.__func__, (fn.__self__, *args), kwargs)
     if isinstance(fn, types.FunctionType):

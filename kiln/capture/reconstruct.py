@@ -155,8 +155,8 @@ class Reconstructor:
                 pass  # an empty cell (a variable not yet assigned)
             else:
                 self.lines.append(f"{name}.cell_contents = {self.value(contents)}")
-        elif isinstance(obj, types.FunctionType):
-            self._function(obj, name)
+        elif isinstance(obj, types.FunctionType) and id(obj) not in self.session.recipes:
+            self._function(obj, name)  # (a function made by a call, e.g. vmap(f): its recipe)
         elif _is_structseq(obj):  # torch.return_types.max and friends
             cls = self.binder.bind(type(obj), type(obj).__name__)
             items = ", ".join(self.value(item) for item in obj)

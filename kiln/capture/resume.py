@@ -17,6 +17,7 @@ created once per (code, offset, stack layout, live locals) and compiled like any
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 import types
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from kiln.capture.frame import NULL, PY, Frame
+from kiln.capture.higher_order import run_cond
 from kiln.capture.ops_flow import is_known_context
 from kiln.capture.reconstruct import Reconstructor
 from kiln.capture.rewrite import StackSlot, live_locals, resume_code
@@ -282,6 +284,8 @@ class Router:
 
     def __call__(self, callee: Any) -> Any:
         compiled = self.compiled_function
+        if callee is torch.cond:  # a tensor predicate: the chosen branch runs compiled
+            return functools.partial(run_cond, self)
         if isinstance(callee, types.FunctionType) and not _runs_natively(callee):
             return compiled(callee)
         method = getattr(callee, "__func__", None) if isinstance(callee, types.MethodType) else None

@@ -132,6 +132,8 @@ class Session:
         # constants the generated code may copy. Any other real tensor was reached without a
         # source (an unread item of an argument) and must not be baked in.
         self.constant_tensors: set[int] = set()
+        # Functions capture cannot trace into (``torch.func.vmap(f)``): calling one breaks.
+        self.opaque_callables: set[int] = set()
         self.recipes: dict[int, Recipe] = {}
         self.effects: dict[tuple[Any, ...], Effect] = {}
         self.journal: list[Callable[[], None]] = []

@@ -35,6 +35,7 @@ class GraphBuilder:
         self._constants: dict[int, tuple[torch.Tensor, Value]] = {}
         self._rng_seed: Value | None = None
         self._rng_offset = 0
+        self.recompute = False  # nodes emitted now carry the partitioner's recompute hint
 
     def constant(self, tensor: torch.Tensor) -> Value:
         """The graph input holding ``tensor`` (a program constant), lifted once per tensor."""
@@ -67,6 +68,15 @@ class GraphBuilder:
         self._token = None
 
     @contextlib.contextmanager
+    def recompute_scope(self) -> Iterator[None]:
+        """Nodes emitted inside the block are recomputed in the backward, never saved."""
+        previous, self.recompute = self.recompute, True
+        try:
+            yield
+        finally:
+            self.recompute = previous
+
+    @contextlib.contextmanager
     def origin_scope(self, origin: Origin) -> Iterator[None]:
         """Nodes emitted inside the block get ``origin`` (the outermost API call wins)."""
         if self.origin.api:
@@ -97,6 +107,7 @@ class GraphBuilder:
             t.with_(requires_grad=requires_grad and t.dtype.is_floating_point) for t in output_types
         )
         node = self.graph.append(op, inputs, attrs, output_types, self.origin)
+        node.recompute = self.recompute
         return node.outputs if isinstance(types, tuple) else node.outputs[0]
 
 

@@ -72,6 +72,9 @@ class Node:
     attrs: Any
     outputs: tuple[Value, ...] = ()
     origin: Origin = field(default_factory=lambda: Origin(""))
+    # The user asked for this work to be recomputed in the backward rather than saved
+    # (``torch.utils.checkpoint``): a hint to the partitioner.
+    recompute: bool = False
 
     @property
     def output(self) -> Value:
