@@ -28,6 +28,7 @@ from kiln.ir.graph import Graph, InputKind
 from kiln.ir.interpreter import interpret
 from kiln.ir.op import Op
 from kiln.ops import host_calls
+from kiln.random_state import preserved_random_state
 from kiln.runtime.triton_build import start_workers
 from kiln.schedule.evaluate import evaluate_kernel
 from kiln.schedule.index import Index, format_index
@@ -250,7 +251,8 @@ class KilnProgram:
         key = tuple(inputs[i].stride() for i in self.user)
         runner = self.variants.get(key)
         if runner is None:
-            runner = self.variants[key] = self._compile(inputs)
+            with preserved_random_state():
+                runner = self.variants[key] = self._compile(inputs)
         with torch.no_grad():
             results = runner(inputs)
         if self._stale:

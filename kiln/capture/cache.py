@@ -35,6 +35,7 @@ from kiln.capture.resume import Router
 from kiln.capture.rewrite import route_calls
 from kiln.capture.sources import safe_name
 from kiln.config import config, logger
+from kiln.random_state import preserved_random_state
 
 _log_breaks = logger("graph_breaks")
 _log_recompiles = logger("recompiles")
@@ -325,9 +326,10 @@ def _compile_entry(
                 )
             return None
     try:
-        capture = capture_frame(
-            fn, values, _graph_compiler(options), router(options), options.fullgraph
-        )
+        with preserved_random_state():
+            capture = capture_frame(
+                fn, values, _graph_compiler(options), router(options), options.fullgraph
+            )
     except Skip as skip:
         if options.strict and skip.reason is SkipReason.BACKEND_ERROR:
             raise skip.__cause__ or skip from None

@@ -136,6 +136,8 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
         return model(frame, *args, **kwargs)
     if is_function_apply(fn):
         return apply_function(frame, fn.__self__, args, kwargs)
+    if _stateful(fn):
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{_describe(fn)} changes random state")
     if id(fn) in frame.session.opaque_callables:
         name = getattr(fn, "__qualname__", type(fn).__name__)
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{name} transformed by torch.func")
@@ -169,6 +171,33 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
     if getattr(type(fn), "__module__", "").startswith("torch"):
         return native(frame, fn, args, kwargs)
     raise GraphBreak(_reason_for(fn), f"call to {_describe(fn)}")
+
+
+# torch functions that read or set global random state: they run natively, in program order.
+_RANDOM_STATE = frozenset(
+    {
+        torch.manual_seed,
+        torch.seed,
+        torch.initial_seed,
+        torch.get_rng_state,
+        torch.set_rng_state,
+        torch.cuda.manual_seed,
+        torch.cuda.manual_seed_all,
+        torch.cuda.seed,
+        torch.cuda.get_rng_state,
+        torch.cuda.set_rng_state,
+    }
+)
+
+
+def _stateful(fn: Any) -> bool:
+    """Random state the graph cannot hold: global seeds, and ``torch.Generator`` objects
+    (constructed, seeded, read) whose state PyTorch alone advances."""
+    if _key(fn) in _RANDOM_STATE or _key(getattr(fn, "__wrapped__", None)) in _RANDOM_STATE:
+        return True  # (importing torch._dynamo wraps torch.manual_seed)
+    if isinstance(fn, type):
+        return issubclass(fn, torch.Generator)
+    return isinstance(getattr(fn, "__self__", None), torch.Generator)
 
 
 def _reason_for(fn: Any) -> BreakReason:

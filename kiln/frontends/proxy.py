@@ -157,6 +157,16 @@ RANDOM_FACTORIES = {
     torch.bernoulli,
     torch.normal,
     torch.multinomial,
+    torch.poisson,
+    # In place on any tensor: a constant's numbers must not be drawn once, while tracing.
+    torch.Tensor.uniform_,
+    torch.Tensor.normal_,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.random_,
+    torch.Tensor.exponential_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.geometric_,
+    torch.Tensor.log_normal_,
 }
 
 
@@ -208,6 +218,12 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         )
     if func in (torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__):
         return _describe(args[0])
+    if isinstance(kwargs.get("generator"), torch.Generator):
+        # The numbers belong to the user's generator and its state: PyTorch must draw them.
+        raise OpaqueCallError(
+            f"{api_name(func)} draws from a torch.Generator, which only PyTorch can advance",
+            user_location(),
+        )
     builder = require_builder()
     location = user_location()
     origin = Origin(
