@@ -14,6 +14,7 @@ positions of the view, found by applying the same view to an ``iota`` of the roo
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -235,7 +236,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     with builder.origin_scope(origin):
         token = collect_assignments()
         try:
-            if entry is None:
+            if entry is None or not _binds(entry.fn, values[0], values[1]):
+                # (a translation whose signature lacks an argument torch accepts: PyTorch's
+                # own call is right, whatever the translation would have done)
                 result = _extern(func, *values)
             else:
                 try:
@@ -270,6 +273,26 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ):
         _mark_views(wrapped, args, kwargs, entry.fn, func)
     return wrapped
+
+
+_SIGNATURES: dict[Any, inspect.Signature | None] = {}
+
+
+def _binds(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``fn`` accepts these arguments (a translation's signature may miss one)."""
+    if fn not in _SIGNATURES:
+        try:
+            _SIGNATURES[fn] = inspect.signature(fn)
+        except (TypeError, ValueError):
+            _SIGNATURES[fn] = None
+    signature = _SIGNATURES[fn]
+    if signature is None:
+        return True
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 def _extern(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

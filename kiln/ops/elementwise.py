@@ -444,7 +444,9 @@ def _atan2_vjp(attrs: None, inputs: Any, outputs: Any, grads: Any) -> VjpResult:
     x, y = inputs
     (g,) = grads
     squares = [prims.mul(v, v) if _traced(v) else v * v for v in (x, y)]
-    recip = prims.reciprocal(prims.add(*squares))
+    total = prims.add(*squares)
+    # At x = y = 0 eager's formula is 0 / 0; its kernel gives 0 (both numerators are 0).
+    recip = prims.reciprocal(prims.where(prims.eq(total, 0), 1, total))
     return (
         prims.mul(prims.mul(g, y), recip) if _traced(x) else None,
         prims.mul(prims.mul(g, prims.neg(x) if _traced(x) else -x), recip) if _traced(y) else None,

@@ -158,8 +158,11 @@ def softplus(input: Value, beta: float = 1.0, threshold: float = 20.0) -> Value:
 
     def compute(x: Value) -> Value:
         scaled = prims.mul(x, beta)
-        smooth = prims.div(prims.log1p(prims.exp(scaled)), beta)
-        return prims.where(prims.gt(scaled, threshold), x, smooth)
+        linear = prims.gt(scaled, threshold)
+        # exp reads 0 where the linear branch is taken: x = inf passes no inf / inf back.
+        safe = prims.where(linear, 0.0, scaled)
+        smooth = prims.div(prims.log1p(prims.exp(safe)), beta)
+        return prims.where(linear, x, smooth)
 
     return in_opmath(input, compute)
 
@@ -175,9 +178,13 @@ def logsigmoid(input: Value) -> Value:
 
 
 def _elu(x: Value, alpha: float, scale: float, input_scale: float) -> Value:
-    """Eager's ELU kernel: ``scale x`` for ``x > 0``, else ``alpha scale expm1(input_scale x)``."""
-    negative = prims.mul(prims.expm1(prims.mul(x, input_scale)), alpha * scale)
-    return prims.where(prims.gt(x, 0), prims.mul(x, scale), negative)
+    """Eager's ELU kernel: ``alpha scale expm1(input_scale x)`` for ``x <= 0``, else ``scale x``
+    (so NaN takes the linear branch and its gradient, as in eager). The exponential reads 0
+    where it is not taken: ``x = inf`` passes no ``0 * inf`` back."""
+    negative_side = prims.le(x, 0)
+    safe = prims.where(negative_side, x, 0.0)
+    negative = prims.mul(prims.expm1(prims.mul(safe, input_scale)), alpha * scale)
+    return prims.where(negative_side, negative, prims.mul(x, scale))
 
 
 def elu(input: Value, alpha: float = 1.0, inplace: bool = False) -> Value:

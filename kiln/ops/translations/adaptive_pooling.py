@@ -114,6 +114,10 @@ def adaptive_max_pool(
     op = f"adaptive_max_pool{spatial}d"
     if return_indices:
         raise FallbackToExtern  # argmax positions of windows: no prim expresses them yet
+    if input.type.requires_grad:
+        # Eager's backward sends a window's gradient to its first maximum; pooling one dim
+        # at a time (amax) would split it between ties. PyTorch's kernel differentiates.
+        raise FallbackToExtern
     outs = _adaptive_sizes(op, input, spatial, output_size)
     result = input
     first = input.type.rank - spatial

@@ -156,6 +156,17 @@ def as_value(operand: Operand, like: Value) -> Value:
     return full(like.type.shape, operand, like.type.dtype, like.type.device)
 
 
+def root(value: Value, exponent: float = 0.5) -> Value:
+    """``value ** exponent`` of a non-negative ``value`` (a sum of squares or powers) whose
+    gradient at 0 is 0, not infinite: eager's norm and std backward mask it there, so a
+    zero vector's norm passes no NaN back. Without gradients it is the plain root."""
+    plain = prims.sqrt if exponent == 0.5 else (lambda v: prims.pow(v, exponent))
+    if not value.type.requires_grad:
+        return plain(value)
+    zero = prims.eq(value, 0.0)
+    return prims.where(zero, 0.0, plain(prims.where(zero, 1.0, value)))
+
+
 def constant(tensor: torch.Tensor) -> Value:
     """A concrete tensor closed over by the program, lifted into a graph input."""
     return require_builder().constant(tensor)

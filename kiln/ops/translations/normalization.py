@@ -400,6 +400,72 @@ def batch_norm(
     return common.convert(shifted, input.type.dtype)
 
 
+@translation(
+    F.instance_norm,
+    samples=case_calls(
+        ((T((2, 3, 5)),), {}, "no running statistics"),
+        ((T((2, 3, 4, 4)), T((3,)), T((3,), low=0.5, high=2.0)), {}, "running statistics"),
+        (
+            (T((2, 3, 5)), T((3,)), T((3,), low=0.5, high=2.0), T((3,)), T((3,))),
+            {"momentum": 0.3, "eps": 1e-3},
+            "affine",
+        ),
+        (
+            (T((2, 3, 5)), T((3,)), T((3,), low=0.5, high=2.0)),
+            {"use_input_stats": False},
+            "running statistics only",
+        ),
+    ),
+)
+def instance_norm(
+    input: Value,
+    running_mean: Value | None = None,
+    running_var: Value | None = None,
+    weight: Value | None = None,
+    bias: Value | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Value:
+    """Each (sample, channel) standardized over its spatial dims. Eager runs batch norm on the
+    input seen as one sample of ``N * C`` channels with the running statistics repeated, then
+    averages them back: the running mean moves toward the mean of the instances' means (and
+    the variance toward their unbiased variances')."""
+    require_float(input, "instance_norm")
+    shape = input.type.shape
+    if input.type.rank < 3:
+        raise ValueError(f"instance_norm: expected 3D or more input (got {input.type.rank}D)")
+    if not use_input_stats:
+        if running_mean is None or running_var is None:
+            raise RuntimeError(
+                "Expected running_mean and running_var to be defined when use_input_stats is false"
+            )
+        return batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
+    batch, channels = static(shape[0]), static(shape[1])
+    if math.prod(static(size) for size in shape[2:]) <= 1:
+        raise ValueError(
+            f"Expected more than 1 spatial element when training, got input size {list(shape)}"
+        )
+    wide = common.convert(input, compute_dtype(input.type.dtype))
+    dims = tuple(range(2, wide.type.rank))
+    mean, squares = moments(wide, dims)
+    count = reduced_count(wide, dims)
+    inverse = prims.rsqrt(prims.add(prims.div(squares, float(count)), eps))
+    centered = prims.sub(wide, common.broadcast_to(mean, wide.type.shape))
+    normalized = prims.mul(centered, common.broadcast_to(inverse, wide.type.shape))
+
+    def across_batch(value: Value) -> Value:
+        per_instance = prims.reshape(value, shape=(batch, channels))
+        return prims.div(prims.sum(per_instance, dims=(0,)), float(batch))
+
+    if running_mean is not None:
+        _update_running(running_mean, across_batch(mean), momentum)
+    if running_var is not None:
+        unbiased = prims.div(squares, float(count - 1))
+        _update_running(running_var, across_batch(unbiased), momentum)
+    return common.convert(_affine(normalized, weight, bias, (1,)), input.type.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # F.normalize
 

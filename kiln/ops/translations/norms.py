@@ -39,7 +39,7 @@ def vector_norm_of(x: Value, ord: float, dims: tuple[int, ...], keepdim: bool) -
     """The ``ord``-norm of floating ``x`` over ``dims``, in ``x``'s dtype."""
     wide = common.convert(x, compute_dtype(x.type.dtype))
     if ord == 2:
-        result = prims.sqrt(reduce(prims.sum, prims.mul(wide, wide), dims, keepdim))
+        result = common.root(reduce(prims.sum, prims.mul(wide, wide), dims, keepdim))
     elif ord == 0:
         nonzero = common.convert(prims.ne(wide, 0.0), wide.type.dtype)
         result = reduce(prims.sum, nonzero, dims, keepdim)
@@ -51,7 +51,7 @@ def vector_norm_of(x: Value, ord: float, dims: tuple[int, ...], keepdim: bool) -
         result = reduce(prims.amin, prims.abs(wide), dims, keepdim)
     else:
         powers = prims.pow(prims.abs(wide), float(ord))
-        result = prims.pow(reduce(prims.sum, powers, dims, keepdim), 1.0 / ord)
+        result = common.root(reduce(prims.sum, powers, dims, keepdim), 1.0 / ord)
     return common.convert(result, x.type.dtype)
 
 

@@ -341,7 +341,7 @@ def std_mean(
 
 def std_of_variance(variance: Value) -> Value:
     wide = common.convert(variance, compute_dtype(variance.type.dtype))
-    return common.convert(prims.sqrt(wide), variance.type.dtype)
+    return common.convert(common.root(wide), variance.type.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,8 +421,15 @@ def _extreme(name: str, input: Value, dim: Any, keepdim: bool, other: Value | No
         return reduce(prims.amax if largest else prims.amin, input, tuple(range(input.type.rank)))
     axis = common.normalize_dim(dim, input.type.rank, name)
     dims = (axis,) if input.type.rank else ()
-    values = reduce(prims.amax if largest else prims.amin, input, dims, keepdim)
     indices = _arg_extreme(prims.argmax if largest else prims.argmin, input, dim, keepdim, name)
+    if input.type.requires_grad and input.type.rank:
+        # The values at the indices: eager's backward sends a row's gradient to the one
+        # index it returned, where amax's would split it between ties.
+        kept = indices if keepdim else prims.unsqueeze(indices, dims=(axis,))
+        values = prims.gather(input, kept, dim=axis)
+        values = values if keepdim else prims.squeeze(values, dims=(axis,))
+    else:
+        values = reduce(prims.amax if largest else prims.amin, input, dims, keepdim)
     result_type = torch.return_types.max if largest else torch.return_types.min
     return result_type((values, indices))  # type: ignore[arg-type]
 

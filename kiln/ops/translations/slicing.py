@@ -196,6 +196,7 @@ _FLIP_CASES = [
     case((2, 3, 4), (-1, 0), note="two dims"),
     case((3, 4), [], note="no dims"),
     case((0, 2), (0,), note="0-size"),
+    case((2, 3, 4), dims=(0, 2), note="dims keyword"),
 ]
 
 
@@ -205,7 +206,11 @@ _FLIP_CASES = [
     samples=tensor_calls([*_FLIP_CASES, case((3, 4), 1, 0, note="varargs")]),
     dtypes=ALL,
 )
-def flip(input: Value, *dims: Any) -> Value:
+def flip(input: Value, *dims: Any, **keywords: Any) -> Value:
+    if "dims" in keywords:  # torch.flip(x, dims=(0, 1))
+        dims = (keywords.pop("dims"),)
+    if keywords:
+        raise TypeError(f"flip() got an unexpected keyword argument '{next(iter(keywords))}'")
     return flipped(input, shape_args(dims))
 
 

@@ -13,6 +13,7 @@ PyTorch call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,15 +34,17 @@ Scalar = bool | int | float
 # clamp
 
 
-def _below(a: Operand, b: Operand) -> Value:
-    """``a < b``, true where ``b`` is NaN (a NaN bound makes eager's clamp NaN)."""
-    less = prims.lt(a, b)
-    if isinstance(b, Value) and b.type.dtype.is_floating_point:
-        less = prims.logical_or(less, prims.isnan(b))
-    elif isinstance(b, float) and b != b:
-        return prims.logical_or(less, True)
-    assert isinstance(less, Value)
-    return less
+def _outside(x: Value, bound: Operand, *, lower: bool) -> Value:
+    """Where ``x`` is past ``bound`` (below a lower one, above an upper one), or the bound is
+    NaN (a NaN bound makes eager's clamp NaN). A NaN in ``x`` is never past a bound: it
+    propagates."""
+    past = prims.lt(x, bound) if lower else prims.gt(x, bound)
+    if isinstance(bound, Value) and bound.type.dtype.is_floating_point:
+        past = prims.logical_or(past, prims.isnan(bound))
+    elif isinstance(bound, float) and bound != bound:
+        return prims.logical_or(past, True)
+    assert isinstance(past, Value)
+    return past
 
 
 def clamp(
@@ -53,14 +56,21 @@ def clamp(
         raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
     bounds = [bound for bound in (min, max) if bound is not None]
     (x, *converted), _ = common.elementwise(input, *bounds)
+    assert isinstance(x, Value)
     lower = converted.pop(0) if min is not None else None
     upper = converted.pop(0) if max is not None else None
     # where, not maximum/minimum: eager's clamp passes the gradient at the bounds to x.
+    if x.type.requires_grad and x.type.dtype.is_floating_point:
+        # NaN stays NaN, but eager's clamp passes no gradient to it ((x >= min) & (x <= max)
+        # is false): the NaN comes from a constant here, not from x.
+        x = prims.where(prims.isnan(x), math.nan, x)
+        assert isinstance(x, Value)
     if lower is not None:
-        x = prims.where(_below(x, lower), lower, x)
+        x = prims.where(_outside(x, lower, lower=True), lower, x)
+        assert isinstance(x, Value)
     if upper is not None:
-        x = prims.where(_below(upper, x), upper, x)
-    assert isinstance(x, Value)
+        x = prims.where(_outside(x, upper, lower=False), upper, x)
+        assert isinstance(x, Value)
     return x
 
 
