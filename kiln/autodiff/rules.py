@@ -19,13 +19,14 @@ import torch
 
 from kiln.ir.graph import Node, Value
 from kiln.ir.op import Op, Tag, op_def
+from kiln.ir.types import carries_gradient
 
 
 def is_differentiable(item: Any) -> bool:
-    """Gradients flow only into floating tensors."""
+    """Gradients flow only into floating (and complex) tensors."""
     if isinstance(item, Value):
-        return item.type.dtype.is_floating_point
-    return isinstance(item, torch.Tensor) and item.dtype.is_floating_point
+        return carries_gradient(item.type.dtype)
+    return isinstance(item, torch.Tensor) and carries_gradient(item.dtype)
 
 
 def differentiable_inputs(op: Op, inputs: Sequence[Any]) -> list[int]:

@@ -33,6 +33,7 @@ class SkipReason(enum.Enum):
     INTERNAL_ERROR = "internal capture error"
     BACKEND_ERROR = "backend failed to compile the graph"
     ALIASED_MUTATION = "an input written in place shares memory with another input"
+    ITERATOR_ARGUMENT = "an argument is an iterator, which capture would use up"
     RESUMED_UNCOMPILED = (
         "the rest of the frame after a break at an instruction capture cannot resume after"
     )

@@ -9,6 +9,7 @@ materialized items, callbacks are inlined. Pure builtins not listed run natively
 from __future__ import annotations
 
 import builtins
+import copy
 import functools
 import itertools
 import logging
@@ -71,6 +72,68 @@ for _name in ("debug", "info", "warning", "error", "exception", "critical", "log
     MODELS[getattr(logging, _name)] = _io
     MODELS[getattr(logging.Logger, _name)] = _io
 MODELS[warnings.warn] = _io
+
+
+# --- copy ---------------------------------------------------------------------------------
+def _holds_tensors(value: Any, seen: set[int] | None = None, depth: int = 0) -> bool:
+    """Whether ``value`` reaches a tensor through containers and object attributes."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        return True
+    if id(value) in seen or depth > 8 or isinstance(value, (str, bytes, int, float, type)):
+        return False
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items: Any = list(value.keys()) + list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        items = list(getattr(value, "__dict__", {}).values())
+    return any(_holds_tensors(item, seen, depth + 1) for item in items)
+
+
+def _copy_of(frame: Frame, copier: Callable[[Any], Any], value: Any) -> Any:
+    """``copy.copy``/``copy.deepcopy`` of a value without tensors (a model config): copied
+    natively, re-created after the graph from its recipe; the original's state at the call
+    is guarded, since what the copy says was read from it."""
+    from kiln.capture.calls import materialize
+    from kiln.capture.guards import Equals
+    from kiln.capture.session import Recipe, is_constant
+    from kiln.capture.sources import Attr
+
+    session = frame.session
+    if is_constant(value):
+        return value
+    container = type(value) in (list, dict, set)
+    if copier is copy.copy and container:
+        return session.new(copy.copy(materialize(session, value)))
+    if _holds_tensors(value) or not (container or hasattr(value, "__dict__")):
+        what = f"{copier.__name__} of a {type(value).__name__}"
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{what} holding tensors or native state")
+    source = session.source_of(value)
+    if source is not None and not session.is_new(value):
+        if container:
+            effect = session.effects.get(("container", id(value)))
+            entry = effect.snapshot if effect is not None else value
+            session.add_guard(Equals(source, "contents copied", copy.deepcopy(entry)))
+        else:
+            state = copy.deepcopy(session.state_at_entry(value))
+            session.add_guard(Equals(Attr(source, "__dict__"), "state copied", state))
+    if container:  # rebuilt from its items after the graph, like any container the code made
+        return session.new(copier(value))
+    return session.new(copier(value), Recipe(copier, (value,), {}))
+
+
+@model(copy.copy)
+def _copy(frame: Frame, value: Any) -> Any:
+    return _copy_of(frame, copy.copy, value)
+
+
+@model(copy.deepcopy)
+def _deepcopy(frame: Frame, value: Any, memo: Any = None) -> Any:
+    if memo is not None:
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "copy.deepcopy with a memo")
+    return _copy_of(frame, copy.deepcopy, value)
 
 
 # --- attribute builtins -----------------------------------------------------------------

@@ -225,6 +225,7 @@ _ROUTED_SKIPS = frozenset(
         SkipReason.BREAK_IN_LOOP,
         SkipReason.BREAK_IN_WITH,
         SkipReason.GENERATOR,
+        SkipReason.ITERATOR_ARGUMENT,
         SkipReason.RECOMPILE_LIMIT,
         SkipReason.UNRECONSTRUCTIBLE,
     }

@@ -144,6 +144,8 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
     if isinstance(fn, types.MethodType):
         return call_function(frame, fn.__func__, (fn.__self__, *args), kwargs)
     if isinstance(fn, types.FunctionType):
+        if fn.__code__.co_filename.startswith(_FUNCTORCH):  # (vjp's pullback, vmap's wrapper)
+            raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"torch.func's {fn.__qualname__}")
         if _runs_natively(fn):
             return native(frame, fn, args, kwargs)
         return inline(frame, fn, args, kwargs)
@@ -168,6 +170,10 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
     call = python_dunder(fn, "__call__")
     if call is not None:
         return inline(frame, call, (fn, *args), kwargs)
+    from kiln.capture.resume import Router
+
+    if isinstance(fn, Router):  # code Kiln routed (``route(f)(x)``): capture follows f itself
+        return args[0]
     if getattr(type(fn), "__module__", "").startswith("torch"):
         return native(frame, fn, args, kwargs)
     raise GraphBreak(_reason_for(fn), f"call to {_describe(fn)}")
@@ -437,6 +443,8 @@ def construct(frame: Frame, cls: type, args: tuple[Any, ...], kwargs: dict[str, 
         return cls(*args, **kwargs)  # a proxy argument raises: a data-dependent break
     if cls in _CONTAINER_MODULES:  # e.g. ModuleList slicing builds a new container
         return session.new(cls(*args, **kwargs), Recipe(cls, args, kwargs))
+    if issubclass(cls, torch.nn.Module) and cls.__module__.startswith("torch.nn."):
+        return _stateless_module(frame, cls, args, kwargs)
     if issubclass(cls, torch.nn.Module) or issubclass(cls, torch.Tensor):
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"constructing {cls.__qualname__}")
     if _native_constructor(cls):
@@ -455,6 +463,20 @@ def construct(frame: Frame, cls: type, args: tuple[Any, ...], kwargs: dict[str, 
     elif args or kwargs:
         raise TypeError(f"{cls.__qualname__}() takes no arguments")
     return obj
+
+
+def _stateless_module(
+    frame: Frame, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A torch.nn module made inside the code (``CrossEntropyLoss(ignore_index=-100)`` in a
+    forward): constructed natively and re-created from its recipe, when it holds no tensors.
+    One with parameters or buffers (fresh random weights on every eager call) breaks."""
+    if any(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values())):
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"constructing {cls.__qualname__}")
+    module = cls(*args, **kwargs)
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"constructing {cls.__qualname__}")
+    return frame.session.new(module, Recipe(cls, args, kwargs))
 
 
 def _native_constructor(cls: type) -> bool:

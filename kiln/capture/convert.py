@@ -140,6 +140,10 @@ def _capture_once(
     code = fn.__code__
     if code.co_flags & (CO_GENERATOR | CO_ASYNC):
         raise Skip(SkipReason.GENERATOR, f"{code.co_qualname} is a generator or coroutine")
+    for name, value in zip(arg_names(code), values, strict=True):
+        if _is_iterator(value):  # (a comprehension's ``.0`` in code run with routed calls)
+            detail = f"{name!r} is a {type(value).__name__}"
+            raise Skip(SkipReason.ITERATOR_ARGUMENT, detail)
     session = Session(_graph_name(code), break_at, router)
     names = arg_names(code)
     binder = Binder()
@@ -215,7 +219,13 @@ class _capturing:
         self.stack: list[Any] = []
 
     def __enter__(self) -> None:
-        mode = TraceMode(on_constant=self.session.constant_tensor)
+        session = self.session
+        mode = TraceMode(
+            on_constant=session.constant_tensor,
+            is_constant=lambda tensor: (
+                id(tensor) in session.constant_tensors or id(tensor) in session.input_proxies
+            ),
+        )
         for ctx in (self.session.builder, _compiling(), mode):
             ctx.__enter__()
             self.stack.append(ctx)
@@ -244,6 +254,12 @@ def _unaliased(graph: Graph, value: Value) -> Value:
     copied = prims.convert(value, dtype=value.type.dtype)
     assert isinstance(copied, Value)
     return copied
+
+
+def _is_iterator(value: Any) -> bool:
+    """A stateful iterator (not a container): iterating it during capture would consume the
+    items the real call needs."""
+    return hasattr(type(value), "__next__") and not isinstance(value, torch.Tensor)
 
 
 def _definition(code: types.CodeType) -> SourceLocation:

@@ -286,6 +286,8 @@ class Router:
         compiled = self.compiled_function
         if callee is torch.cond:  # a tensor predicate: the chosen branch runs compiled
             return functools.partial(run_cond, self)
+        if hasattr(callee, "_kiln_cache") or isinstance(callee, Router):
+            return callee  # compiled already (code routed twice routes its own wrappers)
         if isinstance(callee, types.FunctionType) and not _runs_natively(callee):
             return compiled(callee)
         method = getattr(callee, "__func__", None) if isinstance(callee, types.MethodType) else None

@@ -98,7 +98,7 @@ class Effect:
     kind: EffectKind
     target: Any  # the object (or globals dict, or cell)
     key: str = ""  # attribute or global name
-    snapshot: Any = None  # a container's contents before the first mutation
+    snapshot: Any = None  # a container's contents, or an attribute's value, before the change
 
 
 @dataclass
@@ -263,6 +263,18 @@ class Session:
     def is_new(self, obj: Any) -> bool:
         return id(obj) in self.new_objects
 
+    def state_at_entry(self, obj: Any) -> dict[str, Any]:
+        """``obj.__dict__`` as it was when the call began (attributes the capture has set since
+        are read from the journal)."""
+        state = dict(vars(obj))
+        for effect in self.effects.values():
+            if effect.kind is EffectKind.ATTRIBUTE and effect.target is obj:
+                if effect.snapshot is _ABSENT:
+                    state.pop(effect.key, None)
+                else:
+                    state[effect.key] = effect.snapshot
+        return state
+
     def constant_tensor(self, tensor: torch.Tensor) -> None:
         """``tensor`` was computed during capture from Python data (a constant)."""
         self.constant_tensors.add(id(tensor))
@@ -297,7 +309,7 @@ class Session:
                 if old is _ABSENT and hasattr(obj, name) and not callable(getattr(obj, name)):
                     old = getattr(obj, name)
                 self.journal.append(lambda: _restore_attribute(obj, name, old))
-                self.effects[key] = Effect(EffectKind.ATTRIBUTE, obj, name)
+                self.effects[key] = Effect(EffectKind.ATTRIBUTE, obj, name, snapshot=old)
                 self.keepalive.append(obj)
         if delete:
             delattr(obj, name)

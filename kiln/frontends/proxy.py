@@ -177,13 +177,34 @@ class TraceMode(torch.overrides.TorchFunctionMode):
     ``on_constant`` (when given) sees each tensor they return: bytecode capture keeps them
     apart from tensors it reached without reading them through a source."""
 
-    def __init__(self, on_constant: Callable[[torch.Tensor], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_constant: Callable[[torch.Tensor], None] | None = None,
+        is_constant: Callable[[torch.Tensor], bool] | None = None,
+    ) -> None:
         super().__init__()
         self.on_constant = on_constant
+        self.is_constant = is_constant
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         leaves = pytree.tree_leaves((args, kwargs))
+        if self.is_constant is not None and not _native(func):
+            unknown = [
+                leaf
+                for leaf in leaves
+                if isinstance(leaf, torch.Tensor)
+                and not isinstance(leaf, ProxyTensor)
+                and not self.is_constant(leaf)
+            ]
+            if unknown:
+                # A tensor reached without an access path (an item of a native iterator):
+                # used as a constant, it would replay this call's values on every call.
+                raise TraceError(
+                    f"data-dependent value: {api_name(func)} of a tensor capture cannot re-read "
+                    "on the next call",
+                    user_location(),
+                )
         if func in RANDOM_FACTORIES or any(isinstance(leaf, ProxyTensor) for leaf in leaves):
             return dispatch(func, tuple(args), kwargs)
         result = func(*args, **kwargs)
@@ -236,7 +257,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     with builder.origin_scope(origin):
         token = collect_assignments()
         try:
-            if entry is None or not _binds(entry.fn, values[0], values[1]):
+            if entry is None or _complex(values) or not _binds(entry.fn, values[0], values[1]):
                 # (a translation whose signature lacks an argument torch accepts: PyTorch's
                 # own call is right, whatever the translation would have done)
                 result = _extern(func, *values)
@@ -273,6 +294,17 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ):
         _mark_views(wrapped, args, kwargs, entry.fn, func)
     return wrapped
+
+
+def _complex(values: Any) -> bool:
+    """Whether a call involves complex numbers (an operand, or a dtype to convert to): prims
+    are real, so PyTorch runs it (an extern, differentiated by PyTorch's autograd)."""
+    for leaf in pytree.tree_leaves(values):
+        if isinstance(leaf, Value) and leaf.type.dtype.is_complex:
+            return True
+        if isinstance(leaf, torch.dtype) and leaf.is_complex:
+            return True
+    return False
 
 
 _SIGNATURES: dict[Any, inspect.Signature | None] = {}

@@ -18,7 +18,7 @@ import torch
 from kiln.errors import KilnError, SourceLocation, op_error
 from kiln.ir.graph import Graph, InputKind, Operand, Origin, Value
 from kiln.ir.op import Op, Tag, op_def
-from kiln.ir.types import TensorType
+from kiln.ir.types import TensorType, carries_gradient
 
 _active: contextvars.ContextVar[GraphBuilder | None] = contextvars.ContextVar(
     "kiln_graph_builder", default=None
@@ -104,7 +104,7 @@ class GraphBuilder:
             and any(isinstance(i, Value) and i.type.requires_grad for i in inputs)
         )
         output_types = tuple(
-            t.with_(requires_grad=requires_grad and t.dtype.is_floating_point) for t in output_types
+            t.with_(requires_grad=requires_grad and carries_gradient(t.dtype)) for t in output_types
         )
         node = self.graph.append(op, inputs, attrs, output_types, self.origin)
         node.recompute = self.recompute

@@ -93,6 +93,12 @@ def is_floating(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point
 
 
+def carries_gradient(dtype: torch.dtype) -> bool:
+    """Whether values of ``dtype`` can require grad: floating and complex ones (complex values
+    only pass between PyTorch calls, which differentiate them)."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def is_integral(dtype: torch.dtype) -> bool:
     return dtype in INTEGRAL
 

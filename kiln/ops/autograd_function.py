@@ -52,8 +52,36 @@ def function_outputs(
     *operands: torch.Tensor, backward: CustomBackward, outputs: int, arguments: int
 ) -> tuple[torch.Tensor, ...]:
     """The marker's reference implementation: its first ``outputs`` operands (copied, since an
-    extern's results are fresh memory). Graphs lose the marker after autodiff."""
-    return tuple(operand.clone() for operand in operands[:outputs])
+    extern's results are fresh memory), differentiated by the traced backward when eager
+    autograd runs the graph (the reference interpreter). Compiled graphs lose the marker."""
+    return _FunctionOutputs.apply(backward, outputs, arguments, *operands)
+
+
+class _FunctionOutputs(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, backward: CustomBackward, outputs: int, arguments: int, *operands: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.backward, ctx.outputs, ctx.arguments = backward, outputs, arguments
+        ctx.shapes = [(o.shape, o.dtype) for o in operands[outputs : outputs + arguments]]
+        ctx.save_for_backward(*operands[outputs + arguments :])
+        return tuple(operand.clone() for operand in operands[:outputs])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        from kiln.ir.interpreter import interpret
+
+        backward: CustomBackward = ctx.backward
+        # (autograd materializes the cotangents of unused outputs as zeros)
+        results = interpret(backward.graph, [*ctx.saved_tensors, *grads])  # type: ignore[list-item]
+        gradients: list[torch.Tensor | None] = [None] * ctx.arguments
+        for argument, grad in zip(backward.gradients, results, strict=True):
+            shape, dtype = ctx.shapes[argument]
+            grad = grad.sum_to_size(shape).to(dtype)
+            known = gradients[argument]
+            gradients[argument] = grad if known is None else known + grad
+        saved = [None] * len(ctx.saved_tensors)
+        return (None, None, None, *([None] * ctx.outputs), *gradients, *saved)
 
 
 def emit_function_outputs(

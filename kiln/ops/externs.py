@@ -40,7 +40,7 @@ from kiln.errors import TraceError
 from kiln.ir.builder import emit, require_builder
 from kiln.ir.graph import Value
 from kiln.ir.op import ImplFn, MetaFn, Op, OpDef, Sample, SampleFn, Tag, register
-from kiln.ir.types import FLOATING, Shape, TensorType
+from kiln.ir.types import FLOATING, Shape, TensorType, carries_gradient
 from kiln.ops import prims
 from kiln.ops.attrs import (
     ConvolutionAttrs,
@@ -203,7 +203,7 @@ def extern(
 
 
 def _is_float(operand: Any) -> bool:
-    return isinstance(operand, Value) and operand.type.dtype.is_floating_point
+    return isinstance(operand, Value) and carries_gradient(operand.type.dtype)
 
 
 def _transposed(x: Value) -> Value:
@@ -237,7 +237,7 @@ def grad_leaf(tensor: Any) -> Any:
     if not isinstance(tensor, torch.Tensor):
         return tensor
     leaf = tensor.clone() if tensor.is_inference() else tensor.detach()
-    return leaf.requires_grad_(tensor.is_floating_point())
+    return leaf.requires_grad_(carries_gradient(tensor.dtype))
 
 
 def autograd_grads(

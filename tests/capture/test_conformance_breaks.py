@@ -475,7 +475,17 @@ CASES = [
     case("live/containers", live_containers, rand(3), graphs=2, breaks=[EXPLICIT]),
     case("live/closure", live_closure, rand(3), graphs=2, breaks=[IO]),
     case("live/object", live_object, rand(3), graphs=2, breaks=[IO]),
-    case("live/iterator", live_iterator, rand(3), [rand(3), rand(3)], graphs=2, breaks=[EXPLICIT]),
+    # The resume function would receive the live iterator, which its capture would use up:
+    # it runs uncompiled (before, its capture baked the iterator's next item in).
+    case(
+        "live/iterator",
+        live_iterator,
+        rand(3),
+        [rand(3), rand(3)],
+        graphs=1,
+        breaks=[EXPLICIT],
+        skips=[kiln.SkipReason.ITERATOR_ARGUMENT],
+    ),
     case("live/input_mutation", live_input_mutation, rand(3), graphs=2, breaks=[EXPLICIT]),
     case("live/python_numbers", live_python_numbers, rand(3), 4, graphs=2, breaks=[EXPLICIT]),
     case("with/user_context_no_break", user_context_no_break, rand(3), []),
