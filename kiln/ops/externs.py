@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
-from kiln.errors import TraceError
+from kiln.errors import KilnError, TraceError
 from kiln.ir.builder import emit, require_builder
 from kiln.ir.graph import Value
 from kiln.ir.op import ImplFn, MetaFn, Op, OpDef, Sample, SampleFn, Tag, register
@@ -700,7 +700,11 @@ def _extern_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: 
     if own is not None:
         return own(attrs, inputs, outputs, grads)
     # attrs travels whole, a leaf to extern_call: its Slots index ``inputs``, not the new node.
-    results = extern_call(extern_backward, (attrs, list(inputs), list(grads)))
+    try:
+        results = extern_call(extern_backward, (attrs, list(inputs), list(grads)))
+    except KilnError as error:  # PyTorch's backward needs data to say its result's type
+        name = getattr(attrs.fn, "__name__", "extern")
+        raise NotImplementedError(f"{name}: the backward cannot be typed: {error}") from error
     return _spread(inputs, results)
 
 

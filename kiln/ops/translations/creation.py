@@ -224,11 +224,26 @@ def fill(self: Value, value: Scalar | Value) -> Value:
             "fill_ only supports 0-dimension value tensor but got tensor with "
             f"{len(value.type.shape)} dimensions."
         )
-    return filled(self.type.shape, value, self.type.dtype, self.type.device)
+    return _keeping_gradient(
+        self, filled(self.type.shape, value, self.type.dtype, self.type.device)
+    )
 
 
 def zero(self: Value) -> Value:
-    return filled(self.type.shape, 0, self.type.dtype, self.type.device)
+    return _keeping_gradient(self, filled(self.type.shape, 0, self.type.dtype, self.type.device))
+
+
+def _keeping_gradient(self: Value, result: Value) -> Value:
+    """``result`` replacing ``self``: when ``self`` requires grad, eager's fill still does (with
+    a zero gradient), so the values are selected over ``self`` rather than made from nothing."""
+    if not self.type.requires_grad:
+        return result
+    everywhere = prims.full(
+        shape=self.type.shape, value=True, dtype=torch.bool, device=self.type.device
+    )
+    selected = prims.where(everywhere, result, self)
+    assert isinstance(selected, Value)
+    return selected
 
 
 def _fill_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:

@@ -291,7 +291,7 @@ def index_add(
 @translation(torch.Tensor.index_copy_, samples=_joined(*_ALONG_CASES), dtypes=ALL, inplace=True)
 @translation(torch.Tensor.index_copy, torch.index_copy, samples=_joined(*_ALONG_CASES), dtypes=ALL)
 def index_copy(input: Value, dim: int, index: Value, source: Value) -> Value:
-    (source,) = autocast("index_copy", source)
+    input, source = autocast("index_copy", input, source)  # (promote: the wider dtype)
     return _along_dim(input, dim, index, source, "index_copy_", accumulate=False)
 
 
@@ -306,6 +306,10 @@ def _index_fill_samples(dtype: torch.dtype, device: torch.device) -> Sequence[Ca
 @translation(torch.Tensor.index_fill, torch.index_fill, samples=_index_fill_samples, dtypes=ALL)
 def index_fill(input: Value, dim: int, index: Value, value: Value | bool | int | float) -> Value:
     if input.type.rank == 0:
+        raise FallbackToExtern
+    if isinstance(value, Value) and value.type.requires_grad:
+        # Eager's value gradient sums the gradient at each listed index, a repeated index
+        # counted each time; the filled positions (each once) would give another number.
         raise FallbackToExtern
     index = _vector_index(index, "index_fill_")
     if isinstance(value, Value) and value.type.rank != 0:

@@ -307,12 +307,22 @@ def rdiv(self: Value, other: Operand) -> Operand:
     return mul(reciprocal_of(self), other)
 
 
+def _requires_grad(operand: Operand) -> bool:
+    return isinstance(operand, Value) and operand.type.requires_grad
+
+
 def floor_divide(input: Operand, other: Operand, *, out: Any = None) -> Value:
+    if _requires_grad(input) or _requires_grad(other):
+        # Eager's floor_divide has no derivative (``div(rounding_mode="floor")`` does): its
+        # backward must raise, as PyTorch's own call will.
+        raise FallbackToExtern
     return div(input, other, rounding_mode="floor", out=out)
 
 
 def remainder(input: Operand, other: Operand, *, out: Any = None) -> Value:
     no_out(out)
+    if _requires_grad(other):
+        raise FallbackToExtern  # eager's remainder has no derivative for ``other``
     return apply(prims.remainder, input, other)
 
 
