@@ -10,6 +10,7 @@ reach leaf parameters and inputs, accumulate over several backward calls, respec
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,9 @@ import torch
 
 from kiln.autodiff.partition import Partition, partition
 from kiln.autodiff.reverse import build_joint
-from kiln.ir.graph import Graph
+from kiln.ir.graph import Graph, InputKind
+from kiln.ir.interpreter import interpret
+from kiln.ir.op import Tag, op_def
 from kiln.ir.verify import verify
 from kiln.passes import optimize
 
@@ -44,6 +47,10 @@ class TrainingGraph:
         self.mutation_count = len(graph.mutations)
         self.differentiable = joint.differentiable_outputs
         self.input_count = len(graph.inputs)
+        # For a double backward: inputs the forward can be recomputed from under eager
+        # autograd. Activations are held weakly (parameters and buffers live in modules).
+        self.activations = [i for i, v in enumerate(graph.inputs) if v.kind is InputKind.USER]
+        self.random = any(Tag.RANDOM in op_def(n.op).tags for n in self.plan.forward.nodes)
 
     @property
     def saved_names(self) -> list[str]:
@@ -68,6 +75,10 @@ class _Function(torch.autograd.Function):
         saved += results[count : count + saved_count]
         ctx.save_for_backward(*saved)
         ctx.owner = owner
+        held: list[Any] = list(inputs)
+        for position in owner.activations:
+            held[position] = weakref.ref(inputs[position])
+        ctx.inputs = held
         outputs = [*results[:count], *results[count + saved_count :]]
         differentiable = set(owner.differentiable)
         frozen = [o for i, o in enumerate(outputs) if i not in differentiable]
@@ -79,16 +90,44 @@ class _Function(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         owner: TrainingGraph = ctx.owner
         if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"kiln: double backward (create_graph=True) through the compiled graph "
-                f"{owner.name!r} is not supported; compute higher-order gradients eagerly"
-            )
+            return (None, *_differentiable_backward(ctx, owner, grads))
         cotangents = [grads[i] for i in owner.differentiable]
         results = owner.backward([*ctx.saved_tensors, *cotangents])
         input_grads: list[torch.Tensor | None] = [None] * owner.input_count
         for position, grad in zip(owner.plan.grad_inputs, results, strict=True):
             input_grads[position] = grad
         return (None, *input_grads)
+
+
+def _differentiable_backward(
+    ctx: Any, owner: TrainingGraph, grads: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """The input gradients as functions of the inputs (``create_graph=True``: a gradient
+    penalty, a Hessian-vector product): the forward graph is run again by the reference
+    interpreter under eager autograd, and eager autograd differentiates it."""
+    found = [held() if isinstance(held, weakref.ref) else held for held in ctx.inputs]
+    inputs: list[torch.Tensor] = [value for value in found if value is not None]
+    if owner.random or len(inputs) != len(found):
+        why = "draws random numbers" if owner.random else "an input was freed since the forward"
+        raise RuntimeError(
+            f"kiln: double backward (create_graph=True) through the compiled graph "
+            f"{owner.name!r} is not possible: it {why}; compute higher-order gradients eagerly"
+        )
+    with torch.enable_grad():
+        outputs = interpret(owner.plan.forward, inputs)[: owner.output_count]
+        wanted = [(outputs[i], grads[i]) for i in owner.differentiable if grads[i] is not None]
+        wrt = [position for position, t in enumerate(inputs) if t.requires_grad]
+        results = torch.autograd.grad(
+            [o for o, _ in wanted],
+            [inputs[position] for position in wrt],
+            [g for _, g in wanted],
+            create_graph=True,
+            allow_unused=True,
+        )
+    input_grads: list[torch.Tensor | None] = [None] * owner.input_count
+    for position, grad in zip(wrt, results, strict=True):
+        input_grads[position] = grad
+    return input_grads
 
 
 def compile_training(graph: Graph, compile_graph: Compile) -> TrainingGraph:

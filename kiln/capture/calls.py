@@ -23,6 +23,7 @@ import functools
 import inspect
 import os
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -138,6 +139,8 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
         return apply_function(frame, fn.__self__, args, kwargs)
     if _stateful(fn):
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{_describe(fn)} changes random state")
+    if isinstance(fn, weakref.ReferenceType) and not args and not kwargs:
+        return _dereference(frame, fn)
     if id(fn) in frame.session.opaque_callables:
         name = getattr(fn, "__qualname__", type(fn).__name__)
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{name} transformed by torch.func")
@@ -220,6 +223,10 @@ def native(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     containers of their guarded items (so ``torch.cat(xs)`` sees proxies, not the caller's
     tensors)."""
     session = frame.session
+    for value in (*args, *kwargs.values()):
+        if session.opaque(value):  # (torch.from_numpy(array): the head converts it natively)
+            what = f"{_describe(fn)} of a {type(value).__name__} read from outside the frame"
+            raise GraphBreak(BreakReason.UNSUPPORTED_CALL, what)
     args = tuple(materialize(session, arg) for arg in args)
     kwargs = {key: materialize(session, value) for key, value in kwargs.items()}
     return fn(*args, **kwargs)
@@ -255,6 +262,9 @@ def _key(fn: Any) -> Any:
 def _call_builtin(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     owner = getattr(fn, "__self__", None)
     name = getattr(fn, "__name__", "")
+    if frame.session.opaque(owner):  # array.sum(): only NumPy knows what it reads
+        what = f"{type(owner).__name__}.{name} of an object read from outside the frame"
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, what)
     if owner is not None and not isinstance(owner, types.ModuleType):
         if isinstance(owner, _TENSOR_OR_IMMUTABLE):
             return native(frame, fn, args, kwargs)
@@ -440,6 +450,10 @@ def construct(frame: Frame, cls: type, args: tuple[Any, ...], kwargs: dict[str, 
     """``cls(*args, **kwargs)`` during capture."""
     session = frame.session
     if issubclass(cls, BaseException) or cls in (object, int, float, bool, complex, bytes):
+        for value in (*args, *kwargs.values()):
+            if session.opaque(value):  # float(array)
+                what = f"{cls.__name__}() of a {type(value).__name__} read from outside"
+                raise GraphBreak(BreakReason.UNSUPPORTED_CALL, what)
         return cls(*args, **kwargs)  # a proxy argument raises: a data-dependent break
     if cls in _CONTAINER_MODULES:  # e.g. ModuleList slicing builds a new container
         return session.new(cls(*args, **kwargs), Recipe(cls, args, kwargs))
@@ -463,6 +477,20 @@ def construct(frame: Frame, cls: type, args: tuple[Any, ...], kwargs: dict[str, 
     elif args or kwargs:
         raise TypeError(f"{cls.__qualname__}() takes no arguments")
     return obj
+
+
+def _dereference(frame: Frame, ref: weakref.ReferenceType[Any]) -> Any:
+    """``ref()``: the target, read through the reference's source (guarded, a graph input for
+    a tensor), so code comparing it with the object it expects (``ref() is weight`` in
+    ``nn.RNNBase``) sees the same traced value."""
+    from kiln.capture.sources import Called
+
+    session = frame.session
+    target = ref()
+    source = session.source_of(ref)
+    if target is None or source is None or session.is_new(ref):
+        return session.traced_version(target)
+    return session.wrap(target, Called(source))
 
 
 def _stateless_module(

@@ -14,6 +14,10 @@ from kiln.capture.convert import Capture
 from kiln.ir.graph import Graph
 from kiln.ir.op import Op
 from kiln.ops.autograd_function import function_outputs
+from kiln.ops.untracked import untracked_write
+
+# Externs autodiff uses to pass values through: not opaque calls of the user's program.
+_MARKERS = (function_outputs, untracked_write)
 
 
 @dataclass
@@ -109,8 +113,11 @@ def report_of(log: list[tuple[str, Capture | BreakRecord]]) -> ExplainReport:
         if item.graph is not None:
             report.graphs.append(item.graph)
             for node in item.graph.nodes:
-                # (a custom autograd Function's marker is not an opaque call)
-                if node.op is Op.EXTERN and node.attrs.fn is not function_outputs:
+                # (autodiff's markers are not opaque calls)
+                if node.op is Op.EXTERN and node.attrs.fn not in (
+                    function_outputs,
+                    untracked_write,
+                ):
                     report.externs.append(
                         f"{node.origin.api} ({node.origin.file}:{node.origin.line})"
                     )

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kiln.capture.breaks import BreakReason, GraphBreak
 from kiln.capture.frame import NULL, PY, UNBOUND, Frame, handles
 from kiln.capture.iteration import SymbolicIterator, items_of
 from kiln.capture.sources import Item
@@ -181,6 +182,7 @@ def store_fast_store_fast(frame: Frame, inst: dis.Instruction) -> None:
 def binary_op(frame: Frame, inst: dis.Instruction) -> None:
     right = frame.pop()
     left = frame.pop()
+    no_opaque(frame, "an operator", left, right)
     fn = _BINARY_BY_ARG[inst.arg or 0]
     if fn in _MUTATORS and isinstance(left, list | dict | set):
         frame.session.touch_container(left)
@@ -189,33 +191,34 @@ def binary_op(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("UNARY_NEGATIVE")
 def unary_negative(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(-frame.pop())
+    frame.push(-no_opaque(frame, "an operator", frame.pop()))
 
 
 @handles("UNARY_POSITIVE")
 def unary_positive(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(+frame.pop())
+    frame.push(+no_opaque(frame, "an operator", frame.pop()))
 
 
 @handles("UNARY_INVERT")
 def unary_invert(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(~frame.pop())
+    frame.push(~no_opaque(frame, "an operator", frame.pop()))
 
 
 @handles("UNARY_NOT")
 def unary_not(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(not frame.pop())
+    frame.push(not no_opaque(frame, "a truth test", frame.pop()))
 
 
 @handles("TO_BOOL")
 def to_bool(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(bool(frame.pop()))
+    frame.push(bool(no_opaque(frame, "a truth test", frame.pop())))
 
 
 @handles("COMPARE_OP")
 def compare_op(frame: Frame, inst: dis.Instruction) -> None:
     right = frame.pop()
     left = frame.pop()
+    no_opaque(frame, "a comparison", left, right)
     from kiln.capture.calls import materialize
 
     left, right = materialize(frame.session, left), materialize(frame.session, right)
@@ -240,6 +243,7 @@ def is_op(frame: Frame, inst: dis.Instruction) -> None:
 def contains_op(frame: Frame, inst: dis.Instruction) -> None:
     container = frame.pop()
     item = frame.pop()
+    no_opaque(frame, "'in'", item, container)
     if isinstance(container, list | tuple | dict):
         frame.session.guard_contents(container)
         if not isinstance(container, dict):
@@ -250,8 +254,6 @@ def contains_op(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("CALL_INTRINSIC_1")
 def call_intrinsic_1(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.breaks import BreakReason, GraphBreak
-
     name = inst.argrepr
     value = frame.pop()
     if name == "INTRINSIC_UNARY_POSITIVE":
@@ -417,6 +419,7 @@ def subscript(frame: Frame, container: Any, key: Any) -> Any:
     from kiln.capture.calls import call_function, python_dunder
 
     session = frame.session
+    no_opaque(frame, "indexing", container, key)
     source = session.source_of(container)
     if isinstance(container, torch.nn.ModuleList | torch.nn.Sequential) and isinstance(key, int):
         modules = list(container._modules.items())
@@ -480,8 +483,6 @@ def store_item(frame: Frame, container: Any, key: Any, value: Any) -> None:
         if isinstance(container, list):
             frame.session.guard_contents(container)  # IndexError depends on the length
     elif not isinstance(container, torch.Tensor) and not frame.session.is_new(container):
-        from kiln.capture.breaks import BreakReason, GraphBreak
-
         raise GraphBreak(
             BreakReason.UNSUPPORTED_CALL,
             f"item assignment on a {type(container).__name__} that existed before the call",
@@ -503,10 +504,20 @@ def delete_subscr(frame: Frame, inst: dis.Instruction) -> None:
 
 
 # --- strings ----------------------------------------------------------------------------
+def no_opaque(frame: Frame, what: str, *values: Any) -> Any:
+    """Break before capture computes on an object it cannot follow (``session.opaque``):
+    the head performs the step natively on each call. Returns the (last) value."""
+    for value in values:
+        if frame.session.opaque(value):
+            raise GraphBreak(
+                BreakReason.UNSUPPORTED_CALL,
+                f"{what} on a {type(value).__name__} read from outside the frame",
+            )
+    return values[-1] if values else None
+
+
 def no_tensor(value: Any, what: str) -> None:
     if isinstance(value, torch.Tensor):
-        from kiln.capture.breaks import BreakReason, GraphBreak
-
         raise GraphBreak(BreakReason.DATA_DEPENDENT, f"{what} of a tensor needs its values")
 
 
@@ -517,7 +528,7 @@ _CONVERSIONS = {0: None, 1: str, 2: repr, 3: ascii}
 def format_value(frame: Frame, inst: dis.Instruction) -> None:
     flags = inst.arg or 0
     spec = frame.pop() if flags & 0x04 else ""
-    value = frame.pop()
+    value = no_opaque(frame, "formatting", frame.pop())
     no_tensor(value, "formatting")
     conversion = _CONVERSIONS[flags & 0x03]
     if conversion is not None:
@@ -528,14 +539,14 @@ def format_value(frame: Frame, inst: dis.Instruction) -> None:
 @handles("CONVERT_VALUE")
 def convert_value(frame: Frame, inst: dis.Instruction) -> None:
     conversion = _CONVERSIONS[inst.arg or 0]
-    value = frame.pop()
+    value = no_opaque(frame, "formatting", frame.pop())
     no_tensor(value, "formatting")
     frame.push(conversion(value) if conversion is not None else value)
 
 
 @handles("FORMAT_SIMPLE")
 def format_simple(frame: Frame, inst: dis.Instruction) -> None:
-    value = frame.pop()
+    value = no_opaque(frame, "formatting", frame.pop())
     no_tensor(value, "formatting")
     frame.push(format(value, ""))
 
@@ -543,14 +554,14 @@ def format_simple(frame: Frame, inst: dis.Instruction) -> None:
 @handles("FORMAT_WITH_SPEC")
 def format_with_spec(frame: Frame, inst: dis.Instruction) -> None:
     spec = frame.pop()
-    value = frame.pop()
+    value = no_opaque(frame, "formatting", frame.pop())
     no_tensor(value, "formatting")
     frame.push(format(value, spec))
 
 
 @handles("GET_LEN")
 def get_len(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(len(frame.top()))
+    frame.push(len(no_opaque(frame, "len()", frame.top())))
 
 
 def make_iterator(frame: Frame, value: Any) -> Any:
@@ -561,7 +572,7 @@ def make_iterator(frame: Frame, value: Any) -> Any:
     if items is None:
         from kiln.capture.calls import iterate
 
-        items = iterate(frame, value)
+        items = iterate(frame, no_opaque(frame, "iteration", value))
     return frame.session.new(SymbolicIterator(items))
 
 

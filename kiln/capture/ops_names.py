@@ -162,8 +162,8 @@ def _autograd_state(frame: Frame, proxy: Any, name: str) -> Any:
     session = frame.session
     source = session.source_of(proxy) if hasattr(proxy, "_input_type") else None
     real = session.caller_tensor(proxy)
-    if name == "data":
-        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "tensor.data")
+    if name == "data":  # a view of the same memory that autograd does not track
+        return proxy.detach()
     if real is not None and source is not None and proxy._mutations == 0:
         return session.wrap(getattr(real, name), Attr(source, name))
     if name == "grad":

@@ -77,7 +77,7 @@ def emit_break(plan: Any, rebuild: Reconstructor, fn: types.FunctionType) -> lis
         return [*lines, *rebuild.lines, f"___r = bool({cond})", f"return {resume}"]
     if plan.kind == "operation":
         statement, pushes = _native_operation(inst, stack, rebuild)
-        resume = _resume(plan, rebuild, fn, after, [*stack, _RESULT] if pushes else stack)
+        resume = _resume(plan, rebuild, fn, after, [*stack, *(pushes or [])])
         return [*lines, *rebuild.lines, statement, f"return {resume}"]
     resume = _resume(plan, rebuild, fn, inst.offset, stack, compiled=False)
     return [*lines, *rebuild.lines, f"return {resume}"]
@@ -127,36 +127,50 @@ _UNARY = {
 # other breaking instruction makes the rest of the frame run uncompiled).
 OPERATIONS = frozenset(
     {"BINARY_SUBSCR", "BINARY_SLICE", "STORE_SUBSCR", "BINARY_OP", "COMPARE_OP", "CONTAINS_OP"}
+    | {"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"}
     | set(_UNARY)
 )
 
 
-def _native_operation(inst: Any, stack: list[Any], rebuild: Reconstructor) -> tuple[str, bool]:
+def _native_operation(
+    inst: Any, stack: list[Any], rebuild: Reconstructor
+) -> tuple[str, list[Any] | None]:
     """The statement performing ``inst`` on the stack's top values (popped from ``stack``), and
-    whether it pushes a result (``___r``)."""
+    what it pushes (``_RESULT`` for ``___r``; None: nothing)."""
     name = inst.opname
     value = rebuild.value
+    if name in ("LOAD_ATTR", "LOAD_METHOD"):
+        statement = f"___r = getattr({value(stack.pop())}, {inst.argval!r})"
+        method = name == "LOAD_METHOD" or (PY >= (3, 12) and bool((inst.arg or 0) & 1))
+        if not method:
+            return statement, [_RESULT]
+        return statement, [_RESULT, NULL] if PY >= (3, 13) else [NULL, _RESULT]
+    if name == "STORE_ATTR":
+        target, item = stack.pop(), stack.pop()
+        return f"setattr({value(target)}, {inst.argval!r}, {value(item)})", None
+    if name == "DELETE_ATTR":
+        return f"delattr({value(stack.pop())}, {inst.argval!r})", None
     if name == "STORE_SUBSCR":
         key, container, item = stack.pop(), stack.pop(), stack.pop()
-        return f"{value(container)}[{value(key)}] = {value(item)}", False
+        return f"{value(container)}[{value(key)}] = {value(item)}", None
     if name == "BINARY_SLICE":
         stop, start, container = stack.pop(), stack.pop(), stack.pop()
-        return f"___r = {value(container)}[{value(start)}:{value(stop)}]", True
+        return f"___r = {value(container)}[{value(start)}:{value(stop)}]", [_RESULT]
     if name in _UNARY:
         function = _UNARY[name]
         bound = rebuild.binder.bind(function, function.__name__)
-        return f"___r = {bound}({value(stack.pop())})", True
+        return f"___r = {bound}({value(stack.pop())})", [_RESULT]
     right, left = stack.pop(), stack.pop()
     if name == "BINARY_SUBSCR":
-        return f"___r = {value(left)}[{value(right)}]", True
+        return f"___r = {value(left)}[{value(right)}]", [_RESULT]
     if name == "CONTAINS_OP":
         negate = "not " if inst.arg else ""
-        return f"___r = {negate}({value(left)} in {value(right)})", True
+        return f"___r = {negate}({value(left)} in {value(right)})", [_RESULT]
     symbol = str(inst.argrepr)
     as_bool = symbol.startswith("bool(")  # 3.13: COMPARE_OP that also converts to bool
     function = OPERATORS[symbol.removeprefix("bool(").removesuffix(")")]
     call = f"{rebuild.binder.bind(function, function.__name__)}({value(left)}, {value(right)})"
-    return f"___r = {'bool(' + call + ')' if as_bool else call}", True
+    return f"___r = {'bool(' + call + ')' if as_bool else call}", [_RESULT]
 
 
 def _take(rebuild: Reconstructor) -> list[str]:

@@ -43,8 +43,16 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.types import TensorType
 
+try:  # NumPy scalars (a metric's float32) are values like Python numbers
+    import numpy
+
+    _NUMPY_SCALARS: tuple[type, ...] = (numpy.generic,)
+except ImportError:  # pragma: no cover - NumPy comes with every PyTorch install here
+    _NUMPY_SCALARS = ()
+
 # Values guarded by equality and used as constants.
 CONSTANT_TYPES = (
+    *_NUMPY_SCALARS,
     int,
     float,
     bool,
@@ -162,10 +170,21 @@ class Session:
         if is_constant(value) and not isinstance(value, enum.Enum):
             self.add_guard(Equals(source, reason, value))
             return value
-        if isinstance(value, IDENTITY_TYPES):
+        owner = getattr(value, "__self__", None)
+        bound = isinstance(value, types.BuiltinMethodType) and not isinstance(
+            owner, types.ModuleType | type | type(None)
+        )
+        if bound:
+            # ``log.append``: a new object on every read, so not guarded by identity; the
+            # method is its name on its owner, which is read (and guarded) through the source.
+            self.add_guard(TypeIs(source, reason, type(value)))
+            self.add_guard(Equals(Attr(source, "__name__"), reason, value.__name__))
+            self.wrap(owner, Attr(source, "__self__"))
+        elif isinstance(value, IDENTITY_TYPES):
             self.add_guard(Identity(source, reason, value))
         elif isinstance(value, types.MethodType):
             self.add_guard(Identity(Attr(source, "__func__"), reason, value.__func__))
+            self.wrap(value.__self__, Attr(source, "__self__"))  # the method reads its self
         elif type(value) is tuple:
             self.add_guard(TypeIs(source, reason, type(value)))
             self.add_guard(LengthIs(source, reason, len(value)))
@@ -275,6 +294,17 @@ class Session:
                     state[effect.key] = effect.snapshot
         return state
 
+    def opaque(self, value: Any) -> bool:
+        """Whether ``value`` came from outside and capture cannot see what native code does
+        with it: an object of a C type it does not model (a NumPy array), guarded only by its
+        type. Computing on it during capture would bake this call's result into the code."""
+        if id(value) not in self.sources or self.is_new(value):
+            return False
+        kind = type(value)
+        if kind.__flags__ & _HEAP_TYPE:  # a Python class: its methods inline, reads are guarded
+            return False
+        return not isinstance(value, _MODELED)
+
     def constant_tensor(self, tensor: torch.Tensor) -> None:
         """``tensor`` was computed during capture from Python data (a constant)."""
         self.constant_tensors.add(id(tensor))
@@ -360,6 +390,24 @@ class Session:
             self.contexts.pop().__exit__(None, None, None)
         while self.journal:
             self.journal.pop()()
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: classes made by class statements
+# Types whose values capture follows: constants (by value), identities, tensors, containers
+# (their items are read through sources), bound methods.
+_MODELED = (
+    *CONSTANT_TYPES,
+    *IDENTITY_TYPES,
+    torch.Tensor,
+    tuple,
+    list,
+    dict,
+    set,
+    frozenset,
+    slice,
+    types.MethodType,
+    types.CellType,
+)
 
 
 def _refill(obj: Any, contents: Any) -> None:

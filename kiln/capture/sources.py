@@ -219,6 +219,22 @@ class Item(Source):
         return f"{self.base}[{self.key!r}]"
 
 
+@dataclass(frozen=True)
+class Called(Source):
+    """``base()``: what a weak reference read through ``base`` points to."""
+
+    base: Source
+
+    def expr(self, binder: Binder) -> str:
+        return f"{self.base.expr(binder)}()"
+
+    def name(self) -> str:
+        return f"{self.base.name()}_target"
+
+    def __str__(self) -> str:
+        return f"{self.base}()"
+
+
 @dataclass(frozen=True, eq=False)
 class Constant(Source):
     """An object held by identity (one the capture reached without a stable access path)."""

@@ -21,7 +21,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from kiln.errors import KilnError, OpaqueCallError, OpError, TraceError, op_error
+from kiln.errors import (
+    KilnError,
+    OpaqueCallError,
+    OpError,
+    OpNotImplementedError,
+    TraceError,
+    op_error,
+)
 from kiln.frontends.source import user_location
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Origin, Value
@@ -91,6 +98,10 @@ _DATA_ACCESS = {
     torch.Tensor.__array__,
     torch.Tensor.__complex__,
 }
+
+
+# Calls that change a tensor's place in autograd's graph rather than compute a value.
+_AUTOGRAD_LEAVES = {torch.Tensor.requires_grad_, torch.Tensor.retain_grad}
 
 
 class ProxyTensor(torch.Tensor):
@@ -240,12 +251,21 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         )
     if func in (torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__):
         return _describe(args[0])
+    if func in _AUTOGRAD_LEAVES:
+        # A new autograd leaf (or hooks on one): eager autograd must see the real tensor.
+        raise OpaqueCallError(
+            f"{api_name(func)} on a traced tensor changes what autograd records", user_location()
+        )
     if isinstance(kwargs.get("generator"), torch.Generator):
         # The numbers belong to the user's generator and its state: PyTorch must draw them.
         raise OpaqueCallError(
             f"{api_name(func)} draws from a torch.Generator, which only PyTorch can advance",
             user_location(),
         )
+    out = kwargs.get("out")
+    if isinstance(out, ProxyTensor):  # f(..., out=t): t.copy_(f(...)), returning t
+        kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        return _write_into(out, dispatch(func, args, kwargs), api_name(func))
     builder = require_builder()
     location = user_location()
     origin = Origin(
@@ -266,6 +286,10 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                     result = entry.fn(*values[0], **values[1])
                 except FallbackToExtern:
                     result = _extern(func, *values)
+                except OpNotImplementedError:
+                    if not _exotic(values):
+                        raise  # (eager rejects it too: float & float)
+                    result = _extern(func, *values)  # uint8 arithmetic: PyTorch computes it
         except KilnError as error:
             if error.location is None and location is not None:
                 error.location = location
@@ -296,6 +320,13 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return wrapped
 
 
+# The dtypes prims compute in (others, such as uint8, are only converted from and to).
+PRIM_DTYPES = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64}
+    | {torch.bool}
+)
+
+
 def _complex(values: Any) -> bool:
     """Whether a call involves complex numbers (an operand, or a dtype to convert to): prims
     are real, so PyTorch runs it (an extern, differentiated by PyTorch's autograd)."""
@@ -305,6 +336,14 @@ def _complex(values: Any) -> bool:
         if isinstance(leaf, torch.dtype) and leaf.is_complex:
             return True
     return False
+
+
+def _exotic(values: Any) -> bool:
+    """Whether an operand has a dtype prims do not compute in (uint8, int8, int16...)."""
+    return any(
+        isinstance(leaf, Value) and leaf.type.dtype not in PRIM_DTYPES
+        for leaf in pytree.tree_leaves(values)
+    )
 
 
 _SIGNATURES: dict[Any, inspect.Signature | None] = {}
@@ -359,6 +398,14 @@ def _wrap(item: Any) -> Any:
     return ProxyTensor(item) if isinstance(item, Value) else item
 
 
+def _write_into(out: ProxyTensor, result: Any, api: str) -> ProxyTensor:
+    """``out=``: the result written into ``out`` in place (as an in-place op would)."""
+    if not isinstance(result, ProxyTensor) or tuple(result.shape) != tuple(out.shape):
+        raise OpaqueCallError(f"{api} with out= of another shape (eager resizes it)")
+    with require_builder().origin_scope(Origin(api)):
+        return _assign(out, result.current(), api)
+
+
 def _assign(target: ProxyTensor, result: Any, api: str) -> ProxyTensor:
     """Functionalize an in-place op: rebind ``target`` (and its root) to ``result``."""
     if not isinstance(result, Value):
@@ -404,7 +451,14 @@ def _assign(target: ProxyTensor, result: Any, api: str) -> ProxyTensor:
         dims=(0,),
         accumulate=False,
     )
-    root._value = prims.reshape(updated, shape=root_value.type.shape)
+    new_root = prims.reshape(updated, shape=root_value.type.shape)
+    if root_value.type.requires_grad and not target.requires_grad:
+        # A write through ``.data`` or ``detach()``: autograd does not see it, so the root's
+        # gradient must not go through it either.
+        from kiln.ops.untracked import emit_untracked_write
+
+        new_root = emit_untracked_write(root_value, new_root)
+    root._value = new_root
     root._mutations += 1
     target._value = result
     target._seen_version = root._mutations

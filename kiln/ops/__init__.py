@@ -2,7 +2,7 @@
 
 Input: nothing. Output: registry rows for every :class:`~kiln.ir.Op` (``elementwise``,
 ``reductions``, ``movement``, ``indexing``, ``creation``, ``externs``, ``attention``, and the
-VJP of custom autograd Functions' marker in ``autograd_function``) and the
+VJPs of the autodiff markers in ``autograd_function`` and ``untracked``) and the
 translation table from torch callables to prims (``kiln.ops.translations``). Importing this
 package registers everything.
 """
@@ -17,4 +17,5 @@ from kiln.ops import (  # noqa: F401  (importing registers the rows)
     movement,
     reductions,
     translations,
+    untracked,
 )

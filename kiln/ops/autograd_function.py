@@ -14,7 +14,7 @@ outputs, then the ``apply`` arguments that are tensors, then the values the back
 
 Autodiff asks the marker for gradients: :func:`_function_vjp` inlines the backward graph on
 the saved values and the output cotangents, so a gradient-reversal or straight-through
-Function gets exactly its own gradient. After autodiff, the ``unwrap_function_outputs`` pass
+Function gets exactly its own gradient. After autodiff, the ``remove_autodiff_markers`` pass
 replaces the marker by the outputs it passes through: no copy runs.
 """
 

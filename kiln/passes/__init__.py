@@ -14,7 +14,7 @@ from kiln.passes.attention_statistics import keep_attention_statistics
 from kiln.passes.conv_bn import fold_conv_batchnorm
 from kiln.passes.cse import eliminate_common_subexpressions
 from kiln.passes.dce import eliminate_dead_code
-from kiln.passes.function_outputs import unwrap_function_outputs
+from kiln.passes.markers import remove_autodiff_markers
 from kiln.passes.matmul_padding import pad_matmul
 from kiln.passes.matmul_transpose import transpose_matmul
 from kiln.passes.reduction_split import split_reductions
@@ -24,7 +24,7 @@ from kiln.passes.sum_factor import factor_sums
 # The pattern rewrites run first, on the graph as the translations wrote it (CSE could give a
 # pattern's values extra readers); CSE and DCE then clean up after them.
 PIPELINE = [
-    unwrap_function_outputs,
+    remove_autodiff_markers,
     fuse_attention,
     keep_attention_statistics,
     fold_conv_batchnorm,
@@ -42,8 +42,9 @@ PIPELINE = [
 # backward graphs after partitioning, not on the graph autodiff differentiates: there a split
 # reduction's VJP becomes a permuted, reshaped broadcast, which hides a per-channel factor
 # from factor_sums (a BatchNorm backward's third sum then needs a kernel of its own). The
-# markers of custom autograd Functions carry their backward until autodiff has used it.
-AFTER_AUTODIFF = frozenset({unwrap_function_outputs, factor_sums, split_reductions})
+# markers for autodiff (custom Functions' backward, writes through .data) stay until autodiff
+# has used them.
+AFTER_AUTODIFF = frozenset({remove_autodiff_markers, factor_sums, split_reductions})
 
 
 def optimize(graph: Graph, *, differentiating: bool = False) -> Graph:
@@ -67,7 +68,7 @@ __all__ = [
     "optimize",
     "pad_matmul",
     "read_relu_masks_from_outputs",
+    "remove_autodiff_markers",
     "split_reductions",
     "transpose_matmul",
-    "unwrap_function_outputs",
 ]

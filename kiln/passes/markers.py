@@ -1,8 +1,14 @@
-"""Custom autograd Functions' markers dropped once autodiff has used them.
+"""Markers for autodiff dropped once autodiff has used them.
 
-The ``function_outputs`` extern (``kiln/ops/autograd_function.py``) only passes its first
-operands through; it exists so that autodiff differentiates a Function by its own backward.
-After autodiff (and in graphs nothing differentiates) its readers read those operands directly,
+Two externs only pass values through; they exist so that autodiff differentiates something
+other than the prims that computed those values:
+
+* ``function_outputs`` (``kiln/ops/autograd_function.py``) passes a custom autograd
+  Function's outputs through, with the Function's own backward as its VJP;
+* ``untracked_write`` (``kiln/ops/untracked.py``) gives a tensor the values written through
+  its ``.data``, with the gradient passed straight to the tensor's old value.
+
+After autodiff (and in graphs nothing differentiates) their readers read the values directly,
 so no copy runs::
 
     before:  t3 = neg(x); t4, = extern(t3, x, fn=function_outputs, ...); t5 = mul(t4, 2)
@@ -22,24 +28,31 @@ from kiln.ir.op import Op
 from kiln.ops import prims
 from kiln.ops.attrs import Slot
 from kiln.ops.autograd_function import function_outputs
+from kiln.ops.untracked import untracked_write
 
 _VIEWS = frozenset(
     {Op.RESHAPE, Op.PERMUTE, Op.BROADCAST, Op.EXPAND, Op.SLICE, Op.SQUEEZE, Op.UNSQUEEZE}
 )
 
 
+def _is_marker(node: Node) -> bool:
+    return node.op is Op.EXTERN and node.attrs.fn in (function_outputs, untracked_write)
+
+
 def _passed_through(node: Node) -> dict[Value, Value] | None:
     """Each output of a marker node -> the operand it passes through; None for other nodes."""
-    if node.op is not Op.EXTERN or node.attrs.fn is not function_outputs:
+    if not _is_marker(node):
         return None
-    count = node.attrs.kwargs["outputs"]
     slots = [slot.index for slot in node.attrs.args if isinstance(slot, Slot)]
-    operands = [node.inputs[index] for index in slots[:count]]
+    if node.attrs.fn is untracked_write:
+        operands = [node.inputs[slots[1]]]
+    else:
+        operands = [node.inputs[index] for index in slots[: node.attrs.kwargs["outputs"]]]
     return dict(zip(node.outputs, operands, strict=True))  # type: ignore[arg-type]
 
 
-def unwrap_function_outputs(graph: Graph) -> Graph:
-    """``graph`` without ``function_outputs`` markers (module docstring)."""
+def remove_autodiff_markers(graph: Graph) -> Graph:
+    """``graph`` without the markers of the module docstring."""
     replaced: dict[Value, Value] = {}
     for node in graph.nodes:
         passed = _passed_through(node)
@@ -50,7 +63,7 @@ def unwrap_function_outputs(graph: Graph) -> Graph:
     result = copy.copy(graph)
     result.nodes = []
     for node in graph.nodes:
-        if node.op is Op.EXTERN and node.attrs.fn is function_outputs:
+        if _is_marker(node):
             continue
         node.inputs = tuple(replaced.get(i, i) if isinstance(i, Value) else i for i in node.inputs)
         result.nodes.append(node)

@@ -1,0 +1,1 @@
+"""Real programs, eager against compiled over several inputs (see ``harness.py``)."""
