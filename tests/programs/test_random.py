@@ -11,12 +11,14 @@ program without randomness must not draw from it).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 import kiln
 
-from .harness import Program, WrongOutput, Xfail, check_program, params
+from .harness import Program, check_program, params
 
 CALL = kiln.BreakReason.UNSUPPORTED_CALL
 
@@ -81,14 +83,6 @@ def rows_and_seed(variant: int) -> tuple[torch.Tensor, int]:
     return torch.randn(4, 6), 100 + variant
 
 
-MANUAL_SEED = Xfail(
-    WrongOutput,
-    "torch.manual_seed inside the program breaks (UNSUPPORTED_CALL) and runs natively, but the "
-    "randn/rand/randn_like after it are compiled into the resume graph, which draws Kiln's "
-    "Philox stream: values differ from eager's for that seed "
-    "(def f(x): torch.manual_seed(7); return x + torch.rand(3))",
-)
-
 # A random op given a generator runs natively (only PyTorch advances a generator): it breaks
 # the graph, in its function and in the program calling it.
 PROGRAMS = [
@@ -134,23 +128,31 @@ PROGRAMS = [
         breaks=(CALL, CALL, CALL),  # Generator(), manual_seed(seed), rand(generator=)
         captures=4,
     ),
-    *(
-        Program(
-            name,
-            lambda fn=fn: fn,
-            rows,
-            breaks=(CALL,),  # manual_seed runs natively; the random ops after it in one graph
-            captures=2,
-            xfail=MANUAL_SEED,
-        )
-        for name, fn in (
-            ("manual-seed-inside", manual_seed_inside),
-            ("manual-seed-randn-like", manual_seed_then_like),
-        )
-    ),
 ]
 
 
 @pytest.mark.parametrize("program", params(PROGRAMS))
 def test_random(program: Program) -> None:
     check_program(program)
+
+
+@pytest.mark.parametrize("program", [manual_seed_inside, manual_seed_then_like])
+def test_manual_seed_makes_kilns_own_stream_reproducible(program: Any) -> None:
+    """After ``torch.manual_seed`` (which runs natively, in order), the compiled random ops
+    draw Kiln's own Philox stream, seeded from torch's generator: the numbers differ from
+    eager's (benchmarks/RESULTS.md lists this), but what seeding promises holds: the same
+    seed gives the same numbers on every call, and the global generator ends where a
+    repeated call leaves it."""
+    kiln.reset()
+    compiled = kiln.compile(program)
+    x = torch.randn(4, 6)
+    first = compiled(x)
+    state = torch.get_rng_state()
+    second = compiled(x)
+    assert torch.equal(state, torch.get_rng_state())
+    expected = program(x)
+    for a, b, e in zip(first, second, expected, strict=True):
+        assert torch.equal(a, b)
+        assert a.shape == e.shape and a.dtype == e.dtype
+    assert kiln.counters.fallbacks == []
+    assert [r.reason for r in kiln.counters.graph_breaks] == [CALL]
