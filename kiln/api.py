@@ -84,12 +84,16 @@ def _compile(target: Any, settings: Options) -> Any:
     call = type(target).__dict__.get("__call__") if callable(target) else None
     if isinstance(call, types.FunctionType):
         return types.MethodType(compiled_function(call, settings), target)
-    raise TypeError(f"kiln.compile expects a function or nn.Module, got {type(target).__name__}")
+    if callable(target):  # a builtin (torch.erfinv), a partial: compiled through a caller
+        wrapper = functools.partial(compiled_function(_module_caller(), settings), target)
+        functools.update_wrapper(wrapper, target)
+        return wrapper
+    raise TypeError(f"kiln.compile expects a callable or nn.Module, got {type(target).__name__}")
 
 
 def _module_caller() -> types.FunctionType:
     """A fresh ``lambda self, *args, **kwargs: self(*args, **kwargs)`` (its own code object,
-    so each compiled module has its own cache)."""
+    so each compiled module or callable has its own cache)."""
     scope: dict[str, Any] = {}
     source = "def __call__(self, *args, **kwargs):\n    return self(*args, **kwargs)\n"
     exec(builtins.compile(source, "<kiln module call>", "exec"), scope)

@@ -74,6 +74,22 @@ for _name in ("debug", "info", "warning", "error", "exception", "critical", "log
 MODELS[warnings.warn] = _io
 
 
+# --- backend flags ------------------------------------------------------------------------
+def _backend_flags(flags: Any) -> Model:
+    def make(frame: Frame, *args: Any, **kwargs: Any) -> Any:
+        from kiln.capture.ops_flow import BackendFlags
+        from kiln.capture.session import Recipe
+
+        context = BackendFlags(flags, *args, **kwargs)
+        return frame.session.new(context, Recipe(BackendFlags, (flags, *args), kwargs))
+
+    return make
+
+
+for _flags in (torch.backends.cudnn.flags, torch.backends.mkldnn.flags):
+    MODELS[_flags] = _backend_flags(_flags)
+
+
 # --- copy ---------------------------------------------------------------------------------
 def _holds_tensors(value: Any, seen: set[int] | None = None, depth: int = 0) -> bool:
     """Whether ``value`` reaches a tensor through containers and object attributes."""

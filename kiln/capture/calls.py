@@ -141,6 +141,8 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{_describe(fn)} changes random state")
     if isinstance(fn, weakref.ReferenceType) and not args and not kwargs:
         return _dereference(frame, fn)
+    if isinstance(fn, _LRU_CACHED):
+        return _cached_call(frame, fn, args, kwargs)
     if id(fn) in frame.session.opaque_callables:
         name = getattr(fn, "__qualname__", type(fn).__name__)
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{name} transformed by torch.func")
@@ -477,6 +479,21 @@ def construct(frame: Frame, cls: type, args: tuple[Any, ...], kwargs: dict[str, 
     elif args or kwargs:
         raise TypeError(f"{cls.__qualname__}() takes no arguments")
     return obj
+
+
+_LRU_CACHED = type(functools.lru_cache(lambda: None))
+
+
+def _cached_call(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A ``functools.lru_cache`` function (transformers' ``is_torch_distributed_available``,
+    ``logger.warning_once``): without tensor arguments it runs natively, answering from its
+    cache as eager's call would (a first call's side effect happens now, during the first
+    call); with tensors the function itself is followed."""
+    from kiln.capture.builtins import _holds_tensors
+
+    if not any(_holds_tensors(value) for value in (*args, *kwargs.values())):
+        return native(frame, fn, args, kwargs)
+    return call_function(frame, fn.__wrapped__, args, kwargs)
 
 
 def _dereference(frame: Frame, ref: weakref.ReferenceType[Any]) -> Any:

@@ -31,7 +31,7 @@ import torch
 
 from kiln.capture.breaks import BreakRecord, FullGraphError, GraphBreak, SkipReason
 from kiln.capture.calls import CO_ASYNC, CO_GENERATOR
-from kiln.capture.frame import BreakHere, Frame
+from kiln.capture.frame import BreakHere, ExceptionEntry, Frame
 from kiln.capture.guards import Guard, Identity
 from kiln.capture.ops_flow import is_known_context
 from kiln.capture.reconstruct import Reconstructor, Unreconstructible
@@ -221,6 +221,7 @@ class _capturing:
     def __enter__(self) -> None:
         session = self.session
         mode = TraceMode(
+            writable=session.writable_constant,
             on_constant=session.constant_tensor,
             is_constant=lambda tensor: (
                 id(tensor) in session.constant_tensors or id(tensor) in session.input_proxies
@@ -360,6 +361,7 @@ class _BreakPlan:
     breaks: list[BreakRecord] = field(default_factory=list)
     resumes: list[Any] = field(default_factory=list)
     uncompiled: list[BreakRecord] = field(default_factory=list)
+    handler: ExceptionEntry | None = None  # the try body's entry, for a break inside one
 
     def lines(self, rebuild: Reconstructor, fn: types.FunctionType) -> list[str]:
         rebuild.effects()
@@ -370,9 +372,9 @@ def _break_plan(root: Frame, error: GraphBreak) -> _BreakPlan:
     inst = root.current
     assert inst is not None
     record = BreakRecord(error.reason, error.detail, error.location, root.code.co_qualname)
-    _check_breakable(root, inst, f"{error.reason.name}: {error.detail}")
     kind = _break_kind(inst)
-    plan = _BreakPlan(root, kind, error, breaks=[record])
+    handler = _check_breakable(root, inst, f"{error.reason.name}: {error.detail}", kind)
+    plan = _BreakPlan(root, kind, error, breaks=[record], handler=handler)
     if kind == "native":
         detail = f"the rest of the frame, from {inst.opname} at the break on: {error.detail}"
         plan.uncompiled.append(
@@ -395,26 +397,42 @@ def _break_kind(inst: dis.Instruction) -> str:
     return "native"
 
 
-def _check_breakable(root: Frame, inst: dis.Instruction, why: str) -> None:
+def _check_breakable(
+    root: Frame, inst: dis.Instruction, why: str, kind: str
+) -> ExceptionEntry | None:
+    """Skip the frame where a break cannot be resumed; the ``try`` body entry whose handler
+    the native step must lead to when it raises, when the break is directly inside one."""
     location = root.location
     for other in root.instructions:
         if (
             other.opname.startswith("JUMP_BACKWARD") or "BACKWARD_IF" in other.opname
         ) and other.offset > inst.offset >= other.argval:
             raise Skip(SkipReason.BREAK_IN_LOOP, why, location)
+    handler: ExceptionEntry | None = None
     if _in_try(root, inst.offset):
-        raise Skip(SkipReason.BREAK_IN_TRY, why, location)
+        handler = root.covering_entry(inst.offset)
+        # Resumable: a break directly in a try body (not in a handler, not in a with block
+        # inside the try), at a step the head performs, which it can send to the handler.
+        if handler is None or handler.lasti or _is_with_handler(root, handler):
+            raise Skip(SkipReason.BREAK_IN_TRY, why, location)
+        if kind not in ("call", "operation", "bool"):
+            raise Skip(SkipReason.BREAK_IN_TRY, why, location)
     for item in root.stack:
         exit_method = isinstance(item, types.MethodType) and item.__name__ == "__exit__"
         if exit_method and not is_known_context(root.entered.get(id(item))):
             raise Skip(SkipReason.BREAK_IN_WITH, why, location)
+    return handler
+
+
+def _is_with_handler(root: Frame, entry: ExceptionEntry) -> bool:
+    handler = root.instructions[root.index[entry.target] : root.index[entry.target] + 2]
+    return [i.opname for i in handler] == ["PUSH_EXC_INFO", "WITH_EXCEPT_START"]
 
 
 def _in_try(root: Frame, offset: int) -> bool:
     entry = root.covering_entry(offset)
     while entry is not None:
-        handler = root.instructions[root.index[entry.target] : root.index[entry.target] + 2]
-        if [i.opname for i in handler] != ["PUSH_EXC_INFO", "WITH_EXCEPT_START"]:
+        if not _is_with_handler(root, entry):
             return True
         cleanup = root.covering_entry(entry.target)
         entry = root.covering_entry(cleanup.target) if cleanup is not None else None

@@ -20,6 +20,7 @@ import types
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from kiln.capture.guards import Identity
 from kiln.capture.iteration import SymbolicIterator
@@ -73,14 +74,31 @@ class Reconstructor:
         ):
             return self._new(obj)  # (containers from native calls are rebuilt too)
         if isinstance(obj, torch.Tensor):
-            if id(obj) not in session.constant_tensors:
-                # Reached without a source (an item of an argument container nobody read):
-                # baking it in would replay this call's value on every later call.
-                raise Unreconstructible("a tensor the capture reached without an access path")
-            return f"{self.binder.bind(obj, 'tensor')}.clone()"
+            return self._constant_tensor(obj)
         if any(isinstance(v, ProxyTensor) for v in getattr(obj, "__dict__", {}).values()):
             raise Unreconstructible(f"a {type(obj).__name__} holding traced tensors")
         return self.binder.bind(obj, type(obj).__name__)
+
+    def _constant_tensor(self, tensor: torch.Tensor) -> str:
+        """A tensor the program made from Python data: one fresh copy per call (every reference
+        to it in this call is that copy), or the graph's value when the program wrote it."""
+        session = self.session
+        if id(tensor) not in session.constant_tensors or id(tensor) in session.poisoned_constants:
+            # Reached without a source (an item of an argument container nobody read), or
+            # written through memory other constants share: baking it in would be stale.
+            raise Unreconstructible("a tensor the capture cannot re-create on the next call")
+        written = session.builder.written_constant(tensor)
+        if written is not None:
+            if written not in self._output_index:
+                self._output_index[written] = len(self.outputs)
+                self.outputs.append(written)
+            expression = f"___out[{self._output_index[written]}]"
+        else:
+            name = self.binder.fresh("c")
+            self.lines.append(f"{name} = {self.binder.bind(tensor, 'tensor')}.clone()")
+            expression = name
+        self._memo[id(tensor)] = expression
+        return expression
 
     def _tensor(self, proxy: ProxyTensor) -> str:
         current = proxy.current()
@@ -105,13 +123,14 @@ class Reconstructor:
         if self._input_sources.get(root._initial) is None:
             return None
         func, args, kwargs, index = call
-        rest = [*args[1:], *kwargs.values()]
-        if not isinstance(args[0], ProxyTensor) or any(_holds_proxy(item) for item in rest):
-            return None
-        base = self._tensor(args[0])
-        if base.startswith("___out["):
-            return None  # args[0] is not itself re-created from the input
-        items = [base, *(self.value(a) for a in args[1:])]
+        # The operand the view is taken of (the first tensor; ``meshgrid([x])`` nests it).
+        base = next(
+            (leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, ProxyTensor)),
+            None,
+        )
+        if base is None or self._tensor(base).startswith("___out["):
+            return None  # the operand is not itself re-created from the input
+        items = [self.value(a) for a in args]
         items += [f"{key}={self.value(v)}" for key, v in kwargs.items()]
         expr = f"{self.binder.bind(func, getattr(func, '__name__', 'view'))}({', '.join(items)})"
         return expr if index is None else f"{expr}[{index}]"

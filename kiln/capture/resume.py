@@ -45,11 +45,12 @@ def emit_break(plan: Any, rebuild: Reconstructor, fn: types.FunctionType) -> lis
     after = frame.instructions[frame.index[inst.offset] + 1].offset
     lines = list(rebuild.lines)
     rebuild.lines.clear()
+    handler = _handler_resume(plan, rebuild, fn, stack)  # a break inside a try body
     if plan.kind == "call":
         entered = [rebuild.value(ctx) for ctx in contexts]
         pre = _take(rebuild)
         call, stack = _native_call(frame, inst, stack, rebuild)
-        step = [*_take(rebuild), f"___r = {call}"]
+        step = _guarded([*_take(rebuild), f"___r = {call}"], handler)
         for ctx in reversed(entered):
             step = [f"with {ctx}:", *("    " + line for line in step)]
         resume = _resume(plan, rebuild, fn, after, [*stack, _RESULT])
@@ -73,12 +74,14 @@ def emit_break(plan: Any, rebuild: Reconstructor, fn: types.FunctionType) -> lis
     if plan.kind == "bool":
         condition = stack.pop()
         cond = rebuild.value(condition)
+        step = _guarded([f"___r = bool({cond})"], handler)
         resume = _resume(plan, rebuild, fn, after, [*stack, _RESULT])
-        return [*lines, *rebuild.lines, f"___r = bool({cond})", f"return {resume}"]
+        return [*lines, *rebuild.lines, *step, f"return {resume}"]
     if plan.kind == "operation":
         statement, pushes = _native_operation(inst, stack, rebuild)
+        step = _guarded([*_take(rebuild), statement], handler)
         resume = _resume(plan, rebuild, fn, after, [*stack, *(pushes or [])])
-        return [*lines, *rebuild.lines, statement, f"return {resume}"]
+        return [*lines, *step, *rebuild.lines, f"return {resume}"]
     resume = _resume(plan, rebuild, fn, inst.offset, stack, compiled=False)
     return [*lines, *rebuild.lines, f"return {resume}"]
 
@@ -173,6 +176,28 @@ def _native_operation(
     return f"___r = {'bool(' + call + ')' if as_bool else call}", [_RESULT]
 
 
+def _handler_resume(
+    plan: Any, rebuild: Reconstructor, fn: types.FunctionType, stack: list[Any]
+) -> tuple[list[str], str] | None:
+    """For a break inside a ``try`` body: the lines and the call that continue in the handler
+    when the native step raises, with the stack the exception table says (its depth, then
+    the exception), as CPython would have entered it."""
+    entry = plan.handler
+    if entry is None:
+        return None
+    call = _resume(plan, rebuild, fn, entry.target, [*stack[: entry.depth], _EXCEPTION])
+    return _take(rebuild), call
+
+
+def _guarded(step: list[str], handler: tuple[list[str], str] | None) -> list[str]:
+    """``step``, sending an exception it raises to the ``try``'s handler when there is one."""
+    if handler is None:
+        return step
+    setup, call = handler
+    body = [f"    {line}" for line in step]
+    return [*setup, "try:", *body, "except BaseException as ___e:", f"    return {call}"]
+
+
 def _take(rebuild: Reconstructor) -> list[str]:
     lines = list(rebuild.lines)
     rebuild.lines.clear()
@@ -184,6 +209,7 @@ class _Result:
 
 
 _RESULT = _Result()
+_EXCEPTION = _Result()  # the exception a native step raised (``___e``), for a handler
 
 
 def _is_context_exit(frame: Frame, item: Any) -> bool:
@@ -249,6 +275,9 @@ def _resume(
         elif item is _RESULT:
             slots.append(StackSlot.VALUE)
             args.append("___r")
+        elif item is _EXCEPTION:
+            slots.append(StackSlot.VALUE)
+            args.append("___e")
         elif _is_context_exit(frame, item):
             slots.append(StackSlot.CONTEXT)
             args.append(rebuild.value(frame.entered[id(item)]))

@@ -140,6 +140,10 @@ class Session:
         # constants the generated code may copy. Any other real tensor was reached without a
         # source (an unread item of an argument) and must not be baked in.
         self.constant_tensors: set[int] = set()
+        # Constants that are views, or have views: written with traced values, they cannot
+        # become graph values (the other tensors sharing their memory would not follow).
+        self.shared_constants: set[int] = set()
+        self.poisoned_constants: set[int] = set()
         # Functions capture cannot trace into (``torch.func.vmap(f)``): calling one breaks.
         self.opaque_callables: set[int] = set()
         self.recipes: dict[int, Recipe] = {}
@@ -165,7 +169,7 @@ class Session:
         reason = _reason()
         if isinstance(value, ProxyTensor):
             return value
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.layout is torch.strided:
             return self.tensor_input(value, source, reason)
         if is_constant(value) and not isinstance(value, enum.Enum):
             self.add_guard(Equals(source, reason, value))
@@ -309,6 +313,16 @@ class Session:
         """``tensor`` was computed during capture from Python data (a constant)."""
         self.constant_tensors.add(id(tensor))
         self.keepalive.append(tensor)
+        if tensor._is_view():
+            self.shared_constants.update((id(tensor), id(tensor._base)))
+
+    def writable_constant(self, tensor: torch.Tensor) -> bool:
+        """Whether writing traced values into ``tensor`` may make it a graph value; if not, it
+        may not be re-created after the graph either (its writes would be lost)."""
+        if id(tensor) in self.shared_constants:
+            self.poisoned_constants.add(id(tensor))
+            return False
+        return True
 
     # --- side effects on pre-existing objects -------------------------------------------
     def touch_container(self, obj: Any) -> None:

@@ -441,8 +441,10 @@ template <typename T> static inline T kiln_remainder_float(T a, T b) {
     x = a == ONE ? copysign##S((T)INFINITY, y) : x;                                    \
     return a > ONE ? (T)NAN : x;                                                       \
   }
-KILN_ERFINV(float, f, 1.0f)
 KILN_ERFINV(double, , 1.0)
+// float: the same algorithm in double, rounded once. In float, erf(x) - y cancels near +-1
+// (libmvec's vector erff is a few ulp off there), which the Newton steps cannot undo.
+static inline float kiln_erfinv(float y) { return (float)kiln_erfinv((double)y); }
 
 // Philox-4x32-10 as Triton's tl.rand/tl.randn: key = the seed's halves, counter = (offset,
 // 0, 0, 0); a uniform float from the first word, a normal by Box-Muller from the first two.

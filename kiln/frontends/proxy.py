@@ -30,7 +30,7 @@ from kiln.errors import (
     op_error,
 )
 from kiln.frontends.source import user_location
-from kiln.ir.builder import require_builder
+from kiln.ir.builder import active_builder, require_builder
 from kiln.ir.graph import Origin, Value
 from kiln.ir.types import concrete, concrete_shape
 from kiln.ops import prims
@@ -192,10 +192,12 @@ class TraceMode(torch.overrides.TorchFunctionMode):
         self,
         on_constant: Callable[[torch.Tensor], None] | None = None,
         is_constant: Callable[[torch.Tensor], bool] | None = None,
+        writable: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         super().__init__()
         self.on_constant = on_constant
         self.is_constant = is_constant
+        self.writable = writable  # whether a constant may become a graph value when written
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -209,14 +211,27 @@ class TraceMode(torch.overrides.TorchFunctionMode):
                 and not self.is_constant(leaf)
             ]
             if unknown:
-                # A tensor reached without an access path (an item of a native iterator):
-                # used as a constant, it would replay this call's values on every call.
-                raise TraceError(
-                    f"data-dependent value: {api_name(func)} of a tensor capture cannot re-read "
-                    "on the next call",
+                # A tensor reached without an access path (an item of a native iterator, a
+                # gradient in optimizer state) or that cannot be a graph input (sparse): used
+                # as a constant, it would replay this call's values on every call.
+                raise OpaqueCallError(
+                    f"{api_name(func)} of a tensor capture cannot read as a graph input",
                     user_location(),
                 )
-        if func in RANDOM_FACTORIES or any(isinstance(leaf, ProxyTensor) for leaf in leaves):
+        if func in RANDOM_FACTORIES or any(_traced(leaf) for leaf in leaves):
+            target = args[0] if args else None
+            if (
+                self.writable is not None
+                and isinstance(target, torch.Tensor)
+                and not isinstance(target, ProxyTensor)
+                and getattr(lookup(func), "inplace", False)
+                and not self.writable(target)
+            ):
+                raise TraceError(
+                    f"data-dependent value: {api_name(func)} writes traced values into a view "
+                    "of a constant tensor",
+                    user_location(),
+                )
             return dispatch(func, tuple(args), kwargs)
         result = func(*args, **kwargs)
         if self.on_constant is not None:
@@ -224,6 +239,16 @@ class TraceMode(torch.overrides.TorchFunctionMode):
                 if isinstance(leaf, torch.Tensor):
                     self.on_constant(leaf)
         return result
+
+
+def _traced(leaf: Any) -> bool:
+    """A proxy, or a constant the program has written traced values into (a graph value)."""
+    if isinstance(leaf, ProxyTensor):
+        return True
+    if not isinstance(leaf, torch.Tensor):
+        return False
+    builder = active_builder()
+    return builder is not None and builder.written_constant(leaf) is not None
 
 
 def _native(func: Any) -> bool:
@@ -277,6 +302,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     with builder.origin_scope(origin):
         token = collect_assignments()
         try:
+            external = True
             if entry is None or _complex(values) or not _binds(entry.fn, values[0], values[1]):
                 # (a translation whose signature lacks an argument torch accepts: PyTorch's
                 # own call is right, whatever the translation would have done)
@@ -284,6 +310,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             else:
                 try:
                     result = entry.fn(*values[0], **values[1])
+                    external = False
                 except FallbackToExtern:
                     result = _extern(func, *values)
                 except OpNotImplementedError:
@@ -302,22 +329,133 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         for target, new in assignments:
             _assign(by_value[target], new, origin.api)
         if entry is not None and entry.inplace:
-            if not isinstance(args[0], ProxyTensor):
-                raise TraceError(
-                    f"{origin.api}: in-place update of a tensor that is not traced (one created "
-                    "from Python data), with traced values: create it with a torch function of "
-                    "a traced tensor instead (e.g. torch.zeros_like)",
-                    location,
-                )
+            if isinstance(args[0], torch.Tensor) and not isinstance(args[0], ProxyTensor):
+                # A constant (made from Python data) written with traced values: its value
+                # is a graph value from now on; the tensor object stays the program's.
+                return _write_constant(args[0], result, origin.api)
             return _assign(args[0], result, origin.api)
+    view = entry is not None and not external and entry.is_view(*values)
+    if not view and _may_alias(result, by_value, external):
+        with builder.origin_scope(origin):
+            return _eager_identity(func, args, kwargs, result, by_value)
     wrapped = pytree.tree_map(_wrap, result)
-    if (
-        entry is not None
-        and entry.is_view(*values)
-        and isinstance(wrapped, ProxyTensor | tuple | list)
-    ):
+    if view and isinstance(wrapped, ProxyTensor | tuple | list):
+        assert entry is not None
         _mark_views(wrapped, args, kwargs, entry.fn, func)
     return wrapped
+
+
+def _may_alias(result: Any, by_value: dict[Value, ProxyTensor], external: bool) -> bool:
+    """Whether eager's result may be an operand itself or a view of it: a translation handed an
+    operand back unchanged, or a PyTorch call (which may return views: ``hsplit``, ``ravel``)
+    on tensors."""
+    if external and by_value:
+        return True
+    return any(leaf in by_value for leaf in pytree.tree_leaves(result) if isinstance(leaf, Value))
+
+
+def _eager_identity(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    result: Any,
+    by_value: dict[Value, ProxyTensor],
+) -> Any:
+    """A translation handed an operand back unchanged (a sum over no dims, ``contiguous()``,
+    a roll by 0). Eager returns that same tensor object, a new view of it, or new memory,
+    depending on the op; running it on meta tensors says which, and the result follows."""
+    metas: dict[int, torch.Tensor] = {}
+    owners: dict[int, ProxyTensor] = {}
+
+    def stand_in(item: Any) -> Any:
+        if not isinstance(item, ProxyTensor):
+            return item
+        if id(item) not in metas:
+            meta = torch.empty(tuple(item.shape), dtype=item.dtype, device="meta")
+            if item.requires_grad and torch.is_grad_enabled():
+                meta.requires_grad_()  # (eager's outputs say which are differentiable)
+            metas[id(item)] = meta
+            owners[id(meta)] = item
+        return metas[id(item)]
+
+    try:
+        eager = func(*pytree.tree_map(stand_in, args), **pytree.tree_map(stand_in, kwargs))
+        answers: list[torch.Tensor | None] = [
+            leaf for leaf in pytree.tree_leaves(eager) if isinstance(leaf, torch.Tensor)
+        ]
+    except Exception:
+        answers = []
+    leaves, structure = pytree.tree_flatten(result)
+    values = [leaf for leaf in leaves if isinstance(leaf, Value)]
+    if len(answers) != len(values):
+        answers = [None] * len(values)  # (no answer: new memory, never an alias)
+    answer = dict(zip(map(id, values), answers, strict=True))
+    settled = []
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, Value):
+            settled.append(leaf)
+            continue
+        eager_leaf = answer[id(leaf)]
+        if eager_leaf is not None and leaf.type.requires_grad and not eager_leaf.requires_grad:
+            leaf.type = leaf.type.with_(requires_grad=False)  # (lu's permutation, norm stats)
+        if eager_leaf is not None and id(eager_leaf) in owners:
+            settled.append(owners[id(eager_leaf)])  # the same tensor object
+            continue
+        base = _memory_owner(eager_leaf, list(metas.values())) if eager_leaf is not None else None
+        if base is not None:  # a new tensor on the operand's memory (a view, unsafe_split)
+            # (a 1-tuple result is indexed too: meshgrid(x) returns (view,))
+            view_call = (func, args, kwargs, None if isinstance(result, Value) else index)
+            settled.append(_view_of(leaf, owners[id(base)], by_value, view_call, index))
+        elif leaf in by_value:  # new memory holding the operand's values
+            copied = prims.convert(leaf, dtype=leaf.type.dtype)
+            assert isinstance(copied, Value)
+            settled.append(ProxyTensor(copied))
+        else:
+            settled.append(ProxyTensor(leaf))
+    return pytree.tree_unflatten(settled, structure)
+
+
+def _memory_owner(eager: torch.Tensor, stand_ins: list[torch.Tensor]) -> torch.Tensor | None:
+    """The operand stand-in whose memory ``eager`` (a meta result) shares: its view base, or
+    the one with the same storage (``unsafe_split`` returns non-view tensors on it)."""
+    if eager._is_view() and any(eager._base is meta for meta in stand_ins):
+        return eager._base
+    storage = eager.untyped_storage()._cdata
+    return next((m for m in stand_ins if m.untyped_storage()._cdata == storage), None)
+
+
+def _view_of(
+    value: Value,
+    base: ProxyTensor,
+    by_value: dict[Value, ProxyTensor],
+    view_call: tuple[Any, tuple[Any, ...], dict[str, Any], int | None],
+    index: int,
+) -> ProxyTensor:
+    """``value`` as a view of ``base`` (eager returned one): recomputed from the root when the
+    root is written in place, re-created from the caller's tensor when it leaves the graph."""
+    proxy = ProxyTensor(value)
+    root = base._root if base._root is not None else base
+    base_replay = base._replay
+    func, args, kwargs, _ = view_call
+    if value in by_value:
+
+        def replay(root_value: Value) -> Value:  # the view is the operand itself
+            return base_replay(root_value) if base_replay is not None else root_value
+
+    else:
+
+        def replay(root_value: Value) -> Value:  # PyTorch's call again, on the new values
+            current = base_replay(root_value) if base_replay is not None else root_value
+            operands = pytree.tree_map(
+                lambda a: current if a is base else _unwrap(a), (args, kwargs)
+            )
+            again = _extern(func, *operands)
+            return again if isinstance(again, Value) else pytree.tree_leaves(again)[index]
+
+    proxy._root, proxy._replay = root, replay
+    proxy._seen_version = root._mutations
+    proxy._view_call = view_call
+    return proxy
 
 
 # The dtypes prims compute in (others, such as uint8, are only converted from and to).
@@ -396,6 +534,21 @@ def _unwrap(item: Any, seen: dict[Value, ProxyTensor] | None = None) -> Any:
 
 def _wrap(item: Any) -> Any:
     return ProxyTensor(item) if isinstance(item, Value) else item
+
+
+def _write_constant(target: torch.Tensor, result: Any, api: str) -> torch.Tensor:
+    if not isinstance(result, Value) or tuple(result.type.shape) != tuple(target.shape):
+        raise TraceError(f"{api}: in-place update of a constant tensor", user_location())
+    if result.type.dtype != target.dtype:
+        if not torch.can_cast(result.type.dtype, target.dtype):
+            raise OpError(
+                f"{api}: result type {result.type.dtype} can't be cast to the desired output "
+                f"type {target.dtype}",
+                user_location(),
+            )
+        result = prims.convert(result, dtype=target.dtype)
+    require_builder().rebind_constant(target, result)
+    return target
 
 
 def _write_into(out: ProxyTensor, result: Any, api: str) -> ProxyTensor:
@@ -495,4 +648,5 @@ def _mark_views(
         output._root = root
         output._replay = replay
         output._seen_version = root._mutations
-        output._view_call = (func, args, kwargs, index if len(outputs) > 1 else None)
+        single = isinstance(result, ProxyTensor)  # (split into one chunk returns (view,))
+        output._view_call = (func, args, kwargs, None if single else index)

@@ -33,16 +33,30 @@ class GraphBuilder:
         self.origin = Origin("")
         self._token: contextvars.Token[GraphBuilder | None] | None = None
         self._constants: dict[int, tuple[torch.Tensor, Value]] = {}
+        # Constants written in place by traced values: id -> their value now.
+        self._rebound: dict[int, Value] = {}
         self._rng_seed: Value | None = None
         self._rng_offset = 0
         self.recompute = False  # nodes emitted now carry the partitioner's recompute hint
 
     def constant(self, tensor: torch.Tensor) -> Value:
-        """The graph input holding ``tensor`` (a program constant), lifted once per tensor."""
+        """The graph input holding ``tensor`` (a program constant), lifted once per tensor; its
+        value now, if the program has written it in place since."""
         key = id(tensor)
+        if key in self._rebound:
+            return self._rebound[key]
         if key not in self._constants:
             self._constants[key] = (tensor, self.graph.add_constant(tensor.detach()))
         return self._constants[key][1]
+
+    def rebind_constant(self, tensor: torch.Tensor, value: Value) -> None:
+        """``tensor`` (a constant) was written in place: its value is ``value`` from now on."""
+        self.constant(tensor)
+        self._rebound[id(tensor)] = value
+
+    def written_constant(self, tensor: torch.Tensor) -> Value | None:
+        """The value of a constant the program wrote in place, or None."""
+        return self._rebound.get(id(tensor))
 
     def rng_seed(self) -> Value:
         """The graph's int64 seed input, drawn from torch's generator on every call."""

@@ -33,6 +33,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
 )
 
@@ -608,8 +609,8 @@ def _output_tensors(fn: Callable[..., Any], result: Any) -> list[torch.Tensor]:
 def _extern(attrs: ExternAttrs, *operands: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
     result = _call(attrs, *operands)
     if isinstance(result, torch.Tensor):
-        return result
-    return tuple(_output_tensors(attrs.fn, result))
+        return fresh(result, operands)
+    return tuple(fresh(t, operands) for t in _output_tensors(attrs.fn, result))
 
 
 def extern_runner(attrs: ExternAttrs) -> Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]:
@@ -636,10 +637,25 @@ def extern_runner(attrs: ExternAttrs) -> Callable[..., torch.Tensor | tuple[torc
             call_kwargs = {**kwargs, **{key: operands[index] for key, index in kwarg_slots}}
         result = fn(*call_args, **call_kwargs)
         if isinstance(result, torch.Tensor):
-            return result
-        return tuple(_output_tensors(fn, result))
+            return fresh(result, operands)
+        return tuple(fresh(t, operands) for t in _output_tensors(fn, result))
 
     return run
+
+
+def fresh(result: torch.Tensor, operands: Sequence[Any]) -> torch.Tensor:
+    """``result``, copied when it shares memory with an operand (``x.real`` of a real tensor,
+    ``atleast_1d``): the schedule gives an extern's outputs their own memory and may reuse an
+    operand's buffer once it is dead."""
+    if result.layout is not torch.strided or not result.numel() or result.is_meta:
+        return result  # (sparse results, abstract runs: no strided memory to share)
+    if isinstance(result, FakeTensor):
+        return result
+    memory = result.untyped_storage().data_ptr()
+    for operand in operands:
+        if isinstance(operand, torch.Tensor) and operand.untyped_storage().data_ptr() == memory:
+            return result.clone()
+    return result
 
 
 def extern_call(
@@ -672,7 +688,9 @@ def extern_call(
     result = extern_result_types(attrs, *types)
     if result is None:
         result = _run_abstractly(_call, attrs, types, fake=True)
-    _, structure = pytree.tree_flatten(result)
+    leaves, structure = pytree.tree_flatten(result)
+    if any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in leaves):
+        raise TypeError(f"extern: {getattr(fn, '__name__', fn)} returns a sparse tensor")
     flat = [outputs] if isinstance(outputs, Value) else list(outputs)
     return pytree.tree_unflatten(flat, structure)
 

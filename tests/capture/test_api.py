@@ -61,7 +61,7 @@ def test_bad_arguments_are_clear() -> None:
         kiln.compile(double_plus, options={"colour": "blue"})
     with pytest.raises(kiln.KilnError, match="unknown backend"):
         kiln.compile(double_plus, backend="nope")
-    with pytest.raises(TypeError, match=r"function or nn\.Module"):
+    with pytest.raises(TypeError, match=r"callable or nn\.Module"):
         kiln.compile(42)
 
 

@@ -222,6 +222,25 @@ def break_in_try(x):
     return y
 
 
+def branch_in_try(x):
+    y = x + 1
+    try:
+        if y.sum() > 0:  # BREAK
+            y = y * 2
+    except KeyError:
+        y = y - 1
+    return y
+
+
+def break_in_handler(x):
+    try:
+        y = x[10]  # IndexError for these inputs: the handler runs
+    except IndexError:
+        print("handler")  # BREAK
+        y = x * 2
+    return y
+
+
 def break_in_try_callee(x):
     y = x + 1
     try:
@@ -458,9 +477,13 @@ CASES = [
         rtol=1e-2,
     ),
     case("region/inference_mode", break_in_inference_mode, rand(3), graphs=2, breaks=[EXPLICIT]),
-    case("skip/try", break_in_try, rand(3), graphs=0, skips=[IN_TRY]),
-    # The skipped frame's calls still go through compiled wrappers: the callee's two graphs.
-    case("skip/try_callee", break_in_try_callee, rand(3), graphs=2, breaks=[IO], skips=[IN_TRY]),
+    # A break at a call in a try body resumes compiled; the head sends an exception the call
+    # raises to the handler (a resume function starting there).
+    case("try/break", break_in_try, rand(3), graphs=2, breaks=[IO]),
+    # f's graph, the callee's two, f's resume (the finally block on the normal path)
+    case("try/callee", break_in_try_callee, rand(3), graphs=4, breaks=[IO, IO]),
+    case("skip/try_branch", branch_in_try, rand(3), graphs=0, skips=[IN_TRY]),
+    case("skip/except_handler", break_in_handler, rand(3), graphs=0, skips=[IN_TRY]),
     case("skip/for", break_in_for, rand(3), graphs=0, skips=[IN_LOOP]),
     case("skip/while_item", item_in_while, rand(3), graphs=0, skips=[IN_LOOP]),
     case(
@@ -530,7 +553,7 @@ def test_breaks(fn: Any, args: Any, build: Any, expect: dict[str, Any]) -> None:
         (two_breaks, 3),
         (break_at_first_line, None),
         (callee_callee_breaks, 6),
-        (break_in_try, 0),
+        (break_in_try, 2),
         (break_in_for, 0),
     ],
     ids=lambda v: getattr(v, "__name__", str(v)),
@@ -602,13 +625,13 @@ def test_explain_of_compiled_function_and_counters() -> None:
 
 
 def test_explain_lists_skips_for_try() -> None:
-    report = kiln.explain(break_in_try, torch.randn(3))
+    report = kiln.explain(branch_in_try, torch.randn(3))
     assert [s.reason for s in report.skips] == [IN_TRY]
     record = report.skips[0]
     assert record.location is not None
-    assert record.location.line == line_of(break_in_try, "# BREAK")[1]
+    assert record.location.line == line_of(branch_in_try, "# BREAK")[1]
     kiln.reset()
-    kiln.compile(break_in_try)(torch.randn(3))
+    kiln.compile(branch_in_try)(torch.randn(3))
     assert [r.reason for r in kiln.counters.fallbacks] == [IN_TRY]
 
 
@@ -625,7 +648,8 @@ FULLGRAPH_ERRORS = [
     (logging_call, (rand(3),), logging_call, "IO"),
     (callee_breaks, (rand(3),), leaf_prints, "IO"),
     (callee_callee_breaks, (rand(3),), leaf_prints, "IO"),
-    (break_in_try, (rand(3),), break_in_try, ("IO", "BREAK_IN_TRY")),
+    (break_in_try, (rand(3),), break_in_try, "IO"),
+    (branch_in_try, (rand(3),), branch_in_try, ("DATA_DEPENDENT", "BREAK_IN_TRY")),
     (break_in_for, (rand(3),), break_in_for, ("IO", "BREAK_IN_LOOP")),
     (break_in_no_grad, (rand(3),), break_in_no_grad, "IO"),
 ]

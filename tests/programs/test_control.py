@@ -372,7 +372,7 @@ PROGRAMS = [
         breaks=(IO,),
         skips=(IN_LOOP,),
     ),
-    Program("break-in-try", lambda: try_with_break, rows, graphs=0, skips=(IN_TRY,), captures=0),
+    Program("break-in-try", lambda: try_with_break, rows, graphs=2, breaks=(EXPLICIT,), captures=2),
     Program(
         "break-in-user-context-manager",
         lambda: with_break_inside,

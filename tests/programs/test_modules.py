@@ -324,7 +324,7 @@ PROGRAMS = [
         partial_caller,
         partial_inputs,
         train=True,
-        breaks=(DATA,),  # the partial's bound tensor cannot be re-read by a guard
+        breaks=(CALL,),  # the partial's bound tensor cannot be re-read by a guard
         captures=2,
     ),
     Program("no-grad-decorated-forward", NoGradForward, train_rows),

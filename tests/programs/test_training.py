@@ -595,7 +595,7 @@ PROGRAMS = [
         classify_in_forward,
         graphs=2,
         later_graphs=1,
-        breaks=(DATA, CALL, DATA),
+        breaks=(CALL, CALL, CALL),  # zero_grad and step read p.grad; backward runs natively
         captures=4,
     ),
     Program(
@@ -604,7 +604,7 @@ PROGRAMS = [
         lambda v: (torch.randn(4, 8),),
         variants=(0, 0, 0),
         between=new_gradients,
-        breaks=(DATA,),  # opt.step() reads p.grad: it runs natively
+        breaks=(CALL,),  # opt.step() reads p.grad: it runs natively
         captures=2,
     ),
     Program(
@@ -615,7 +615,7 @@ PROGRAMS = [
         # parameters fix the shapes, so the later variant reuses every entry
         graphs=1,
         later_graphs=0,
-        breaks=(CALL, CALL, DATA),
+        breaks=(CALL, CALL, CALL),
         captures=4,
     ),
     Program("dropout-p0-train", lambda: DropoutOff(0.0), classify, train=True, loss=cross_entropy),

@@ -337,7 +337,9 @@ def bernoulli(input: Value, p: float | None = None, **options: Any) -> Value:
     _unsupported(options, "bernoulli")
     u = random("uniform", input.type.shape, torch.float32, input.type.device)
     chance = p if p is not None else common.convert(input, torch.float32)
-    return prims.convert(prims.lt(u, chance), dtype=input.type.dtype)
+    drawn = prims.convert(prims.lt(u, chance), dtype=input.type.dtype)
+    assert isinstance(drawn, Value)
+    return _keeping_gradient(input, drawn)  # eager: requires grad, with a zero gradient
 
 
 def _factory_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
