@@ -59,6 +59,11 @@ class OpIndexError(KilnError, IndexError):
     """An op was given a dim or index out of range."""
 
 
+class IndexOutOfBounds(OpIndexError, RuntimeError):
+    """A kernel read through an index outside its dimension (eager raises IndexError for
+    ``x[i]``, ``index_select`` and ``embedding``, RuntimeError for ``gather``: both catch it)."""
+
+
 class OpValueError(KilnError, ValueError):
     """An op was given an argument value it does not accept."""
 

@@ -160,7 +160,12 @@ def _structure(kernel: Kernel, position: dict[int, int]) -> list[str]:
 
     def index(value: Index) -> str:
         return format_index(
-            value, lambda a: a.name if hasattr(a, "name") else f"%{number[id(a.value)]}"
+            value,
+            lambda a: (
+                a.name
+                if hasattr(a, "name")
+                else f"%{number[id(a.value)]}{'!' if a.checked else ''}{'w' if a.wrapped else ''}"
+            ),
         )
 
     parts = [f"{kernel.xnumel},{kernel.rnumel}"]

@@ -323,6 +323,10 @@ class _KernelPrinter:
         for atom, coef in index.terms:
             if isinstance(atom, Var):
                 text = atom.name
+            elif isinstance(atom, Indirect) and atom.checked:
+                wrapped = int(atom.wrapped)
+                checked = f"kiln_checked_index({self.name(atom.value)}, {atom.size}, {wrapped})"
+                text = f"({self.index_type}){checked}"
             elif isinstance(atom, Indirect):
                 text = f"({self.index_type}){self.name(atom.value)}"
             else:
@@ -619,7 +623,8 @@ class _KernelPrinter:
             [r.value for r in reduces] + [e for s in r_stores for e in _store_needs(s)],
             self.r_dependent,
         )
-        invariants = [e for e in invariants if self.phase[id(e)] == 0]
+        # (one the same for every row, a constant, is computed where it is read instead)
+        invariants = [e for e in invariants if self.phase[id(e)] == 0 and self.across_rows[id(e)]]
         if invariants:  # a BatchNorm's per-channel scale and shift, once per block
             self.fill_lane_arrays(outer, invariants, lanes)
         accumulators = [self.accumulator(reduce) for reduce in reduces]

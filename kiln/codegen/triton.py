@@ -376,6 +376,12 @@ class _Printer:
     def _atom(self, atom: object) -> str:
         if isinstance(atom, Var):
             return "xindex" if atom.name == X else "rindex"
+        if isinstance(atom, Indirect) and atom.checked:
+            # No check raises inside a GPU kernel without a sync (tl.device_assert runs only
+            # under TRITON_DEBUG=1, as eager's CUDA asserts do): an index outside reads
+            # element 0 instead of memory it does not own. The C++ kernels raise IndexError.
+            name = self.name(atom.value)
+            return f"tl.where(({name} >= 0) & ({name} < {atom.size}), {name}, 0)"
         if isinstance(atom, Indirect):
             return self.name(atom.value)
         assert isinstance(atom, (FloorDiv, Mod))

@@ -326,8 +326,11 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             raise op_error(f"{origin.api}: {error}", error, location) from error
         finally:
             assignments = finish_assignments(token)
+        rebound: dict[Value, ProxyTensor] = {}
         for target, new in assignments:
-            _assign(by_value[target], new, origin.api)
+            rebound[new] = _assign(by_value[target], new, origin.api)
+        if isinstance(result, Value) and result in rebound:
+            return rebound[result]  # F.elu(x, inplace=True) returns x itself, as eager
         if entry is not None and entry.inplace:
             if isinstance(args[0], torch.Tensor) and not isinstance(args[0], ProxyTensor):
                 # A constant (made from Python data) written with traced values: its value
@@ -354,6 +357,10 @@ def _may_alias(result: Any, by_value: dict[Value, ProxyTensor], external: bool) 
     return any(leaf in by_value for leaf in pytree.tree_leaves(result) if isinstance(leaf, Value))
 
 
+# Elements up to which an op without a meta kernel runs on zeros to learn its aliasing.
+_REAL_STAND_IN_LIMIT = 1 << 16
+
+
 def _eager_identity(
     func: Any,
     args: tuple[Any, ...],
@@ -367,22 +374,32 @@ def _eager_identity(
     metas: dict[int, torch.Tensor] = {}
     owners: dict[int, ProxyTensor] = {}
 
-    def stand_in(item: Any) -> Any:
+    def stand_in(item: Any, device: str) -> Any:
         if not isinstance(item, ProxyTensor):
             return item
         if id(item) not in metas:
-            meta = torch.empty(tuple(item.shape), dtype=item.dtype, device="meta")
+            meta = torch.zeros(tuple(item.shape), dtype=item.dtype, device=device)
             if item.requires_grad and torch.is_grad_enabled():
                 meta.requires_grad_()  # (eager's outputs say which are differentiable)
             metas[id(item)] = meta
             owners[id(meta)] = item
         return metas[id(item)]
 
+    def run(device: str) -> list[torch.Tensor | None]:
+        metas.clear()
+        owners.clear()
+        stand_ins = pytree.tree_map(lambda item: stand_in(item, device), (args, kwargs))
+        eager = func(*stand_ins[0], **stand_ins[1])
+        return [leaf for leaf in pytree.tree_leaves(eager) if isinstance(leaf, torch.Tensor)]
+
     try:
-        eager = func(*pytree.tree_map(stand_in, args), **pytree.tree_map(stand_in, kwargs))
-        answers: list[torch.Tensor | None] = [
-            leaf for leaf in pytree.tree_leaves(eager) if isinstance(leaf, torch.Tensor)
-        ]
+        answers = run("meta")
+    except NotImplementedError:  # no meta kernel (histogramdd): small operands run for real
+        small = sum(t.numel() for t in by_value.values()) <= _REAL_STAND_IN_LIMIT
+        try:
+            answers = run("cpu") if small else []
+        except Exception:
+            answers = []
     except Exception:
         answers = []
     leaves, structure = pytree.tree_flatten(result)

@@ -124,9 +124,12 @@ class ScatterAttrs:
 @dataclass(frozen=True)
 class IndexAttrs:
     """INDEX(x, *indices): advanced indexing with int64 index tensors of one shape at ``dims``
-    (full slices elsewhere), placed as PyTorch places them (adjacent dims in place, else first)."""
+    (full slices elsewhere), placed as PyTorch places them (adjacent dims in place, else first).
+    ``negative``: whether a negative index counts from the end (``x[i]``, ``take``); eager's
+    ``index_select`` and ``embedding`` reject one."""
 
     dims: tuple[int, ...]
+    negative: bool = True
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kiln.errors import IndexOutOfBounds
 from kiln.ir.graph import Value
 from kiln.ir.op import Op, Sample, Tag
 from kiln.ir.types import Shape, TensorType
@@ -39,6 +40,7 @@ from kiln.ops.movement import (
     tensor_operand,
 )
 from kiln.ops.sampling import make_tensor
+from kiln.schedule.index import index_error_message
 
 INDEX_DTYPES = frozenset({torch.int64, torch.int32})
 
@@ -342,6 +344,10 @@ def _full_indices(
 
 
 def _index_impl(attrs: IndexAttrs, x: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
+    if not attrs.negative:
+        for dim, index in zip(attrs.dims, indices, strict=True):
+            if index.numel() and int(index.min()) < 0:
+                raise IndexOutOfBounds(index_error_message(int(index.min()), x.shape[dim]))
     key = tuple(slice(None) if i is None else i for i in _full_indices(attrs.dims, indices))
     return x[key]
 

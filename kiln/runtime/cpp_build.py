@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 
 from kiln.config import config, logger
-from kiln.errors import CompilerNotFoundError, KernelBuildError
-from kiln.schedule.loops import Kernel
+from kiln.errors import CompilerNotFoundError, IndexOutOfBounds, KernelBuildError
+from kiln.schedule.index import index_error_message
+from kiln.schedule.loops import Kernel, checks_indices
 from kiln.schedule.program import kernel_arguments
 
 COMPILER = "g++"
@@ -267,7 +268,11 @@ def load_kernels(
         has_seed = kernel.seed() is not None
         function.argtypes = [ctypes.c_void_p] * count + ([ctypes.c_int64] if has_seed else [])
         function.restype = None
-        launchers[kernel.name] = _launcher(function, kernel.name, count, has_seed)
+        launch = _launcher(function, kernel.name, count, has_seed)
+        if checks_indices(kernel):
+            status = (ctypes.c_int64 * 3).in_dll(library, "kiln_index_error")
+            launch = _index_checked(launch, status)
+        launchers[kernel.name] = launch
     return launchers
 
 
@@ -285,3 +290,18 @@ def _launcher(function: Callable[..., None], name: str, count: int, has_seed: bo
 
     launch.__name__ = name
     return launch
+
+
+def _index_checked(launch: Launcher, status: ctypes.Array[ctypes.c_int64]) -> Launcher:
+    """``launch``, raising eager's IndexError when the kernel met a gathered index outside its
+    dimension (the prelude's ``kiln_checked_index`` records the first one in ``status``)."""
+
+    def checked(*arguments: torch.Tensor | int) -> None:
+        launch(*arguments)
+        if status[0]:
+            index, size = status[1], status[2]
+            status[0] = 0
+            raise IndexOutOfBounds(index_error_message(index, size))
+
+    checked.__name__ = launch.__name__
+    return checked

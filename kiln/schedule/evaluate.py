@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from kiln.errors import IndexOutOfBounds
 from kiln.ir.op import Op, op_def
 from kiln.ops.attrs import ConvertAttrs
-from kiln.schedule.index import FloorDiv, Index, Indirect, Mod, Var
+from kiln.schedule.index import FloorDiv, Index, Indirect, Mod, Var, index_error_message
 from kiln.schedule.loops import (
     Apply,
     Const,
@@ -75,6 +76,8 @@ def _index(
             term = positions[atom.name]
         elif isinstance(atom, Indirect):
             term = env[id(atom.value)]
+            if atom.checked:
+                check_indices(term, atom.size, atom.wrapped)
         elif isinstance(atom, FloorDiv):
             term = torch.div(
                 _index(atom.operand, env, positions), atom.divisor, rounding_mode="floor"
@@ -115,6 +118,17 @@ def _value(
     if isinstance(expr, Rand):
         raise NotImplementedError("random numbers come from the code generators (Philox)")
     raise TypeError(type(expr).__name__)
+
+
+def check_indices(indices: torch.Tensor, size: int, wrapped: bool) -> None:
+    """Eager's IndexError for a gathered index outside ``0 <= i < size`` (when ``wrapped``,
+    negatives had ``size`` added: one still below 0 was below ``-size``)."""
+    bad = (indices < 0) | (indices >= size)
+    if bool(bad.any()):
+        index = int(indices[bad].flatten()[0])
+        raise IndexOutOfBounds(
+            index_error_message(index - size if wrapped and index < 0 else index, size)
+        )
 
 
 def _load(

@@ -45,11 +45,15 @@ class Mod:
 
 @dataclass(frozen=True, eq=False)
 class Indirect:
-    """An index value computed in the kernel (an int64 expression of the loop-level IR), known
-    to lie in ``0 <= value < size`` once the lowering has wrapped negatives."""
+    """An index value computed in the kernel (an int64 expression of the loop-level IR). The
+    lowering keeps it in ``0 <= value < size`` itself (a clamp under a mask), or, when it comes
+    from the program's data (a gather's index tensor, negatives wrapped), marks it ``checked``:
+    the generated code then tests the bound, as eager does, instead of reading outside."""
 
     value: Any  # kiln.schedule.loops.Expr (not imported: loops imports this module)
     size: int
+    checked: bool = False
+    wrapped: bool = False  # (negatives had ``size`` added: one still below 0 was below -size)
 
 
 Atom = Var | FloorDiv | Mod | Indirect
@@ -135,8 +139,13 @@ def var(name: str, size: int) -> Index:
     return Index(((Var(name, size), 1),))
 
 
-def indirect(value: Any, size: int) -> Index:
-    return Index(((Indirect(value, size), 1),))
+def indirect(value: Any, size: int, checked: bool = False, wrapped: bool = False) -> Index:
+    return Index(((Indirect(value, size, checked, wrapped), 1),))
+
+
+def index_error_message(index: int, size: int) -> str:
+    """The IndexError text of a checked :class:`Indirect` index outside its dimension."""
+    return f"index {index} is out of bounds for a dimension of size {size}"
 
 
 def _merge(

@@ -245,6 +245,17 @@ def index_of(expr: Expr) -> list[Index]:
     return []
 
 
+def checks_indices(kernel: Kernel) -> bool:
+    """Whether the kernel (or a part launched with it) reads through a checked gathered index,
+    whose generated code reports an index outside its dimension."""
+    for part in (kernel, *kernel.parts):
+        offsets = [store.offset for store in part.stores]
+        offsets += [i for e in walk([s.value for s in part.stores]) for i in index_of(e)]
+        if any(atom.checked for offset in offsets for atom in offset.indirects()):
+            return True
+    return False
+
+
 def depends_on_r(exprs: list[Expr]) -> dict[int, bool]:
     """For every expression reachable from ``exprs``: whether it varies along ``r``."""
     result: dict[int, bool] = {}

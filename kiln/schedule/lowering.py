@@ -426,14 +426,19 @@ def _cat(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> Exp
     return result if result is not None else lowering.const(0, value.type.dtype)
 
 
-def _wrapped(lowering: Lowering, raw: Expr, size: int) -> Index:
-    """An index tensor's value as an :class:`Indirect` index, negatives wrapped."""
+def _wrapped(lowering: Lowering, raw: Expr, size: int, negative: bool = True) -> Index:
+    """An index tensor's value as an :class:`Indirect` index, negatives wrapped (if
+    ``negative``), checked against ``size`` where it is read (an index outside raises
+    IndexError, as in eager)."""
     if raw.dtype != torch.int64:
         raw = lowering.apply(Op.CONVERT, (raw,), torch.int64)
+    if not negative:
+        return ix.indirect(raw, size, checked=True)
     zero = lowering.const(0, torch.int64)
-    negative = lowering.apply(Op.LT, (raw, zero), torch.bool)
+    below = lowering.apply(Op.LT, (raw, zero), torch.bool)
     shifted = lowering.apply(Op.ADD, (raw, lowering.const(size, torch.int64)), torch.int64)
-    return ix.indirect(lowering.apply(Op.WHERE, (negative, shifted, raw), torch.int64), size)
+    wrapped = lowering.apply(Op.WHERE, (below, shifted, raw), torch.int64)
+    return ix.indirect(wrapped, size, checked=True, wrapped=True)
 
 
 def _gather(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> Expr:
@@ -442,7 +447,8 @@ def _gather(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> 
     if not index:  # 0-d: the only element
         return lowering.load(source, ())
     moved = list(index)
-    moved[dim] = _wrapped(lowering, lowering.load(positions, index), shape_of(source)[dim])
+    raw = lowering.load(positions, index)
+    moved[dim] = _wrapped(lowering, raw, shape_of(source)[dim], negative=False)
     return lowering.load(source, tuple(moved))
 
 
@@ -460,7 +466,7 @@ def _index(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> E
     for dim in range(len(sizes)):
         if dim in dims:
             raw = lowering.load(positions[dims.index(dim)], tuple(index_part))
-            full.append(_wrapped(lowering, raw, sizes[dim]))
+            full.append(_wrapped(lowering, raw, sizes[dim], node.attrs.negative))
         else:
             full.append(next(rest))
     return lowering.load(source, tuple(full))

@@ -106,7 +106,8 @@ class Group:
                 index[dim] = digit
             return tuple(index)
         if shape == self.rows.shape:
-            return self.rows.full_index(x, r)
+            # (empty rows reduce to a constant, with no loop over r to store elements in)
+            return self.rows.full_index(x, r) if self.rows.rnumel else None
         if numel == self.rows.xnumel:
             return ix.decompose(x, shape)
         return None
@@ -399,6 +400,10 @@ class Scheduler:
         outputs = []
         for value, stride in zip(node.outputs, strides, strict=True):
             shape = shape_of(value)
+            if any(step == 0 and size > 1 for size, step in zip(shape, stride, strict=True)):
+                # An expanded result (a sum's gradient) may come back dense on another run, and
+                # dense values cannot be copied into broadcast memory: lay it out dense.
+                stride = ix.contiguous_strides(shape)
             buffer = Buffer(
                 value.name, shape, value.type.dtype, value.type.device, BufferKind.EXTERN, stride
             )

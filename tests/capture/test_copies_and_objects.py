@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -139,6 +140,7 @@ def test_comprehension_in_a_frame_that_runs_routed() -> None:
         actual, expected = compiled(x, scores), program(x, scores)
         torch.testing.assert_close(actual, expected)
     skips = {record.reason for record in kiln.counters.fallbacks}
-    assert skips == {kiln.SkipReason.BREAK_IN_LOOP, kiln.SkipReason.ITERATOR_ARGUMENT}, (
-        kiln.counters.fallbacks
-    )
+    expected = {kiln.SkipReason.BREAK_IN_LOOP}
+    if sys.version_info < (3, 12):  # (3.12 inlines comprehensions: no frame of their own)
+        expected.add(kiln.SkipReason.ITERATOR_ARGUMENT)
+    assert skips == expected, kiln.counters.fallbacks

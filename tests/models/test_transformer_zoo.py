@@ -18,6 +18,7 @@ cut, for each size).
 from __future__ import annotations
 
 import copy
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ CTC_BREAKS = {
     "DATA_DEPENDENT: data-dependent result: the result of aten._ctc_loss.Tensor depends on "
     "tensor data": 2,
 }
+
+
+# CI trains on the CPU; on a GPU machine, KILN_TEST_DEVICE=cuda trains through Triton kernels.
+DEVICE = torch.device(os.environ.get("KILN_TEST_DEVICE", "cpu"))
 
 
 @dataclass(frozen=True)
@@ -222,20 +227,20 @@ def _train(name: str, row: Row, autocast: bool) -> None:
     runs too and every step starts from eager's parameters (so rounding does not compound)."""
     zoo = ZOO[name]
     kiln.reset()
-    eager = zoo.build().train()
+    eager = zoo.build().train().to(DEVICE)
     models = [eager, copy.deepcopy(eager)] + ([copy.deepcopy(eager).double()] if autocast else [])
     runners = [eager, kiln.compile(models[1]), *models[2:]]
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
     check = _bf16_mismatch if autocast else _float32_mismatch
     for step, size in enumerate([zoo.sizes[0], *zoo.sizes]):
-        batch = zoo.batch(size)
+        batch = {k: _on_device(v) for k, v in zoo.batch(size).items()}
         outputs = []
         for index, (runner, optimizer) in enumerate(zip(runners, optimizers, strict=True)):
             optimizer.zero_grad(set_to_none=True)
             if index == 2:
                 output = runner(**{k: _double(v) for k, v in batch.items()})
             else:
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
                     output = runner(**batch)
             output.loss.backward()
             outputs.append(output)
@@ -251,6 +256,10 @@ def _train(name: str, row: Row, autocast: bool) -> None:
                     for other in others:
                         other.copy_(want)
     _check_counts(row)
+
+
+def _on_device(value: Any) -> Any:
+    return value.to(DEVICE) if isinstance(value, torch.Tensor) else value
 
 
 def _double(value: Any) -> Any:

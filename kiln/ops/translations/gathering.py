@@ -24,6 +24,7 @@ from kiln.ops.translations.common import (
     autocast,
     broadcast_shapes,
     broadcast_to,
+    convert,
     full,
     normalize_dim,
 )
@@ -88,6 +89,8 @@ def gather(
 ) -> Value:
     if out is not None:
         raise FallbackToExtern
+    if numel_of(index) == 0 and not index.type.dtype.is_floating_point:
+        index = convert(index, torch.int64)  # (eager takes an empty index of any int)
     _check_index(index, "gather")
     return prims.gather(input, index, dim=normalize_dim(dim, input.type.rank, "gather"))
 
@@ -186,9 +189,9 @@ def index_select(input: Value, dim: int, index: Value, *, out: Any = None) -> Va
                 "index_select(): Index to scalar can have only 1 value, got "
                 f"{shape_of(index)[0]} value(s)"
             )
-        return reshape(prims.index(reshape(input, (1,)), index, dims=(0,)), ())
+        return reshape(prims.index(reshape(input, (1,)), index, dims=(0,), negative=False), ())
     dim = normalize_dim(dim, input.type.rank, "index_select")
-    return prims.index(input, index, dims=(dim,))
+    return prims.index(input, index, dims=(dim,), negative=False)
 
 
 def _index_put_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
@@ -378,4 +381,12 @@ def take_along_dim(
     index_shape = list(source_shape)
     source_shape[dim], index_shape[dim] = shape_of(input)[dim], shape_of(indices)[dim]
     source = broadcast_to(input, tuple(source_shape))
+    indices = _wrapped(indices, shape_of(input)[dim])
     return prims.gather(source, broadcast_to(indices, tuple(index_shape)), dim=dim)
+
+
+def _wrapped(indices: Value, size: Any) -> Value:
+    """``indices`` modulo ``size``, as eager's take_along_dim reads them along a dim (-1 is the
+    last, and it does not check bounds: 5 reads element 1 of 4); gather, and scatter in the
+    backward, accept only ``0 <= i < size``."""
+    return prims.remainder(indices, size) if size else indices

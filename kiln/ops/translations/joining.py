@@ -72,8 +72,19 @@ def concatenate(tensors: Sequence[Value], dim: int, op: str = "torch.cat") -> Va
                 f"zero-dimensional tensor (at position {position}) cannot be concatenated"
             )
     values = promoted(autocast("cat", *tensors))
-    kept = [v for v in values if v.type.shape != (0,)] or values[:1]
-    dim = normalize_dim(dim, kept[0].type.rank, op)
+    reference = next((v for v in values if v.type.shape != (0,)), values[0])
+    dim = normalize_dim(dim, reference.type.rank, op)
+    kept = []
+    for value in values:
+        if value.type.shape == (0,) and reference.type.rank != 1:
+            if not value.type.requires_grad:
+                continue
+            # (an empty slab instead: eager still gives the skipped tensor a gradient)
+            slab = tuple(
+                0 if axis == dim else size for axis, size in enumerate(shape_of(reference))
+            )
+            value = reshape(value, slab)
+        kept.append(value)
     _check_cat(kept, dim)
     if len(kept) == 1:
         return kept[0]

@@ -360,7 +360,14 @@ def baddbmm(
     _check_rank("baddbmm", batch1, 3, "batch1")
     _check_rank("baddbmm", batch2, 3, "batch2")
     _check_batches("baddbmm", batch1, batch2)
+    if not input.type.dtype.is_floating_point and not input.type.dtype.is_complex:
+        # (eager's integer kernels cast the scalars to the tensor's type: 0.6 -> 0)
+        beta, alpha = _integral(beta), _integral(alpha)
     return gemm(input, batch1, batch2, beta, alpha)
+
+
+def _integral(scalar: Scalar) -> Scalar:
+    return int(scalar) if isinstance(scalar, float) else scalar
 
 
 @translation(
@@ -451,7 +458,16 @@ def tensordot(
         raise FallbackToExtern  # out= or dims given as a tensor
     summed_a, summed_b = _contracted_dims(dims, a, b)
     for da, db in zip(summed_a, summed_b, strict=True):
-        if a.type.shape[da] != b.type.shape[db]:
+        size_a, size_b = a.type.shape[da], b.type.shape[db]
+        if size_a == 1 and size_b != 1:  # (eager broadcasts a contracted dim of size 1)
+            a = common.broadcast_to(
+                a, tuple(size_b if d == da else s for d, s in enumerate(static_shape(a)))
+            )
+        elif size_b == 1 and size_a != 1:
+            b = common.broadcast_to(
+                b, tuple(size_a if d == db else s for d, s in enumerate(static_shape(b)))
+            )
+        elif size_a != size_b:
             raise RuntimeError(
                 f"contracted dimensions need to match, but first has size {a.type.shape[da]} in "
                 f"dim {da} and second has size {b.type.shape[db]} in dim {db}"

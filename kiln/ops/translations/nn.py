@@ -47,7 +47,7 @@ def _lookup(weight: Value, indices: Value) -> Value:
         )
     if weight.type.rank != 2:
         raise RuntimeError(f"embedding: 'weight' must be 2-D, got {weight.type.rank}-D")
-    rows = prims.index(weight, common.convert(indices, torch.int64), dims=(0,))
+    rows = prims.index(weight, common.convert(indices, torch.int64), dims=(0,), negative=False)
     assert isinstance(rows, Value)
     return rows
 

@@ -379,6 +379,8 @@ def batch_norm(
             f"batch_norm(): argument 'momentum' must be float, not {type(momentum).__name__}"
         )
     if input.type.rank < 2:
+        if input.type.rank == 1 and static(input.type.shape[0]) == 0:
+            return prims.convert(input, dtype=input.type.dtype)  # (eager: nothing to normalize)
         raise ValueError(f"batch_norm: expected 2D or more input (got {input.type.rank}D input)")
     wide = common.convert(input, compute_dtype(input.type.dtype))
     shape = wide.type.shape

@@ -42,6 +42,8 @@ def vector_norm_of(x: Value, ord: float, dims: tuple[int, ...], keepdim: bool) -
         result = common.root(reduce(prims.sum, prims.mul(wide, wide), dims, keepdim))
     elif ord == 0:
         nonzero = common.convert(prims.ne(wide, 0.0), wide.type.dtype)
+        if wide.type.requires_grad:  # (eager's count is differentiable, with a zero gradient)
+            nonzero = prims.add(prims.mul(prims.sign(wide), 0.0), nonzero)
         result = reduce(prims.sum, nonzero, dims, keepdim)
     elif ord == 1:
         result = reduce(prims.sum, prims.abs(wide), dims, keepdim)
@@ -50,9 +52,19 @@ def vector_norm_of(x: Value, ord: float, dims: tuple[int, ...], keepdim: bool) -
     elif ord == -math.inf:
         result = reduce(prims.amin, prims.abs(wide), dims, keepdim)
     else:
-        powers = prims.pow(prims.abs(wide), float(ord))
-        result = common.root(reduce(prims.sum, powers, dims, keepdim), 1.0 / ord)
+        result = common.root(reduce(prims.sum, _powers(wide, float(ord)), dims, keepdim), 1.0 / ord)
     return common.convert(result, x.type.dtype)
+
+
+def _powers(x: Value, p: float) -> Value:
+    """``|x| ** p``. Below ``p = 1`` the power's gradient at 0 is infinite (or NaN); eager's norm
+    backward passes 0 there, so with gradients a zero element takes its power as a constant."""
+    magnitude = prims.abs(x)
+    if p >= 1 or not x.type.requires_grad:
+        return prims.pow(magnitude, p)
+    zero = prims.eq(x, 0.0)
+    at_zero = 0.0 if p > 0 else math.inf
+    return prims.where(zero, at_zero, prims.pow(prims.where(zero, 1.0, magnitude), p))
 
 
 def vector_norm_call(

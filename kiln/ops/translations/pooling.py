@@ -79,7 +79,10 @@ def windows(
 ) -> list[Window]:
     """Per-dim windows from the functional arguments (``stride`` None or empty: the kernel)."""
     kernels = _ints(kernel_size, spatial, op, "kernel_size")
-    strides = kernels if stride is None or stride == [] else _ints(stride, spatial, op, "stride")
+    if stride is None or (isinstance(stride, list | tuple) and not stride):
+        strides = kernels  # (stride=() and [] mean the kernel size too)
+    else:
+        strides = _ints(stride, spatial, op, "stride")
     pads = _ints(padding, spatial, op, "padding")
     dilations = _ints(dilation, spatial, op, "dilation")
     result = []

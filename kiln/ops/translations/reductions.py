@@ -252,7 +252,8 @@ def prod(
         (input,) = common.autocast("prod", input)
     x = common.convert(input, dtype or _integer_result(input.type.dtype))
     dims = reduction_dims(x, dim, "prod")
-    product = reduce(prims.prod, common.convert(x, compute_dtype(x.type.dtype)), dims, keepdim)
+    wide = torch.int64 if x.type.dtype == torch.bool else compute_dtype(x.type.dtype)
+    product = reduce(prims.prod, common.convert(x, wide), dims, keepdim)
     return common.convert(product, x.type.dtype)
 
 
