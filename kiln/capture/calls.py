@@ -148,12 +148,22 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{name} transformed by torch.func")
     if isinstance(fn, types.MethodType):
         return call_function(frame, fn.__func__, (fn.__self__, *args), kwargs)
+    if isinstance(fn, torch.jit.ScriptFunction):
+        # TorchScript runs its own interpreter, which proxies cannot pass through; the Python
+        # function it was made from (torch.jit.script keeps it) computes the same.
+        original = getattr(fn, "_torchdynamo_inline", None)
+        if not isinstance(original, types.FunctionType):
+            raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"TorchScript function {fn.name}")
+        return call_function(frame, original, args, kwargs)
     if isinstance(fn, types.FunctionType):
         if fn.__code__.co_filename.startswith(_FUNCTORCH):  # (vjp's pullback, vmap's wrapper)
             raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"torch.func's {fn.__qualname__}")
         if _runs_natively(fn):
             return native(frame, fn, args, kwargs)
         return inline(frame, fn, args, kwargs)
+    if isinstance(fn, torch.jit.ScriptModule):  # (keeps no Python forward to follow)
+        name = getattr(fn, "original_name", type(fn).__name__)
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"TorchScript module {name}")
     if isinstance(fn, torch.nn.Module):
         from kiln.capture.modules import call_module
 
