@@ -127,6 +127,10 @@ def _triton(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
     unique, same_as = deduplicate([k for k in kernels if k.xnumel > 0])
     supported = [k for k in unique if unsupported_reason(k) is None]
     launchers = load_triton_kernels(supported, device, interpret) if supported else {}
+    for kernel in supported:  # (a kernel Triton fails to compile for the GPU: PyTorch ops)
+        launcher = launchers.get(kernel.name)
+        if hasattr(launcher, "fallback"):
+            launcher.fallback = _evaluator([kernel], device)[kernel.name]  # type: ignore[union-attr]
     others = [k for k in unique if k.name not in launchers]
     for kernel in others:  # a dtype Triton cannot load: PyTorch ops run the kernel
         _log.info("%s runs as PyTorch ops: %s", kernel.name, unsupported_reason(kernel))

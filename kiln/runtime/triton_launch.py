@@ -18,6 +18,7 @@ launch, the compiled path 11.9 us.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,10 @@ class TritonLauncher:
         self.aligned_device = -1
         # once the aligned runner has recorded Triton's C call: made here, in one frame
         self.replay: Replay | None = None
+        # Runs the kernel another way (PyTorch ops) when Triton cannot compile it for the GPU:
+        # a compiler bug must cost speed, never the program.
+        self.fallback: Callable[..., None] | None = None
+        self.failed: str | None = None  # why the fallback runs instead
         self.__name__ = source.kernel_name
 
     def __call__(self, *arguments: Any, seed: Any = None) -> None:
@@ -94,6 +99,9 @@ class TritonLauncher:
         self.replay = replay
 
     def _call(self, arguments: tuple[Any, ...], seed: Any) -> None:
+        if self.failed is not None and self.fallback is not None:
+            self.fallback(*arguments) if seed is None else self.fallback(*arguments, seed)
+            return
         tensors = arguments[: self.count]
         if len(arguments) == self.count + 1 and seed is None:
             seed = arguments[self.count]
@@ -124,7 +132,15 @@ class TritonLauncher:
                     _log.info("fast launch of %s failed (%s); using kernel[grid]", self.path, error)
                     self.fast_ok = False
                     self.aligned = None
-        compiled = self._launch(tensors + extra)
+        try:
+            compiled = self._launch(tensors + extra)
+        except BackendError as error:
+            if self.fallback is None or self.source.interpret or self.launched:
+                raise
+            self.failed = str(error).splitlines()[0]
+            warnings.warn(f"kiln: {self.failed}; it runs as PyTorch ops instead", stacklevel=2)
+            self._call(arguments, seed)
+            return
         if self.fast_ok and compiled is not None and hasattr(compiled, "__getitem__"):
             try:
                 key = _specialization(tensors, extra)

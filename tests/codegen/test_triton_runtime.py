@@ -647,3 +647,38 @@ def test_a_join_waits_only_for_its_step(monkeypatch: pytest.MonkeyPatch) -> None
     warm_up.done["cache key"].set()
     waiter.join(timeout=5)
     assert not waiter.is_alive()
+
+
+def test_a_kernel_triton_cannot_compile_runs_as_pytorch_ops() -> None:
+    """A GPU compile failure (a Triton compiler bug: 3.6's layout pass rejected a backward
+    BatchNorm kernel of RepVGG and a DenseNet kernel) warns once and runs the launcher's
+    fallback, on that call and every later one; without a fallback it still raises."""
+    from kiln.runtime.triton_launch import TritonLauncher
+
+    class Failing:
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*arguments: Any, **kwargs: Any) -> None:
+                raise RuntimeError("PassManager::run failed")
+
+            return launch
+
+    source = SimpleNamespace(
+        arguments=["a0", "a1"],
+        grid=(4, 1, 1),
+        constexprs={},
+        interpret=False,
+        kernel_name="k0_broken",
+        has_seed=False,
+        num_warps=4,
+    )
+    calls: list[tuple[Any, ...]] = []
+    launcher = TritonLauncher(source, Path("k0_broken.py"), Failing())  # type: ignore[arg-type]
+    launcher.fallback = lambda *arguments: calls.append(arguments)
+    x, y = torch.randn(4), torch.randn(4)
+    with pytest.warns(UserWarning, match="k0_broken failed to compile or launch"):
+        launcher(x, y)
+    launcher(y, x)
+    assert calls == [(x, y), (y, x)]
+    bare = TritonLauncher(source, Path("k0_broken.py"), Failing())  # type: ignore[arg-type]
+    with pytest.raises(BackendError, match="PassManager"):
+        bare(x, y)
