@@ -218,6 +218,8 @@ def pointwise_split(xnumel: int, roots: list[Expr], min_blocks: int) -> Pointwis
     split = LaneSplit(lanes, xnumel // lanes)
     on_lane = varies_along(roots, XL, split)
     lane_values = loop_invariants(roots, varies_along(roots, XB, split))
+    # (a value of neither xb nor xl, a scaled scalar gradient, is computed where it is read)
+    lane_values = [v for v in lane_values if on_lane[id(v)]]
     if lanes * len(lane_values) > LANE_ARRAY_LIMIT:
         lane_values = []  # recomputed per element rather than risk the stack
     fewer_divisions = sum(map(_divisions, indexes)) > sum(

@@ -41,6 +41,7 @@ from kiln.ops.translations import (
     finish_assignments,
     lookup,
 )
+from kiln.ops.translations.common import on_one_device
 
 # Metadata queries answered from the proxy's type without touching data.
 _NATIVE_METHODS = {
@@ -309,6 +310,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 result = _extern(func, *values)
             else:
                 try:
+                    values = _on_one_device(values)
                     result = entry.fn(*values[0], **values[1])
                     external = False
                 except FallbackToExtern:
@@ -346,6 +348,20 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert entry is not None
         _mark_views(wrapped, args, kwargs, entry.fn, func)
     return wrapped
+
+
+def _on_one_device(values: Any) -> Any:
+    """The operands with 0-d CPU tensors moved to the device of the others, which eager reads
+    as scalars (``x_cuda / torch.tensor(8.0).sqrt()``); translations see one device."""
+    leaves, structure = pytree.tree_flatten(values)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, Value)]
+    if len({value.type.device for value in tensors}) < 2:
+        return values
+    moved = dict(zip(map(id, tensors), on_one_device(*tensors), strict=True))
+    return pytree.tree_unflatten(
+        [moved.get(id(leaf), leaf) if isinstance(leaf, Value) else leaf for leaf in leaves],
+        structure,
+    )
 
 
 def _may_alias(result: Any, by_value: dict[Value, ProxyTensor], external: bool) -> bool:

@@ -221,34 +221,36 @@ def test_histogramdd_returns_the_bin_tensors_themselves() -> None:
 
 def _compiled_matches(program: Program, *inputs: torch.Tensor) -> None:
     """Compiled ``program`` equals eager's, forward and (for float inputs) backward, with
-    one graph, no fallback and no graph left to the reference interpreter."""
+    one graph, no fallback and no graph left to the reference interpreter (its warning is an
+    error here, the backward's too)."""
     import warnings
 
     kiln.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # "runs on the reference interpreter" fails the test
-        result = kiln.compile(program)(*inputs)
     expected = program(*inputs)
-    torch.testing.assert_close(result, expected)
-    assert kiln.counters.graphs == 1 and not kiln.counters.fallbacks
     leaves = [t for t in inputs if t.requires_grad]
-    if leaves:
-        cotangent = torch.randn_like(expected)
-        torch.testing.assert_close(
-            torch.autograd.grad(result, leaves, cotangent),
-            torch.autograd.grad(expected, leaves, cotangent),
-        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = kiln.compile(program)(*inputs)
+        torch.testing.assert_close(result, expected)
+        assert kiln.counters.graphs == 1 and not kiln.counters.fallbacks
+        if leaves:
+            cotangent = torch.randn_like(expected)
+            torch.testing.assert_close(
+                torch.autograd.grad(result, leaves, cotangent),
+                torch.autograd.grad(expected, leaves, cotangent),
+            )
 
 
 def test_column_reduction_with_a_constant_operand() -> None:
     """A reduction over the leading dim whose operand multiplies by a constant (the backward
-    of ``div(a, b, rounding_mode="trunc")`` in ``b``): the C++ kernel kept the constant in a
-    per-row array and read it outside the row loop, which did not build."""
+    of ``div(a, b, rounding_mode="trunc")`` in ``b``), or an elementwise kernel split into
+    blocks of lanes with a scalar operand (cross-entropy's gradient in soft targets): the C++
+    kernel kept the scalar in a per-lane array and read it outside the lane loop."""
     a = torch.randn(5, 10, 5, requires_grad=True)
     b = torch.randn(10, 5, requires_grad=True)
     _compiled_matches(lambda p, q: torch.div(p, q, rounding_mode="trunc") + p * q, a, b)
     logits = torch.randn(2, 3, 1, 2, 3, requires_grad=True)
-    target = torch.randn(2, 3, 1, 2, 3).softmax(1)
+    target = torch.randn(2, 3, 1, 2, 3).softmax(1).requires_grad_()
     _compiled_matches(lambda p, q: F.cross_entropy(p, q), logits, target)
 
 
@@ -259,6 +261,7 @@ def test_column_reduction_with_a_constant_operand() -> None:
         "tensordot_broadcast",
         "avg_pool_empty_stride",
         "gather_empty_uint8",
+        "gather_scalar",
         "prod_bool",
         "batch_norm_empty",
     ],
@@ -275,9 +278,14 @@ def test_arguments_eager_accepts(name: str) -> None:
     elif name == "avg_pool_empty_stride":  # stride=() is the kernel size
         x = torch.randn(1, 2, 4, 4, requires_grad=True)
         _compiled_matches(lambda p: F.avg_pool2d(p, (2, 2), (), 0), x)
-    elif name == "gather_empty_uint8":
+    elif name == "gather_empty_uint8":  # an empty index of any int type and rank
+        for index in (torch.zeros(0, dtype=torch.uint8), torch.zeros(2, 0, dtype=torch.uint8)):
+            x = torch.randn(5, requires_grad=True)
+            _compiled_matches(lambda p, i: torch.gather(p, 0, i).exp(), x, index)
+    elif name == "gather_scalar":  # a 0-d input reads as one element
+        x = torch.tensor(3.0, requires_grad=True)
         _compiled_matches(
-            lambda p, i: torch.gather(p, 0, i), torch.randn(5), torch.zeros(0, dtype=torch.uint8)
+            lambda p, i: torch.gather(p, 0, i) * 2, x, torch.zeros(2, dtype=torch.long)
         )
     elif name == "prod_bool":
         _compiled_matches(lambda p: torch.prod(p, 1, dtype=torch.bool), torch.randn(3, 4, 5) > -1)
@@ -286,3 +294,23 @@ def test_arguments_eager_accepts(name: str) -> None:
         _compiled_matches(
             lambda p: F.batch_norm(p, torch.randn(0), torch.randn(0), training=True), empty
         )
+
+
+def test_a_cpu_scalar_tensor_joins_tensors_on_another_device() -> None:
+    """Eager reads a 0-d CPU tensor as a scalar next to tensors on another device (DeBERTa
+    divides CUDA scores by ``torch.sqrt(torch.tensor(d) * s)``); it was an internal error and
+    the whole frame ran uncompiled. Meta tensors stand in for CUDA ones here."""
+
+    def program(x: torch.Tensor) -> torch.Tensor:
+        scale = torch.sqrt(torch.tensor(x.size(-1), dtype=torch.float) * 2)
+        return torch.where(x > 0, x / scale.to(dtype=x.dtype), torch.tensor(1.0))
+
+    kiln.reset()
+    x = torch.randn(2, 3, device="meta")
+    result, expected = kiln.compile(program)(x), program(x)
+    assert (result.shape, result.dtype, result.device) == (
+        expected.shape,
+        expected.dtype,
+        expected.device,
+    )
+    assert kiln.counters.graphs == 1 and not kiln.counters.fallbacks

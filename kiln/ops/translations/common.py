@@ -127,6 +127,29 @@ def broadcast(*operands: Operand) -> list[Operand]:
     return [broadcast_to(o, shape) if isinstance(o, Value) else o for o in operands]
 
 
+def on_one_device(*operands: Operand) -> list[Operand]:
+    """Eager lets a 0-d CPU tensor join tensors on another device (it reads it as a scalar:
+    ``x_cuda / torch.tensor(8.0).sqrt()``); prims take one device, so it is moved there (a
+    PyTorch copy). Any other mix is left for the prim to reject, as eager does."""
+    values = [o for o in operands if isinstance(o, Value)]
+    if len({v.type.device for v in values}) < 2:
+        return list(operands)
+    others = {v.type.device for v in values if not _cpu_scalar(v)}
+    if len(others) != 1:
+        return list(operands)
+    (device,) = others
+    from kiln.ops.externs import extern_call  # (externs imports the translations' table)
+
+    return [
+        extern_call(torch.Tensor.to, (o, device)) if isinstance(o, Value) and _cpu_scalar(o) else o
+        for o in operands
+    ]
+
+
+def _cpu_scalar(value: Value) -> bool:
+    return value.type.rank == 0 and value.type.device.type == "cpu"
+
+
 def elementwise(
     *operands: Operand, int_to_float: bool = False
 ) -> tuple[list[Operand], torch.dtype]:

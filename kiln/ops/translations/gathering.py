@@ -24,7 +24,6 @@ from kiln.ops.translations.common import (
     autocast,
     broadcast_shapes,
     broadcast_to,
-    convert,
     full,
     normalize_dim,
 )
@@ -90,8 +89,12 @@ def gather(
     if out is not None:
         raise FallbackToExtern
     if numel_of(index) == 0 and not index.type.dtype.is_floating_point:
-        index = convert(index, torch.int64)  # (eager takes an empty index of any int)
+        # Eager takes an empty index of any int type and rank: an empty result of its shape.
+        flat = reshape(input, (numel_of(input),))
+        return reshape(prims.slice(flat, dim=0, start=0, stop=0, step=1), shape_of(index))
     _check_index(index, "gather")
+    if input.type.rank == 0 and index.type.rank == 1:
+        input = reshape(input, (1,))  # (eager reads a 0-d input as one element)
     return prims.gather(input, index, dim=normalize_dim(dim, input.type.rank, "gather"))
 
 
