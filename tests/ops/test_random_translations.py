@@ -99,3 +99,46 @@ def test_a_seed_replays_the_same_numbers() -> None:
     torch.manual_seed(0)
     second = run_traced(graph, lambda: None)
     assert torch.equal(first, second)
+
+
+def test_inplace_bernoulli_fills_with_its_probability() -> None:
+    def draw(x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(x).bernoulli_(0.8), torch.empty_like(x).bernoulli_(p)
+
+    x = torch.randn(N)
+    p = torch.rand(N)
+    fixed, varying = _run(draw, x, p)
+    assert set(fixed.unique().tolist()) <= {0.0, 1.0} and abs(fixed.mean().item() - 0.8) < 0.02
+    assert abs(varying.mean().item() - p.mean().item()) < 0.02
+    assert varying[p < 0.1].mean() < 0.15 and varying[p > 0.9].mean() > 0.85
+
+
+def test_stochastic_depth_trains_compiled_without_breaks() -> None:
+    """torchvision's and timm's stochastic depth: ``x.new_empty(...).bernoulli_(keep)`` per
+    sample, scaled; in-place, it broke the graph inside every residual loop (a frame fallback)."""
+    import kiln
+
+    def drop_path(x: torch.Tensor, keep: float = 0.75) -> torch.Tensor:
+        noise = x.new_empty([x.shape[0]] + [1] * (x.ndim - 1)).bernoulli_(keep)
+        return x * noise.div_(keep)
+
+    def blocks(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = x + drop_path(torch.tanh(x @ weight))
+        return x
+
+    kiln.reset()
+    compiled = kiln.compile(blocks)
+    x, weight = torch.randn(512, 8), torch.randn(8, 8, requires_grad=True)
+    first = compiled(x, weight)
+    first.sum().backward()
+    assert weight.grad is not None and torch.isfinite(weight.grad).all()
+    assert not kiln.counters.graph_breaks and not kiln.counters.fallbacks
+    # one layer: each sample's branch is dropped (x unchanged) or scaled by 1 / keep
+    kiln.reset()
+    one = kiln.compile(lambda t, w: t + drop_path(torch.tanh(t @ w)))
+    result = one(x, weight.detach())
+    branch = torch.tanh(x @ weight.detach())
+    kept = torch.isclose(result, x + branch / 0.75, atol=1e-5).all(1)
+    dropped = torch.isclose(result, x, atol=1e-6).all(1)
+    assert bool((kept | dropped).all()) and 0.65 < kept.float().mean().item() < 0.85

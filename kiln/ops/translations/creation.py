@@ -342,6 +342,18 @@ def bernoulli(input: Value, p: float | None = None, **options: Any) -> Value:
     return _keeping_gradient(input, drawn)  # eager: requires grad, with a zero gradient
 
 
+def bernoulli_(self: Value, p: float | Value = 0.5, **options: Any) -> Value:
+    """``x.bernoulli_(p)``: x filled with 1 with probability ``p`` (a float or a tensor
+    broadcast to x), else 0; stochastic depth draws its per-sample noise this way."""
+    _unsupported(options, "bernoulli_")
+    u = random("uniform", self.type.shape, torch.float32, self.type.device)
+    if isinstance(p, Value):
+        p = common.broadcast_to(common.convert(p, torch.float32), self.type.shape)
+    drawn = prims.convert(prims.lt(u, p), dtype=self.type.dtype)
+    assert isinstance(drawn, Value)
+    return drawn
+
+
 def _factory_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
     cases = [
         Call((1000,), {"dtype": dtype}),
@@ -382,6 +394,21 @@ translation(torch.randint_like, samples=_randint_like_calls, dtypes=NUMERIC, ran
     randint_like
 )
 translation(*keys(["bernoulli"]), samples=_bernoulli_calls, dtypes=FLOATS, random=True)(bernoulli)
+
+
+def _bernoulli_inplace_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    x = make_tensor((4, 1, 1), dtype, device)
+    p = make_tensor((4, 1, 1), dtype, device, low=0.0, high=1.0)
+    return [Call((x, 0.8)), Call((x,), note="p=0.5"), Call((x, p), note="tensor p")]
+
+
+translation(
+    torch.Tensor.bernoulli_,
+    samples=_bernoulli_inplace_calls,
+    dtypes=FLOATS,
+    random=True,
+    inplace=True,
+)(bernoulli_)
 
 
 # ---------------------------------------------------------------------------------------------
