@@ -213,7 +213,24 @@ def _parameter_rows(models: list[nn.Module], grads: bool) -> Rows:
     return rows
 
 
+# The transformers release the rows' counts were taken with: another release's models make
+# other graphs and breaks (5.17 draws torch.rand([]) for LayerDrop inside Whisper's layer loop),
+# so there the counts are not compared, and a frame may run routed for a break in a loop, but
+# never uncompiled for a Kiln error.
+PINNED_TRANSFORMERS = "5.24"
+
+
 def _check_counts(row: Row) -> None:
+    import transformers
+
+    if not transformers.__version__.startswith(PINNED_TRANSFORMERS + "."):
+        failures = [
+            str(record)
+            for record in kiln.counters.fallbacks
+            if record.reason.name in ("INTERNAL_ERROR", "UNRECONSTRUCTIBLE", "BACKEND_ERROR")
+        ]
+        assert failures == [], "frames ran uncompiled:\n" + "\n".join(failures)
+        return
     fallbacks = [str(record) for record in kiln.counters.fallbacks]
     assert fallbacks == [], "frames ran uncompiled:\n" + "\n".join(fallbacks)
     records = kiln.counters.graph_breaks
