@@ -298,7 +298,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         api_name(func), location.file if location else "", location.line if location else 0
     )
     by_value: dict[Value, ProxyTensor] = {}
-    values = pytree.tree_map(lambda item: _unwrap(item, by_value), (args, kwargs))
+    devices: set[torch.device] = set()
+    values = pytree.tree_map(lambda item: _unwrap(item, by_value, devices), (args, kwargs))
     entry = lookup(func)
     with builder.origin_scope(origin):
         token = collect_assignments()
@@ -310,7 +311,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 result = _extern(func, *values)
             else:
                 try:
-                    values = _on_one_device(values)
+                    if len(devices) > 1:
+                        values = _on_one_device(values)
                     result = entry.fn(*values[0], **values[1])
                     external = False
                 except FallbackToExtern:
@@ -554,15 +556,20 @@ def _extern(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ) from e
 
 
-def _unwrap(item: Any, seen: dict[Value, ProxyTensor] | None = None) -> Any:
+def _unwrap(
+    item: Any, seen: dict[Value, ProxyTensor] | None = None, devices: set[Any] | None = None
+) -> Any:
     if isinstance(item, ProxyTensor):
         value = item.current()
         if seen is not None:
             seen[value] = item
-        return value
-    if isinstance(item, torch.Tensor):
-        return require_builder().constant(item)
-    return item
+    elif isinstance(item, torch.Tensor):
+        value = require_builder().constant(item)
+    else:
+        return item
+    if devices is not None:
+        devices.add(value.type.device)
+    return value
 
 
 def _wrap(item: Any) -> Any:
