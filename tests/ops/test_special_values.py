@@ -89,6 +89,9 @@ GRADIENTS: dict[str, tuple[Program, list[float]]] = {
     ),
     "relu_zero": (lambda x: F.relu(x), [0.0, -0.0, 1.0, -1.0]),
     "abs_zero": (lambda x: x.abs(), [0.0, -0.0, 1.0, -1.0]),
+    # eager's backward formulas, not the forward's derivative: NaN passes 1 (hardswish) or 0
+    "hardswish_special": (lambda x: F.hardswish(x), [NAN, INF, -INF, 3.0, -3.0, 1.0]),
+    "hardsigmoid_special": (lambda x: F.hardsigmoid(x), [NAN, INF, -INF, 3.0, -3.0, 1.0]),
 }
 
 

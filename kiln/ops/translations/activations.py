@@ -99,12 +99,24 @@ def _hard_gate(x: Value) -> Value:
 
 
 def hardsigmoid(input: Value, inplace: bool = False) -> Value:
-    return finish(input, in_opmath(input, lambda x: prims.div(_hard_gate(x), 6.0)), inplace)
+    def compute(x: Value) -> Value:
+        # eager's backward: 1/6 strictly inside (-3, 3), else 0 (NaN too)
+        inside = prims.logical_and(prims.gt(x, -3.0), prims.lt(x, 3.0))
+        weight = prims.mul(common.convert(inside, x.type.dtype), 1.0 / 6.0)
+        return common.with_gradient(prims.div(_hard_gate(x), 6.0), x, weight)
+
+    return finish(input, in_opmath(input, compute), inplace)
 
 
 def hardswish(input: Value, inplace: bool = False) -> Value:
     def compute(x: Value) -> Value:
-        return prims.div(prims.mul(x, _hard_gate(x)), 6.0)
+        # eager's backward: 0 up to -3, x/3 + 1/2 below 3, else 1 (NaN and +inf too)
+        ramp = prims.where(prims.lt(x, 3.0), prims.add(prims.div(x, 3.0), 0.5), 1.0)
+        weight = prims.where(prims.le(x, -3.0), 0.0, ramp)
+        value = prims.div(prims.mul(x, _hard_gate(x)), 6.0)
+        # -inf gives NaN without a gradient, +inf and NaN themselves with the gradient 1
+        nonfinite = prims.where(prims.eq(x, -math.inf), prims.mul(x, 0.0), x)
+        return common.with_gradient(value, x, weight, nonfinite)
 
     return finish(input, in_opmath(input, compute), inplace)
 

@@ -179,6 +179,28 @@ def as_value(operand: Operand, like: Value) -> Value:
     return full(like.type.shape, operand, like.type.dtype, like.type.device)
 
 
+def with_gradient(value: Value, x: Value, weight: Value, nonfinite: Value | None = None) -> Value:
+    """``value`` (elementwise in ``x``) with the gradient ``weight`` at finite ``x``, for eager's
+    backward formulas that differ from the derivative of the forward at special points; where
+    ``x`` is infinite or NaN, ``nonfinite`` (value and gradient), else ``value`` with no
+    gradient. ``weight`` must be finite and not require grad. Without gradients, ``value``."""
+    if not x.type.requires_grad:
+        return value
+    with torch.no_grad():
+        frozen_value = prims.convert(value, dtype=value.type.dtype)
+        frozen_x = prims.convert(x, dtype=x.type.dtype)
+        finite = prims.eq(prims.sub(frozen_x, frozen_x), 0.0)
+        frozen_carrier = prims.where(finite, frozen_x, 0.0)
+    carrier = prims.where(finite, x, 0.0)  # x's gradient, finite values only
+    nothing = prims.mul(prims.sub(frozen_carrier, carrier), weight)  # 0, gradient -weight
+    nothing = prims.add(nothing, 0.0)  # (+0.0, so value's signed zeros survive the subtraction)
+    result = prims.sub(frozen_value, nothing)
+    if nonfinite is not None:
+        result = prims.where(finite, result, nonfinite)
+    assert isinstance(result, Value)
+    return result
+
+
 def root(value: Value, exponent: float = 0.5) -> Value:
     """``value ** exponent`` of a non-negative ``value`` (a sum of squares or powers) whose
     gradient at 0 is 0, not infinite: eager's norm and std backward mask it there, so a
