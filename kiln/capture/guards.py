@@ -234,9 +234,11 @@ class Aliasing(Guard):
 
 
 def storages_separate(written: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> bool:
-    """No two ``written`` tensors share a storage, and none shares one with ``others``."""
-    mine = {t.untyped_storage().data_ptr() for t in written}
-    if len(mine) != len(written):
+    """No two ``written`` tensors share a storage, and none shares one with ``others``. Empty
+    storages (address 0, no memory to share) never count."""
+    addresses = [t.untyped_storage().data_ptr() for t in written]
+    mine = {address for address in addresses if address}
+    if len(mine) != sum(1 for address in addresses if address):
         return False
     return not any(t.untyped_storage().data_ptr() in mine for t in others)
 

@@ -225,7 +225,7 @@ class TraceMode(torch.overrides.TorchFunctionMode):
                 self.writable is not None
                 and isinstance(target, torch.Tensor)
                 and not isinstance(target, ProxyTensor)
-                and getattr(lookup(func), "inplace", False)
+                and (getattr(lookup(func), "inplace", False) or _functional_twin(func) is not None)
                 and not self.writable(target)
             ):
                 raise TraceError(
@@ -292,6 +292,29 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(out, ProxyTensor):  # f(..., out=t): t.copy_(f(...)), returning t
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
         return _write_into(out, dispatch(func, args, kwargs), api_name(func))
+    twin = _functional_twin(func)
+    if twin is not None and args and isinstance(args[0], torch.Tensor):
+        # x.foo_(...) without a translation of its own: x takes foo's result (cast to x's
+        # dtype, which must hold it, and x's shape, as eager requires)
+        result = dispatch(twin, args, kwargs)
+        if isinstance(result, ProxyTensor):
+            api = api_name(func)
+            operand = args[0]
+            if tuple(result.shape) != tuple(operand.shape) or (
+                result.dtype != operand.dtype
+                and (
+                    func is torch.Tensor.float_power_  # (it refuses to cast its double result)
+                    or not torch.can_cast(result.dtype, operand.dtype)
+                )
+            ):
+                # eager raises, or resizes the operand (addbmm_): PyTorch runs it, and decides
+                raise OpaqueCallError(
+                    f"{api}: the result's shape or dtype is not its operand's", user_location()
+                )
+            with require_builder().origin_scope(Origin(api)):
+                if not isinstance(operand, ProxyTensor):  # a constant written with graph values
+                    return _write_constant(operand, result.current(), api)
+                return _assign(operand, result.current(), api)
     builder = require_builder()
     location = user_location()
     origin = Origin(
@@ -350,6 +373,41 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert entry is not None
         _mark_views(wrapped, args, kwargs, entry.fn, func)
     return wrapped
+
+
+# In-place methods that change the tensor's metadata (shape, strides, storage), not its values.
+_RESHAPING_IN_PLACE = frozenset(
+    {
+        "squeeze_",
+        "unsqueeze_",
+        "transpose_",
+        "t_",
+        "swapaxes_",
+        "swapdims_",
+        "as_strided_",
+        "resize_",
+        "resize_as_",
+        "set_",
+        "detach_",
+        "requires_grad_",
+        "share_memory_",
+    }
+)
+
+
+def _functional_twin(func: Any) -> Any:
+    """``torch.Tensor.foo`` for an in-place ``torch.Tensor.foo_`` that has no translation of its
+    own (``xlogy_``, ``scatter_reduce_``), else None."""
+    name = getattr(func, "__name__", "")
+    if (
+        not name.endswith("_")
+        or name.startswith("_")
+        or name in _RESHAPING_IN_PLACE
+        or getattr(torch.Tensor, name, None) is not func
+        or lookup(func) is not None
+    ):
+        return None
+    return getattr(torch.Tensor, name[:-1], None)
 
 
 def _on_one_device(values: Any) -> Any:

@@ -314,3 +314,45 @@ def test_a_cpu_scalar_tensor_joins_tensors_on_another_device() -> None:
         expected.device,
     )
     assert kiln.counters.graphs == 1 and not kiln.counters.fallbacks
+
+
+def test_in_place_methods_without_translations_compile_through_their_twins() -> None:
+    """``x.foo_(...)`` with no translation of its own takes ``foo``'s result (it broke the
+    graph: scatter_reduce_ in graph networks, xlogy_, copysign_, index_reduce_); into a tensor
+    made in the program too; gradients through it as eager's."""
+
+    def program(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        pooled = torch.zeros(3).scatter_reduce_(0, index, y, reduce="amax", include_self=False)
+        w, v = x.clone(), x.clone()
+        w.copysign_(y)
+        v.xlogy_(y.abs() + 1)
+        means = torch.ones(3, 2).index_reduce_(0, index, y[:, None].expand(6, 2), "mean")
+        return w.sin() + v + pooled.sum() + means.sum()
+
+    kiln.reset()
+    compiled = kiln.compile(program)
+    index = torch.tensor([0, 1, 2, 0, 1, 2])
+    for _ in range(3):
+        x = (torch.rand(6) + 0.5).requires_grad_()
+        y = torch.randn(6, requires_grad=True)
+        result, expected = compiled(x, y, index), program(x, y, index)
+        torch.testing.assert_close(result, expected)
+        got = torch.autograd.grad(result.sum(), [x, y])
+        torch.testing.assert_close(got, torch.autograd.grad(expected.sum(), [x, y]))
+    assert kiln.counters.graphs == 1
+    assert not kiln.counters.graph_breaks and not kiln.counters.fallbacks
+
+
+def test_in_place_twin_that_resizes_or_refuses_runs_natively() -> None:
+    """Eager's addbmm_ resizes a [1] operand to the result's shape, and float_power_ refuses
+    a float32 operand: such calls break the graph and PyTorch decides, as in eager."""
+
+    def resized(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return x.clone().addbmm_(a, b) * 2
+
+    kiln.reset()
+    x, a, b = torch.randn(1), torch.randn(3, 5, 4), torch.randn(3, 4, 10)
+    torch.testing.assert_close(kiln.compile(resized)(x, a, b), resized(x, a, b))
+    assert [r.reason.name for r in kiln.counters.graph_breaks] == ["UNSUPPORTED_CALL"]
+    with pytest.raises(RuntimeError, match="float_power_"):
+        kiln.compile(lambda t: t.clone().float_power_(2) + 1)(torch.randn(4))
