@@ -116,7 +116,9 @@ def _gradients(runner: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Te
     return loss.detach(), [(n, p.grad) for n, p in model.named_parameters()]
 
 
-def check(name: str, device: torch.device, batch: int = 4) -> dict[str, Any]:
+def check(
+    name: str, device: torch.device, batch: int = 4, randomness: bool = False
+) -> dict[str, Any]:
     """One training step (dropout off) in float32 by eager and by Kiln, and in float64 by
     eager: each float32 gradient's distance to float64's, relative to its norm. Kiln is as
     accurate as eager when its error is near eager's (a BatchNorm over few values amplifies
@@ -124,7 +126,8 @@ def check(name: str, device: torch.device, batch: int = 4) -> dict[str, Any]:
     kiln.reset()
     torch.manual_seed(0)
     eager, side = _build(name)
-    _without_randomness(eager)
+    if not randomness:
+        _without_randomness(eager)
     eager = eager.to(device).train()
     model, exact = copy.deepcopy(eager), copy.deepcopy(eager).double()
     compiled = kiln.compile(model)
@@ -180,6 +183,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", default="")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds; later models skipped")
+    parser.add_argument(
+        "--random",
+        action="store_true",
+        help="keep dropout and stochastic depth (gradients then differ from eager's by design: "
+        "read the graph, break and fallback counts)",
+    )
     args = parser.parse_args()
     names = (
         args.models.split(",")
@@ -196,7 +205,7 @@ def main() -> None:
             print(f"{name}: skipped (budget)", flush=True)
             continue
         try:
-            row = check(name, device)
+            row = check(name, device, randomness=args.random)
         except Exception as error:
             row = {"model": name, "error": f"{type(error).__name__}: {error}"[:300]}
             traceback.print_exc()
