@@ -63,6 +63,10 @@ class IndexOutOfBounds(OpIndexError, RuntimeError):
     """A kernel read through an index outside its dimension (eager raises IndexError for
     ``x[i]``, ``index_select`` and ``embedding``, RuntimeError for ``gather``: both catch it)."""
 
+    @classmethod
+    def of(cls, index: int, size: int) -> IndexOutOfBounds:
+        return cls(f"index {index} is out of bounds for a dimension of size {size}")
+
 
 class OpValueError(KilnError, ValueError):
     """An op was given an argument value it does not accept."""

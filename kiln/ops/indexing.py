@@ -40,7 +40,6 @@ from kiln.ops.movement import (
     tensor_operand,
 )
 from kiln.ops.sampling import make_tensor
-from kiln.schedule.index import index_error_message
 
 INDEX_DTYPES = frozenset({torch.int64, torch.int32})
 
@@ -347,7 +346,7 @@ def _index_impl(attrs: IndexAttrs, x: torch.Tensor, *indices: torch.Tensor) -> t
     if not attrs.negative:
         for dim, index in zip(attrs.dims, indices, strict=True):
             if index.numel() and int(index.min()) < 0:
-                raise IndexOutOfBounds(index_error_message(int(index.min()), x.shape[dim]))
+                raise IndexOutOfBounds.of(int(index.min()), x.shape[dim])
     key = tuple(slice(None) if i is None else i for i in _full_indices(attrs.dims, indices))
     return x[key]
 

@@ -40,7 +40,6 @@ import torch
 
 from kiln.config import config, logger
 from kiln.errors import CompilerNotFoundError, IndexOutOfBounds, KernelBuildError
-from kiln.schedule.index import index_error_message
 from kiln.schedule.loops import Kernel, checks_indices
 from kiln.schedule.program import kernel_arguments
 
@@ -301,7 +300,7 @@ def _index_checked(launch: Launcher, status: ctypes.Array[ctypes.c_int64]) -> La
         if status[0]:
             index, size = status[1], status[2]
             status[0] = 0
-            raise IndexOutOfBounds(index_error_message(index, size))
+            raise IndexOutOfBounds.of(index, size)
 
     checked.__name__ = launch.__name__
     return checked

@@ -17,7 +17,7 @@ import torch
 from kiln.errors import IndexOutOfBounds
 from kiln.ir.op import Op, op_def
 from kiln.ops.attrs import ConvertAttrs
-from kiln.schedule.index import FloorDiv, Index, Indirect, Mod, Var, index_error_message
+from kiln.schedule.index import FloorDiv, Index, Indirect, Mod, Var
 from kiln.schedule.loops import (
     Apply,
     Const,
@@ -126,9 +126,7 @@ def check_indices(indices: torch.Tensor, size: int, wrapped: bool) -> None:
     bad = (indices < 0) | (indices >= size)
     if bool(bad.any()):
         index = int(indices[bad].flatten()[0])
-        raise IndexOutOfBounds(
-            index_error_message(index - size if wrapped and index < 0 else index, size)
-        )
+        raise IndexOutOfBounds.of(index - size if wrapped and index < 0 else index, size)
 
 
 def _load(

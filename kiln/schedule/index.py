@@ -143,11 +143,6 @@ def indirect(value: Any, size: int, checked: bool = False, wrapped: bool = False
     return Index(((Indirect(value, size, checked, wrapped), 1),))
 
 
-def index_error_message(index: int, size: int) -> str:
-    """The IndexError text of a checked :class:`Indirect` index outside its dimension."""
-    return f"index {index} is out of bounds for a dimension of size {size}"
-
-
 def _merge(
     left: tuple[tuple[Atom, int], ...], right: tuple[tuple[Atom, int], ...]
 ) -> list[tuple[Atom, int]]:
