@@ -92,6 +92,10 @@ GRADIENTS: dict[str, tuple[Program, list[float]]] = {
     # eager's backward formulas, not the forward's derivative: NaN passes 1 (hardswish) or 0
     "hardswish_special": (lambda x: F.hardswish(x), [NAN, INF, -INF, 3.0, -3.0, 1.0]),
     "hardsigmoid_special": (lambda x: F.hardsigmoid(x), [NAN, INF, -INF, 3.0, -3.0, 1.0]),
+    # max()/min() of everything split the gradient among the NaNs when the result is NaN
+    "max_with_nans": (lambda x: x.max() * 2, [NAN, 1.0, NAN, 2.0]),
+    "min_with_nan": (lambda x: x.min(), [1.0, NAN, -INF, 2.0]),
+    "max_infinite_ties": (lambda x: x.max(), [INF, INF, 1.0, 0.0]),
 }
 
 

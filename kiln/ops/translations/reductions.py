@@ -419,7 +419,11 @@ def _extreme(name: str, input: Value, dim: Any, keepdim: bool, other: Value | No
                 f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
                 "Specify the reduction dim with the 'dim' argument."
             )
-        return reduce(prims.amax if largest else prims.amin, input, tuple(range(input.type.rank)))
+        everything = tuple(range(input.type.rank))
+        extreme = prims.amax if largest else prims.amin
+        if not input.type.requires_grad or not input.type.dtype.is_floating_point:
+            return reduce(extreme, input, everything)
+        return _extreme_of_all(extreme, input, everything, largest)
     axis = common.normalize_dim(dim, input.type.rank, name)
     dims = (axis,) if input.type.rank else ()
     indices = _arg_extreme(prims.argmax if largest else prims.argmin, input, dim, keepdim, name)
@@ -433,6 +437,22 @@ def _extreme(name: str, input: Value, dim: Any, keepdim: bool, other: Value | No
         values = reduce(prims.amax if largest else prims.amin, input, dims, keepdim)
     result_type = torch.return_types.max if largest else torch.return_types.min
     return result_type((values, indices))  # type: ignore[arg-type]
+
+
+def _extreme_of_all(extreme: Any, x: Value, dims: tuple[int, ...], largest: bool) -> Value:
+    """``max()``/``min()`` of everything, differentiable as eager's: the gradient split among
+    the elements equal to the result, and, when the result is NaN, among the NaNs (amax's
+    rule, which compares with ==, would give NaN everywhere)."""
+    nan = prims.ne(x, x)
+    beyond = -math.inf if largest else math.inf
+    clean = reduce(extreme, prims.where(nan, beyond, x), dims)  # no NaN: amax's own gradient
+    nans = reduce(prims.sum, common.convert(nan, x.type.dtype), dims)
+    through_nans = prims.div(reduce(prims.sum, prims.where(nan, x, 0.0), dims), nans)
+    with torch.no_grad():
+        any_nan = prims.gt(nans, 0.0)
+    result = prims.where(any_nan, through_nans, clean)
+    assert isinstance(result, Value)
+    return result
 
 
 def _extreme_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
