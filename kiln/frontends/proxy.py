@@ -61,6 +61,7 @@ _NATIVE_METHODS = {
     torch.Tensor.storage_offset,
     torch.is_floating_point,
     torch.is_complex,
+    torch.is_signed,
     torch.numel,
 }
 _NATIVE_PROPERTIES = {

@@ -356,3 +356,16 @@ def test_in_place_twin_that_resizes_or_refuses_runs_natively() -> None:
     assert [r.reason.name for r in kiln.counters.graph_breaks] == ["UNSUPPORTED_CALL"]
     with pytest.raises(RuntimeError, match="float_power_"):
         kiln.compile(lambda t: t.clone().float_power_(2) + 1)(torch.randn(4))
+
+
+def test_is_signed_is_answered_from_the_dtype() -> None:
+    """``torch.is_signed(x)`` reads the dtype (guarded), as ``x.is_signed()`` did: no break."""
+
+    def program(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if torch.is_signed(x) else x + 1
+
+    kiln.reset()
+    compiled = kiln.compile(program)
+    for x in (torch.randn(3), torch.tensor([1, 2], dtype=torch.uint8), torch.randn(3)):
+        torch.testing.assert_close(compiled(x), program(x))
+    assert kiln.counters.graphs == 2 and not kiln.counters.graph_breaks
