@@ -392,6 +392,7 @@ _RESHAPING_IN_PLACE = frozenset(
         "detach_",
         "requires_grad_",
         "share_memory_",
+        "rename_",
     }
 )
 
