@@ -141,8 +141,12 @@ def _capture_once(
     if code.co_flags & (CO_GENERATOR | CO_ASYNC):
         raise Skip(SkipReason.GENERATOR, f"{code.co_qualname} is a generator or coroutine")
     for name, value in zip(arg_names(code), values, strict=True):
-        if _is_iterator(value):  # (a comprehension's ``.0`` in code run with routed calls)
-            detail = f"{name!r} is a {type(value).__name__}"
+        # (a comprehension's ``.0`` in code run with routed calls; a decorator's ``*args``
+        # passing ``model.parameters()`` on to clip_grad_norm_)
+        items = value.values() if type(value) is dict else value if type(value) is tuple else ()
+        iterator = next((v for v in (value, *items) if _is_iterator(v)), None)
+        if iterator is not None:
+            detail = f"{name!r} is or holds a {type(iterator).__name__}"
             raise Skip(SkipReason.ITERATOR_ARGUMENT, detail)
     session = Session(_graph_name(code), break_at, router)
     names = arg_names(code)

@@ -17,6 +17,7 @@ import torch
 from kiln.capture.breaks import BreakReason, GraphBreak
 from kiln.capture.frame import NULL, PY, Frame, handles
 from kiln.capture.sources import Attr, Builtin, Closure, Constant, Global, Item, Source
+from kiln.frontends.proxy import ProxyTensor
 
 # Library modules whose attributes are taken as fixed (not guarded on every read).
 _TRUSTED_MODULES = frozenset(
@@ -160,12 +161,18 @@ def _autograd_state(frame: Frame, proxy: Any, name: str) -> Any:
     """``x.grad`` and friends: read off the caller's tensor for inputs (guarded); for computed
     tensors, what eager would say (no ``.grad``, not a leaf when it requires grad)."""
     session = frame.session
+    if not isinstance(proxy, ProxyTensor):  # a real tensor from a native iterator: no source
+        raise GraphBreak(
+            BreakReason.UNSUPPORTED_CALL, f"tensor.{name} of a tensor without a source"
+        )
     source = session.source_of(proxy) if hasattr(proxy, "_input_type") else None
     real = session.caller_tensor(proxy)
     if name == "data":  # a view of the same memory that autograd does not track
         return proxy.detach()
     if real is not None and source is not None and proxy._mutations == 0:
-        return session.wrap(getattr(real, name), Attr(source, name))
+        with torch._C.DisableTorchFunction():  # (capture's own guarded read, not torch code's)
+            value = getattr(real, name)
+        return session.wrap(value, Attr(source, name))
     if name == "grad":
         return None
     if name == "is_leaf":

@@ -204,6 +204,14 @@ class TraceMode(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         leaves = pytree.tree_leaves((args, kwargs))
+        real = [a for a in leaves if isinstance(a, torch.Tensor) and not isinstance(a, ProxyTensor)]
+        if self.is_constant is not None and real and _autograd_state(func):
+            # torch code run natively (an optimizer's zero_grad) reading or writing a real
+            # tensor's .grad: no guard holds what it saw, no replay redoes what it wrote
+            raise OpaqueCallError(
+                f"{api_name(func)} of a tensor's autograd state (.grad) inside torch code",
+                user_location(),
+            )
         if self.is_constant is not None and not _native(func):
             unknown = [
                 leaf
@@ -395,6 +403,19 @@ _RESHAPING_IN_PLACE = frozenset(
         "rename_",
     }
 )
+
+
+# A leaf's accumulated gradient, which neither guards nor the graph hold, read or written by
+# torch's own Python code that capture runs natively (an optimizer's zero_grad; the user's
+# ``x.grad`` is read by capture itself, guarded).
+_AUTOGRAD_ATTRIBUTES = frozenset({"grad", "_grad"})
+
+
+def _autograd_state(func: Any) -> bool:
+    owner = getattr(getattr(func, "__self__", None), "__name__", None)
+    return getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__") and (
+        owner in _AUTOGRAD_ATTRIBUTES
+    )
 
 
 def _functional_twin(func: Any) -> Any:

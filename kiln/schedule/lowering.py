@@ -237,7 +237,14 @@ class Lowering:
             if node.op not in (Op.SUM, Op.PROD):
                 raise NotFusable(f"{node.op.printed_name} of an empty dim")
             return self.const(int(node.op is Op.PROD), value.type.dtype)
-        body = self.load(operand, rows.full_index(self.x, self.r))
+        # The whole row, whatever selection reads the result: a mask of the reader (a stack
+        # piece's positions, which run along r when the stack has the row's length) would
+        # drop elements from the reduction. Its reads are in bounds for every row.
+        masks, self._masks = self._masks, []
+        try:
+            body = self.load(operand, rows.full_index(self.x, self.r))
+        finally:
+            self._masks = masks
         return self.intern(Reduce(value.type.dtype, REDUCE_KINDS[node.op], body))
 
     def masked(self, mask: Expr | None, compute: Callable[[], Expr]) -> Expr:
