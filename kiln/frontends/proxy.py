@@ -626,6 +626,14 @@ def _extern(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     so bytecode capture runs it natively (eager raises its own error if the call is wrong)."""
     from kiln.ops.externs import extern_call
 
+    name = getattr(func, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        # (torch._foreach_mul_ on FakeTensors leaves their version counters alone, so the
+        # extern's purity check cannot see the write: the name says it)
+        raise OpaqueCallError(
+            f"{api_name(func)} cannot be a graph node: it writes to an operand in place",
+            user_location(),
+        )
     try:
         return extern_call(func, args, kwargs)
     except TraceError:

@@ -116,3 +116,30 @@ def test_a_stack_of_reductions_as_long_as_a_row(codegen: str, monkeypatch: Any) 
     sums = [torch.randn(3, 5), torch.randn(5)]
     stacked = kiln.compile(lambda p, q: torch.cat([p.sum(0), q.softmax(0)]))
     torch.testing.assert_close(stacked(*sums), torch.cat([sums[0].sum(0), sums[1].softmax(0)]))
+
+
+def test_foreach_in_place_updates_of_parameters_run() -> None:
+    """An EMA with ``torch._foreach_mul_``/``_foreach_add_`` on parameters: the in-place foreach
+    ops (whose writes FakeTensors do not count) were an extern node nobody used, dropped, so
+    the averages never moved. They break the graph and run natively."""
+    kiln.reset()
+    torch.manual_seed(0)
+    model, average, expected = nn.Linear(3, 2), nn.Linear(3, 2), nn.Linear(3, 2)
+    expected.load_state_dict(average.state_dict())
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out = model(x).sum()
+        with torch.no_grad():
+            torch._foreach_mul_(list(average.parameters()), 0.5)
+            torch._foreach_add_(list(average.parameters()), list(model.parameters()), alpha=0.5)
+        return out
+
+    compiled = kiln.compile(step)
+    for _ in range(3):
+        compiled(torch.randn(4, 3))
+        with torch.no_grad():
+            for want, source in zip(expected.parameters(), model.parameters(), strict=True):
+                want.mul_(0.5).add_(source, alpha=0.5)
+        for want, got in zip(expected.parameters(), average.parameters(), strict=True):
+            torch.testing.assert_close(got, want)
+    assert kiln.counters.graphs >= 1 and not kiln.counters.fallbacks

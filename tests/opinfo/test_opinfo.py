@@ -56,6 +56,7 @@ EXPECTED_DETOURS: dict[str, tuple[str, str]] = {
     "unique": ("break", "DATA_DEPENDENT"),
     "unique_consecutive": ("break", "DATA_DEPENDENT"),
     "resize_": ("break", "UNSUPPORTED_CALL"),
+    "resize_as_": ("break", "UNSUPPORTED_CALL"),
     "to_sparse": ("break", "UNSUPPORTED_CALL"),
     "nonzero": ("break", "DATA_DEPENDENT"),
     "argwhere": ("break", "DATA_DEPENDENT"),
