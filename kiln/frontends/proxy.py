@@ -438,8 +438,6 @@ def _on_one_device(values: Any) -> Any:
     as scalars (``x_cuda / torch.tensor(8.0).sqrt()``); translations see one device."""
     leaves, structure = pytree.tree_flatten(values)
     tensors = [leaf for leaf in leaves if isinstance(leaf, Value)]
-    if len({value.type.device for value in tensors}) < 2:
-        return values
     moved = dict(zip(map(id, tensors), on_one_device(*tensors), strict=True))
     return pytree.tree_unflatten(
         [moved.get(id(leaf), leaf) if isinstance(leaf, Value) else leaf for leaf in leaves],

@@ -99,7 +99,7 @@ class TritonLauncher:
         self.replay = replay
 
     def _call(self, arguments: tuple[Any, ...], seed: Any) -> None:
-        if self.failed is not None and self.fallback is not None:
+        if self.failed is not None and self.fallback is not None:  # (set only with a fallback)
             self.fallback(*arguments) if seed is None else self.fallback(*arguments, seed)
             return
         tensors = arguments[: self.count]
