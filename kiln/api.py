@@ -15,11 +15,14 @@ from typing import Any
 
 import torch
 
+from kiln.backends import get_backend
 from kiln.capture.breaks import BreakReason, SkipReason
 from kiln.capture.builtins import graph_break
-from kiln.capture.cache import Options, compiled_function, counters, reset
+from kiln.capture.cache import compiled_function, counters, reset
 from kiln.capture.explain import ExplainReport
 from kiln.capture.explain import explain as _explain
+from kiln.options import Options
+from kiln.pipeline import Pipeline
 from kiln.runtime.triton_build import start_workers
 
 __all__ = [
@@ -33,8 +36,6 @@ __all__ = [
     "reset",
 ]
 
-_MODES = (None, "default", "reduce-overhead", "max-autotune")
-
 
 def compile(
     fn_or_module: Any = None,
@@ -47,45 +48,36 @@ def compile(
 ) -> Any:
     """Compile a function or ``nn.Module``; usable as ``@kiln.compile`` or
     ``@kiln.compile(fullgraph=True)``. The result computes what the original does, faster."""
-    if mode not in _MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {_MODES[1:]}")
-    extra = dict(options or {})
-    settings = Options(
-        backend=backend,
-        mode=mode,
-        fullgraph=fullgraph,
-        dynamic=dynamic,
-        recompile_limit=int(extra.pop("recompile_limit", 8)),
-        strict=bool(extra.pop("strict", False)),
-    )
-    if extra:
-        raise ValueError(f"unknown options: {sorted(extra)}")
-    from kiln.backends import get_backend
-
-    get_backend("eager" if backend == "kiln" else backend)  # unknown names fail here
+    settings = Options.of(options, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+    get_backend(backend)  # unknown names fail here
+    pipeline = Pipeline(settings)
     if fn_or_module is None:
-        return functools.partial(_compile, settings=settings)
-    return _compile(fn_or_module, settings)
+        return functools.partial(_compile, pipeline=pipeline)
+    return _compile(fn_or_module, pipeline)
 
 
-def _compile(target: Any, settings: Options) -> Any:
-    if settings.backend == "kiln" and torch.cuda.is_available() and torch.cuda.is_initialized():
+def _compile(target: Any, pipeline: Pipeline) -> Any:
+    if (
+        pipeline.options.backend == "kiln"
+        and torch.cuda.is_available()
+        and torch.cuda.is_initialized()
+    ):
         # The program already uses the GPU: start the kernel-compile workers now, so that
         # their start-up overlaps the first call's capture.
-        start_workers([torch.device("cuda", torch.cuda.current_device())])
+        start_workers([torch.device("cuda", torch.cuda.current_device())], pipeline.options.codegen)
     if isinstance(target, torch.nn.Module):
-        return CompiledModule(target, settings)
+        return CompiledModule(target, pipeline)
     if isinstance(target, types.MethodType) and isinstance(target.__func__, types.FunctionType):
-        return types.MethodType(compiled_function(target.__func__, settings), target.__self__)
+        return types.MethodType(compiled_function(target.__func__, pipeline), target.__self__)
     if isinstance(target, types.FunctionType):
-        wrapper = compiled_function(target, settings)
+        wrapper = compiled_function(target, pipeline)
         functools.update_wrapper(wrapper, target)
         return wrapper
     call = type(target).__dict__.get("__call__") if callable(target) else None
     if isinstance(call, types.FunctionType):
-        return types.MethodType(compiled_function(call, settings), target)
+        return types.MethodType(compiled_function(call, pipeline), target)
     if callable(target):  # a builtin (torch.erfinv), a partial: compiled through a caller
-        wrapper = functools.partial(compiled_function(_module_caller(), settings), target)
+        wrapper = functools.partial(compiled_function(_module_caller(), pipeline), target)
         functools.update_wrapper(wrapper, target)
         return wrapper
     raise TypeError(f"kiln.compile expects a callable or nn.Module, got {type(target).__name__}")
@@ -104,10 +96,10 @@ class CompiledModule(torch.nn.Module):
     """A module whose calls run compiled; it shares parameters and buffers with the original
     (registered as ``_orig_mod``, like ``torch.compile``'s wrapper)."""
 
-    def __init__(self, module: torch.nn.Module, settings: Options) -> None:
+    def __init__(self, module: torch.nn.Module, pipeline: Pipeline) -> None:
         super().__init__()
         self._orig_mod = module
-        self._kiln_call = compiled_function(_module_caller(), settings)
+        self._kiln_call = compiled_function(_module_caller(), pipeline)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._kiln_call(self._orig_mod, *args, **kwargs)

@@ -40,6 +40,7 @@ class Partition:
     saved_inputs: list[int]  # positions (in the forward graph's inputs) saved for the backward
     saved_count: int  # saved values that are forward outputs (after the original outputs)
     grad_inputs: list[int]  # forward input positions the backward's outputs are gradients of
+    differentiable: list[int]  # positions of the original outputs that carry gradients
 
 
 def recomputable(node: Node) -> bool:
@@ -183,7 +184,9 @@ def partition(joint: Joint, forward: Graph) -> Partition:
     backward, grad_inputs = _backward_graph(
         joint, [forward.inputs[i] for i in saved_inputs], saved_values
     )
-    return Partition(fwd, backward, saved_inputs, len(saved_values), grad_inputs)
+    return Partition(
+        fwd, backward, saved_inputs, len(saved_values), grad_inputs, joint.differentiable_outputs
+    )
 
 
 def _backward_graph(

@@ -16,15 +16,12 @@ from typing import Any
 
 import torch
 
-from kiln.autodiff.partition import Partition, partition
-from kiln.autodiff.reverse import build_joint
+from kiln.autodiff.partition import Partition
 from kiln.ir.graph import Graph, InputKind
 from kiln.ir.interpreter import interpret
 from kiln.ir.op import Tag, op_def
-from kiln.ir.verify import verify
-from kiln.passes import optimize
 
-Compile = Callable[[Graph], Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]]
+CompiledGraph = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
 
 def needs_autodiff(graph: Graph) -> bool:
@@ -35,17 +32,15 @@ def needs_autodiff(graph: Graph) -> bool:
 class TrainingGraph:
     """A graph compiled as a forward/backward pair; called like a compiled graph."""
 
-    def __init__(self, graph: Graph, compile_graph: Compile) -> None:
-        joint = build_joint(graph)
-        self.plan: Partition = partition(joint, graph)
-        self.plan.forward = verify(optimize(verify(self.plan.forward)))
-        self.plan.backward = verify(optimize(verify(self.plan.backward)))
+    def __init__(
+        self, graph: Graph, plan: Partition, forward: CompiledGraph, backward: CompiledGraph
+    ) -> None:
+        self.plan = plan
         self.name = graph.name
-        self.forward = compile_graph(self.plan.forward)
-        self.backward = compile_graph(self.plan.backward)
+        self.forward = forward
+        self.backward = backward
         self.output_count = len(graph.outputs)
-        self.mutation_count = len(graph.mutations)
-        self.differentiable = joint.differentiable_outputs
+        self.differentiable = plan.differentiable
         self.input_count = len(graph.inputs)
         # For a double backward: inputs the forward can be recomputed from under eager
         # autograd. Activations are held weakly (parameters and buffers live in modules).
@@ -128,7 +123,3 @@ def _differentiable_backward(
     for position, grad in zip(wrt, results, strict=True):
         input_grads[position] = grad
     return input_grads
-
-
-def compile_training(graph: Graph, compile_graph: Compile) -> TrainingGraph:
-    return TrainingGraph(graph, compile_graph)

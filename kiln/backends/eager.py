@@ -14,13 +14,14 @@ import torch
 from kiln.backends.registry import CompiledGraph, register_backend
 from kiln.ir.graph import Graph
 from kiln.ir.interpreter import interpret
+from kiln.options import Options
 
 
 @dataclass(frozen=True)
 class EagerBackend:
     name: str = "eager"
 
-    def compile(self, graph: Graph) -> CompiledGraph:
+    def compile(self, graph: Graph, options: Options) -> CompiledGraph:
         def run(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             return interpret(graph, inputs)
 

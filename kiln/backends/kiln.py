@@ -28,6 +28,7 @@ from kiln.ir.graph import Graph, InputKind
 from kiln.ir.interpreter import interpret
 from kiln.ir.op import Op
 from kiln.ops import host_calls
+from kiln.options import Options
 from kiln.random_state import preserved_random_state
 from kiln.runtime.triton_build import start_workers
 from kiln.schedule.evaluate import evaluate_kernel
@@ -63,6 +64,7 @@ class CompiledProgramRecord:
     fallback: str = ""  # why the graph runs on the reference interpreter instead
     phases: dict[str, float] = field(default_factory=dict)  # schedule / build / first run
     unique_kernels: int = 0
+    cpu_matmul: str = "auto"  # the options' library of float32 CPU matmuls
 
     def kernel_lines(self) -> list[str]:
         """One line per kernel (the ops it fuses and the user lines they come from) and per
@@ -82,7 +84,7 @@ class CompiledProgramRecord:
                 lines.append(f"{self.graph}: {step.name} ({space}): {', '.join(ops)}{where}")
             else:
                 note = f" ({step.reason})" if step.reason else ""
-                via = host_calls.library(step.node)
+                via = host_calls.library(step.node, self.cpu_matmul)
                 note += f" via {via}" if via else ""
                 origin = f"  [{step.node.origin}]" if step.node.origin.api else ""
                 lines.append(f"{self.graph}: extern {step.node.op.printed_name}{note}{origin}")
@@ -213,10 +215,9 @@ def register_codegen(name: str, builder: KernelBuilder) -> None:
     CODEGENS[name] = builder
 
 
-def codegen_for(device: torch.device) -> str:
-    """The code generator serving ``device``: config may force one (tests route CPU tensors
-    through Triton's interpreter); otherwise Triton on CUDA and C++ on CPU."""
-    forced = config.codegen
+def codegen_for(device: torch.device, forced: str = "") -> str:
+    """The code generator serving ``device``: the options may force one (tests route CPU
+    tensors through Triton's interpreter); otherwise Triton on CUDA and C++ on CPU."""
     if forced:
         return forced
     if device.type not in ("cuda", "cpu"):
@@ -224,16 +225,18 @@ def codegen_for(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "cpp"
 
 
-def build_kernels(kernels: list[Kernel]) -> tuple[dict[str, Launcher], list[str]]:
-    """Launchers of every kernel, each device's kernels built by that device's generator;
-    also the generators used."""
+def build_kernels(
+    kernels: list[Kernel], codegen: str = ""
+) -> tuple[dict[str, Launcher], list[str]]:
+    """Launchers of every kernel, each device's kernels built by that device's generator
+    (``codegen`` forces one); also the generators used."""
     launchers: dict[str, Launcher] = {}
     by_device: dict[torch.device, list[Kernel]] = {}
     for kernel in kernels:
         by_device.setdefault(kernel.device, []).append(kernel)
     names = []
     for device, group in by_device.items():
-        name = codegen_for(device)
+        name = codegen_for(device, codegen)
         if name not in CODEGENS:
             raise BackendError(f"unknown code generator {name!r} (KILN_CODEGEN)")
         names.append(name)
@@ -246,6 +249,7 @@ class KilnProgram:
     """A graph compiled per layout of its user inputs."""
 
     graph: Graph
+    options: Options = field(default_factory=Options)
     variants: dict[tuple[object, ...], Runner] = field(default_factory=dict)
     # Extern results PyTorch laid out otherwise than the schedule assumed (node id ->
     # strides): a variant that saw one is rebuilt once, assuming what PyTorch does.
@@ -285,14 +289,16 @@ class KilnProgram:
             self._record("", None, start, "meta tensors")
             return lambda tensors: interpret(self.graph, tensors)
         try:
-            start_workers({t.device for t in inputs if isinstance(t, torch.Tensor)})
+            devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
+            start_workers(devices, self.options.codegen)
             program = schedule(self.graph, inputs, self.observed)
             scheduled = time.perf_counter()
-            launchers, names = build_kernels(program.kernels())
-            runner = Wrapper(program, launchers, self._observe).compile()
+            launchers, names = build_kernels(program.kernels(), self.options.codegen)
+            wrapper = Wrapper(program, launchers, self._observe, self.options.cpu_matmul)
+            runner = wrapper.compile()
             self._phases = {"schedule": scheduled - start, "build": time.perf_counter() - scheduled}
         except Exception as error:
-            if config.strict or _draws_random_numbers(self.graph):
+            if self.options.strict or _draws_random_numbers(self.graph):
                 # A graph with random ops cannot fall back alone: the interpreter draws other
                 # numbers than the kernels, and a forward/backward pair must see the same mask.
                 raise
@@ -320,6 +326,7 @@ class KilnProgram:
         seconds = time.perf_counter() - start
         record = CompiledProgramRecord(self.graph.name, codegen, program, seconds, fallback)
         record.phases = getattr(self, "_phases", {})
+        record.cpu_matmul = self.options.cpu_matmul
         if program is not None:
             record.unique_kernels = len({kernel_signature(k) for k in program.kernels()})
         for recorder in RECORDERS:
@@ -363,8 +370,8 @@ def _without_autocast(runner: Runner) -> Runner:
 class KilnBackend:
     name: str = "kiln"
 
-    def compile(self, graph: Graph) -> CompiledGraph:
-        return KilnProgram(graph)
+    def compile(self, graph: Graph, options: Options) -> CompiledGraph:
+        return KilnProgram(graph, options)
 
 
 register_backend(KilnBackend())

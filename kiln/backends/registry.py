@@ -15,17 +15,19 @@ import torch
 
 from kiln.errors import BackendError
 from kiln.ir.graph import Graph
+from kiln.options import Options
 
 CompiledGraph = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
 
 class Backend(Protocol):
-    """Compiles graphs. ``name`` is how users select it: ``kiln.compile(f, backend=name)``."""
+    """Compiles graphs. ``name`` is how users select it: ``kiln.compile(f, backend=name)``;
+    ``options`` are the compile's (the code generator, strict mode, ...)."""
 
     @property
     def name(self) -> str: ...
 
-    def compile(self, graph: Graph) -> CompiledGraph: ...
+    def compile(self, graph: Graph, options: Options) -> CompiledGraph: ...
 
 
 _BACKENDS: dict[str, Backend] = {}

@@ -23,7 +23,7 @@ import types
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,7 +34,9 @@ from kiln.capture.guards import compile_guards, wants_native
 from kiln.capture.resume import Router
 from kiln.capture.rewrite import route_calls
 from kiln.capture.sources import safe_name
-from kiln.config import config, logger
+from kiln.config import logger
+from kiln.ir.graph import Graph
+from kiln.options import Options
 from kiln.random_state import preserved_random_state
 
 _log_breaks = logger("graph_breaks")
@@ -43,17 +45,16 @@ _log_guards = logger("guards")
 _log_graph = logger("graph")
 
 
-@dataclass(frozen=True)
-class Options:
-    """How a function is compiled. Caches are kept per code object *and* options: the same
-    function compiled with another backend or limit gets its own entries."""
+class GraphCompiler(Protocol):
+    """What capture hands each graph to (``kiln.pipeline.Pipeline``, built by ``kiln.compile``
+    and passed down, so capture imports no later stage): it returns the graph as optimized
+    and the callable that runs it. Hashable: caches are kept per code object *and* compiler
+    (the same function compiled with other options gets its own entries)."""
 
-    backend: str = "kiln"
-    mode: str | None = None
-    fullgraph: bool = False
-    dynamic: bool | None = None
-    recompile_limit: int = 8
-    strict: bool = False
+    @property
+    def options(self) -> Options: ...
+
+    def __call__(self, graph: Graph) -> tuple[Graph, Any]: ...
 
 
 @dataclass
@@ -93,17 +94,17 @@ counters = Counters()
 
 @dataclass
 class CodeCache:
-    options: Options
+    compiler: GraphCompiler
     entries: list[Entry] = field(default_factory=list)
     skip: BreakRecord | None = None
     routed: types.CodeType | None = None  # the original code with calls routed (for skips)
     warned: bool = False  # the recompile-limit warning was given
 
 
-# Keyed by the code object's identity (code objects compare equal by value) and the options.
-_CACHES: dict[tuple[int, Options], tuple[types.CodeType, CodeCache]] = {}
+# Keyed by the code object's identity (code objects compare equal by value) and the compiler.
+_CACHES: dict[tuple[int, GraphCompiler], tuple[types.CodeType, CodeCache]] = {}
 _WRAPPERS: dict[Any, Any] = {}
-_ROUTERS: dict[Options, Router] = {}
+_ROUTERS: dict[GraphCompiler, Router] = {}
 _LOCK = threading.RLock()
 # Captures made while a recorder is installed (kiln.explain).
 _RECORDERS: list[list[tuple[str, Capture | BreakRecord]]] = []
@@ -124,32 +125,31 @@ def reset() -> None:
         resume._RESUME_CODES.clear()
 
 
-def cache_of(code: types.CodeType, options: Options) -> CodeCache:
-    key = (id(code), options)
+def cache_of(code: types.CodeType, compiler: GraphCompiler) -> CodeCache:
+    key = (id(code), compiler)
     known = _CACHES.get(key)
     if known is None or known[0] is not code:
-        known = _CACHES[key] = (code, CodeCache(options))
+        known = _CACHES[key] = (code, CodeCache(compiler))
     return known[1]
 
 
-def compiled_function(fn: types.FunctionType, options: Options | None = None) -> Any:
-    """The compiled wrapper of ``fn`` (one per function object and options)."""
-    options = options or Options()
-    key = (fn, options)
+def compiled_function(fn: types.FunctionType, compiler: GraphCompiler) -> Any:
+    """The compiled wrapper of ``fn`` (one per function object and compiler)."""
+    key = (fn, compiler)
     wrapper = _WRAPPERS.get(key)
     if wrapper is None:
         with _LOCK:
             wrapper = _WRAPPERS.get(key)
             if wrapper is None:
-                wrapper = _WRAPPERS[key] = _make_wrapper(fn, options)
+                wrapper = _WRAPPERS[key] = _make_wrapper(fn, compiler)
     return wrapper
 
 
-def router(options: Options) -> Router:
-    """Routes the callees of code compiled with ``options`` through wrappers with the same."""
-    known = _ROUTERS.get(options)
+def router(compiler: GraphCompiler) -> Router:
+    """Routes the callees of code compiled with ``compiler`` through wrappers with the same."""
+    known = _ROUTERS.get(compiler)
     if known is None:
-        known = _ROUTERS[options] = Router(lambda fn: compiled_function(fn, options))
+        known = _ROUTERS[compiler] = Router(lambda fn: compiled_function(fn, compiler))
     return known
 
 
@@ -187,9 +187,9 @@ def _signature(fn: types.FunctionType, binder: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _make_wrapper(fn: types.FunctionType, options: Options) -> Any:
+def _make_wrapper(fn: types.FunctionType, compiler: GraphCompiler) -> Any:
     code = fn.__code__
-    cache = cache_of(code, options)
+    cache = cache_of(code, compiler)
     scope: dict[str, Any] = {"___entries": cache.entries, "___f": fn}
     signature = _signature(fn, scope)
     args = ", ".join(param_names(code))
@@ -202,7 +202,7 @@ def _make_wrapper(fn: types.FunctionType, options: Options) -> Any:
         f"            return ___e.head({call_args})\n"
         f"    return ___miss(({args}{',' if args else ''}))\n"
     )
-    scope["___miss"] = lambda values: _miss(fn, cache, values, options)
+    scope["___miss"] = lambda values: _miss(fn, cache, values, compiler)
     exec(compile(source, f"<kiln wrapper of {code.co_qualname}>", "exec"), scope)
     wrapper = scope[_identifier(code.co_name)]
     wrapper.__qualname__ = fn.__qualname__
@@ -239,7 +239,7 @@ def run_uncompiled(fn: types.FunctionType, cache: CodeCache, values: tuple[Any, 
         return run_original(fn, values)
     if cache.routed is None:
         try:
-            cache.routed = route_calls(fn.__code__, router(cache.options))
+            cache.routed = route_calls(fn.__code__, router(cache.compiler))
         except Exception:  # routing is an optimization: the original code is always right
             cache.routed = fn.__code__
     routed = types.FunctionType(
@@ -272,7 +272,7 @@ def _owner(values: tuple[Any, ...]) -> int | None:
 
 
 def _miss(
-    fn: types.FunctionType, cache: CodeCache, values: tuple[Any, ...], options: Options
+    fn: types.FunctionType, cache: CodeCache, values: tuple[Any, ...], compiler: GraphCompiler
 ) -> Any:
     with _LOCK:
         if cache.skip is not None:
@@ -284,7 +284,7 @@ def _miss(
         if isinstance(entry, Entry):
             entry.hits += 1
         else:
-            entry = _compile_entry(fn, cache, values, options)
+            entry = _compile_entry(fn, cache, values, compiler)
             if entry is None:
                 return run_uncompiled(fn, cache, values)
     if isinstance(entry, _Eager):
@@ -300,7 +300,7 @@ class _Eager:
 
 
 def _compile_entry(
-    fn: types.FunctionType, cache: CodeCache, values: tuple[Any, ...], options: Options
+    fn: types.FunctionType, cache: CodeCache, values: tuple[Any, ...], compiler: GraphCompiler
 ) -> Entry | _Eager | None:
     """A new cache entry for ``values``; None when the frame must run uncompiled."""
     owner = _owner(values)
@@ -309,40 +309,40 @@ def _compile_entry(
         reason = mine[0].first_failure(fn, *values) or "no guard failed"
         counters.recompiles.append((fn.__qualname__, reason))
         _log_recompiles.info("recompiling %s: %s", fn.__qualname__, reason)
-        if len(mine) >= options.recompile_limit:
+        if len(mine) >= compiler.options.recompile_limit:
             record = BreakRecord(
                 SkipReason.RECOMPILE_LIMIT,
                 f"{len(mine)} entries; last guard failure: {reason}",
                 None,
                 fn.__qualname__,
             )
-            _skip(cache, record, options, permanent=False)
+            _skip(cache, record, permanent=False)
             if not cache.warned:
                 cache.warned = True
                 warnings.warn(
                     f"kiln: {fn.__qualname__} hit the recompile limit "
-                    f"(recompile_limit={options.recompile_limit}) and runs uncompiled from now "
-                    f"on; last guard failure: {reason}",
+                    f"(recompile_limit={compiler.options.recompile_limit}) and runs uncompiled "
+                    f"from now on; last guard failure: {reason}",
                     stacklevel=5,
                 )
             return None
     try:
         with preserved_random_state():
             capture = capture_frame(
-                fn, values, _graph_compiler(options), router(options), options.fullgraph
+                fn, values, compiler, router(compiler), compiler.options.fullgraph
             )
     except Skip as skip:
-        if options.strict and skip.reason is SkipReason.BACKEND_ERROR:
+        if compiler.options.strict and skip.reason is SkipReason.BACKEND_ERROR:
             raise skip.__cause__ or skip from None
         record = BreakRecord(skip.reason, skip.detail, skip.location, fn.__qualname__)
-        if options.fullgraph:
+        if compiler.options.fullgraph:
             raise FullGraphError(f"fullgraph=True: {record}", skip.location) from skip
-        _skip(cache, record, options, permanent=True)
+        _skip(cache, record, permanent=True)
         return None
     except FullGraphError:
         raise
     except Exception as error:
-        return _Eager(_capture_failed(fn, cache, values, options, error))
+        return _Eager(_capture_failed(fn, cache, values, compiler, error))
     return _install(fn, cache, capture, owner)
 
 
@@ -384,7 +384,7 @@ def _nativize(entry: Entry, params: Sequence[str]) -> None:
     entry.guard = guard
 
 
-def _skip(cache: CodeCache, record: BreakRecord, options: Options, *, permanent: bool) -> None:
+def _skip(cache: CodeCache, record: BreakRecord, *, permanent: bool) -> None:
     counters.fallbacks.append(record)
     _log_breaks.info("running %s uncompiled: %s", record.function, record)
     if permanent or record.reason is SkipReason.RECOMPILE_LIMIT:
@@ -397,24 +397,18 @@ def _capture_failed(
     fn: types.FunctionType,
     cache: CodeCache,
     values: tuple[Any, ...],
-    options: Options,
+    compiler: GraphCompiler,
     error: Exception,
 ) -> Any:
     """Capture raised: if eager raises too, that is the user's error (re-raised as eager's);
     if eager succeeds, it was Kiln's: warn, skip the frame, never return a wrong result."""
     result = run_original(fn, values)
-    if options.strict or config.strict:
+    if compiler.options.strict:
         raise error
     record = BreakRecord(
         SkipReason.INTERNAL_ERROR, f"{type(error).__name__}: {error}", None, fn.__qualname__
     )
     # stacklevel: the user's call (here, _compile_entry, _miss, the miss lambda, the wrapper).
     warnings.warn(f"kiln: {fn.__qualname__} runs uncompiled: {record.detail}", stacklevel=6)
-    _skip(cache, record, options, permanent=True)
+    _skip(cache, record, permanent=True)
     return result
-
-
-def _graph_compiler(options: Options) -> Callable[[Any], Any]:
-    from kiln.compiler import graph_compiler  # the stages after capture, composed on top
-
-    return graph_compiler(options.backend)

@@ -38,7 +38,6 @@ from kiln.capture.reconstruct import Reconstructor, Unreconstructible
 from kiln.capture.resume import OPERATIONS, OPERATORS, emit_break
 from kiln.capture.session import Session
 from kiln.capture.sources import Binder, FunctionAttr, Local, safe_name
-from kiln.config import config
 from kiln.errors import SourceLocation
 from kiln.frontends.proxy import TraceMode
 from kiln.frontends.source import set_user_location
@@ -192,9 +191,7 @@ def _capture_once(
     if graph.nodes or graph.outputs or graph.mutations:
         try:
             graph, compiled = compile_graph(graph)
-        except Exception as error:
-            if config.strict:
-                raise
+        except Exception as error:  # (re-raised by the cache in strict mode)
             raise Skip(SkipReason.BACKEND_ERROR, f"{type(error).__name__}: {error}") from error
         runner = GraphRunner(graph, compiled)
         call = f"___out = {binder.bind(runner, 'graph')}({_input_list(session, binder)})"

@@ -47,9 +47,11 @@ class Wrapper:
         program: Program,
         launchers: dict[str, Launcher],
         on_layout: LayoutReport | None = None,
+        cpu_matmul: str = "auto",
     ) -> None:
         self.program = program
         self.on_layout = on_layout
+        self.cpu_matmul = cpu_matmul  # the library of float32 CPU matmuls (Options.cpu_matmul)
         self.namespace: dict[str, Any] = {
             "torch": torch,
             "empty_strided": torch.empty_strided,
@@ -149,7 +151,7 @@ class Wrapper:
 
     def _extern(self, call: ExternCall, position: int) -> None:
         function = f"extern_{position}"
-        self.namespace[function] = extern_function(call, self.on_layout)
+        self.namespace[function] = extern_function(call, self.on_layout, self.cpu_matmul)
         operands = ", ".join(
             self.view(o) if isinstance(o, View) else repr(o) for o in call.operands
         )
@@ -199,7 +201,7 @@ def note_error(error: BaseException, *, filename: str, steps: dict[int, str], gr
 
 
 def extern_function(
-    call: ExternCall, on_layout: LayoutReport | None = None
+    call: ExternCall, on_layout: LayoutReport | None = None, cpu_matmul: str = "auto"
 ) -> Callable[..., list[torch.Tensor]]:
     """Runs the node's reference implementation and lays its results out as the kernels that
     read them expect: when PyTorch chose other strides than the schedule assumed, a copy, and
@@ -209,7 +211,7 @@ def extern_function(
         bound = extern_runner(attrs)
     else:
         row = functools.partial(op_def(call.node.op).impl, attrs)
-        bound = host_call(call.node.op, attrs, operand_types(call.node)) or row
+        bound = host_call(call.node.op, attrs, operand_types(call.node), cpu_matmul) or row
     layouts = [(b.shape, b.strides) for b in call.outputs]
 
     def run(*operands: Any) -> list[torch.Tensor]:

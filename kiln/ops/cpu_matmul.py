@@ -46,14 +46,13 @@ def onednn_linear() -> Callable[..., torch.Tensor] | None:
     return getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 
-def use_onednn(m: int, k: int, n: int) -> bool:
+def use_onednn(m: int, k: int, n: int, choice: str = "auto") -> bool:
     """Whether an ``m x k`` by ``k x n`` float32 product on the CPU should run through
-    oneDNN rather than ``torch.mm``."""
+    oneDNN rather than ``torch.mm``; ``choice`` ("blas", "onednn") forces the library."""
     if 2 * m * k * n < MIN_FLOPS or not torch.backends.mkldnn.enabled:
         return False
-    forced = config.cpu_matmul
-    if forced in ("blas", "onednn"):
-        return forced == "onednn" and onednn_linear() is not None
+    if choice in ("blas", "onednn"):
+        return choice == "onednn" and onednn_linear() is not None
     return onednn_is_faster()
 
 

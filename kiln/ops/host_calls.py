@@ -21,7 +21,7 @@ import torch
 from kiln.ir.graph import Node, Value
 from kiln.ir.op import Op
 from kiln.ir.types import TensorType
-from kiln.ops import cpu_matmul
+from kiln.ops import cpu_matmul as cpu_matmul_library
 from kiln.ops.attrs import ConvolutionAttrs, GemmAttrs
 
 HostCall = Callable[..., torch.Tensor]
@@ -56,10 +56,13 @@ _BINDERS: dict[Op, Callable[[Any], HostCall]] = {
 }
 
 
-def host_call(op: Op, attrs: Any, operands: Sequence[TensorType | None] = ()) -> HostCall | None:
+def host_call(
+    op: Op, attrs: Any, operands: Sequence[TensorType | None] = (), cpu_matmul: str = "auto"
+) -> HostCall | None:
     """The unchecked host callable of ``op`` with ``attrs`` bound, or None (use the row's
-    implementation). ``operands`` are the types of the tensor operands, when known."""
-    onednn = _onednn_gemm(op, attrs, operands)
+    implementation). ``operands`` are the types of the tensor operands, when known;
+    ``cpu_matmul`` picks the library of float32 CPU matmuls (``Options.cpu_matmul``)."""
+    onednn = _onednn_gemm(op, attrs, operands, cpu_matmul)
     if onednn is not None:
         return onednn
     binder = _BINDERS.get(op)
@@ -71,13 +74,15 @@ def operand_types(node: Node) -> list[TensorType | None]:
     return [v.type if isinstance(v, Value) else None for v in node.inputs]
 
 
-def library(node: Node) -> str:
+def library(node: Node, cpu_matmul: str = "auto") -> str:
     """Which library other than PyTorch's default call runs ``node`` ("oneDNN"), or ""
     (``kiln.explain`` says it)."""
-    return "oneDNN" if _onednn_gemm(node.op, node.attrs, operand_types(node)) else ""
+    return "oneDNN" if _onednn_gemm(node.op, node.attrs, operand_types(node), cpu_matmul) else ""
 
 
-def _onednn_gemm(op: Op, attrs: Any, operands: Sequence[TensorType | None]) -> HostCall | None:
+def _onednn_gemm(
+    op: Op, attrs: Any, operands: Sequence[TensorType | None], choice: str
+) -> HostCall | None:
     """``mm(a, b)`` and ``addmm(bias, a, b)`` (a bias per column, no scaling) as oneDNN's
     ``linear(a, b.T, bias)``, for float32 CPU operands of a size where that is faster."""
     if op not in (Op.MM, Op.ADDMM) or not operands or any(t is None for t in operands):
@@ -93,8 +98,8 @@ def _onednn_gemm(op: Op, attrs: Any, operands: Sequence[TensorType | None]) -> H
         scaled = attrs is not None and (attrs.beta != 1 or attrs.alpha != 1)
         if scaled or types[0].shape != (n,):
             return None
-    linear = cpu_matmul.onednn_linear()
-    if linear is None or not cpu_matmul.use_onednn(m, k, n):  # type: ignore[arg-type]
+    linear = cpu_matmul_library.onednn_linear()
+    if linear is None or not cpu_matmul_library.use_onednn(m, k, n, choice):  # type: ignore[arg-type]
         return None
     if op is Op.MM:
         return lambda x, y: linear(x, y.t(), None, "none", [], "")

@@ -214,10 +214,11 @@ def _job(source: TritonSource, device_index: int) -> Job:
     }
 
 
-def start_workers(devices: Iterable[torch.device]) -> None:
+def start_workers(devices: Iterable[torch.device], codegen: str = "") -> None:
     """Start the compile worker processes now when kernels for ``devices`` will be compiled
-    in them: their start-up then overlaps the scheduling that comes first."""
-    if config.compile_workers == "threads" or config.codegen not in ("", "triton"):
+    in them (``codegen``: the options' forced generator, if any): their start-up then
+    overlaps the scheduling that comes first."""
+    if config.compile_workers == "threads" or codegen not in ("", "triton"):
         return
     if any(d.type == "cuda" and triton_available(d) is None for d in devices):
         from kiln.runtime import compile_pool

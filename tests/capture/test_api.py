@@ -79,7 +79,7 @@ def test_fullgraph_error_names_line_and_reason() -> None:
 class FailingBackend:
     name: str = "failing-for-tests"
 
-    def compile(self, graph: Graph) -> object:
+    def compile(self, graph: Graph, options: object) -> object:
         raise RuntimeError("this backend always fails")
 
 
@@ -106,10 +106,24 @@ def test_backend_failure_raises_when_strict(
     from kiln.config import config
 
     kiln.reset()
+    compiled = kiln.compile(double_plus, backend=failing_backend, options={"strict": True})
+    with pytest.raises(RuntimeError, match="always fails"):
+        compiled(torch.randn(3), torch.randn(3))
+    # KILN_STRICT=1 sets the default of the option.
+    kiln.reset()
     monkeypatch.setattr(config, "strict", True)
     compiled = kiln.compile(double_plus, backend=failing_backend)
     with pytest.raises(RuntimeError, match="always fails"):
         compiled(torch.randn(3), torch.randn(3))
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="unknown options: \\['bogus'\\]"):
+        kiln.compile(double_plus, options={"bogus": 1})
+    with pytest.raises(ValueError, match="unknown codegen 'fortran'"):
+        kiln.compile(double_plus, options={"codegen": "fortran"})
+    with pytest.raises(ValueError, match="unknown mode"):
+        kiln.compile(double_plus, mode="fastest")
 
 
 def test_internal_capture_error_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -374,7 +374,7 @@ def test_options_of_a_second_compile_apply() -> None:
 def test_backend_of_a_second_compile_applies() -> None:
     """``backend="eager"`` after ``backend="kiln"`` runs the reference interpreter, not the
     first compile's kernels, down to the resume functions after a break and the callees."""
-    import kiln.compiler
+    import kiln.pipeline
 
     def callee(x):
         return x.cos() * 2
@@ -388,17 +388,17 @@ def test_backend_of_a_second_compile_applies() -> None:
     x = torch.randn(4)
     kiln.compile(program, backend="kiln")(x)
     used: list[str] = []
-    original = kiln.compiler.get_backend
+    original = kiln.pipeline.get_backend
 
     def spy(name: str) -> Any:
         used.append(name)
         return original(name)
 
-    kiln.compiler.get_backend = spy  # type: ignore[assignment]
+    kiln.pipeline.get_backend = spy  # type: ignore[assignment]
     try:
         torch.testing.assert_close(kiln.compile(program, backend="eager")(x), program(x))
     finally:
-        kiln.compiler.get_backend = original  # type: ignore[assignment]
+        kiln.pipeline.get_backend = original  # type: ignore[assignment]
     assert used and set(used) == {"eager"}, used
 
 

@@ -64,22 +64,17 @@ def _f32(*shape: int) -> TensorType:
     return TensorType(shape, torch.float32)
 
 
-@pytest.fixture
-def forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "cpu_matmul", "onednn")
-
-
 @needs_onednn
 @pytest.mark.parametrize("transposed", [(False, False), (True, False), (False, True)])
-def test_onednn_matmuls_match_the_rows(forced: None, transposed: tuple[bool, bool]) -> None:
+def test_onednn_matmuls_match_the_rows(transposed: tuple[bool, bool]) -> None:
     """Forced to oneDNN, ``mm`` and ``addmm`` with a per-column bias give the rows' results
     (float32 rounding), for contiguous and transposed operands alike."""
     m, k, n = 160, 96, 144
     a = torch.randn(k, m).t() if transposed[0] else torch.randn(m, k)
     b = torch.randn(n, k).t() if transposed[1] else torch.randn(k, n)
     bias = torch.randn(n)
-    mm = host_call(Op.MM, None, [_f32(m, k), _f32(k, n)])
-    addmm = host_call(Op.ADDMM, GemmAttrs(), [_f32(n), _f32(m, k), _f32(k, n)])
+    mm = host_call(Op.MM, None, [_f32(m, k), _f32(k, n)], "onednn")
+    addmm = host_call(Op.ADDMM, GemmAttrs(), [_f32(n), _f32(m, k), _f32(k, n)], "onednn")
     assert mm is not None and addmm is not None
     assert mm is not host_call(Op.MM, None)  # not torch.mm
     expected = op_def(Op.MM).impl(None, a, b)
@@ -88,7 +83,7 @@ def test_onednn_matmuls_match_the_rows(forced: None, transposed: tuple[bool, boo
     torch.testing.assert_close(addmm(bias, a, b), with_bias, rtol=1e-4, atol=1e-4)
 
 
-def test_onednn_only_where_it_applies(forced: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_onednn_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small products, other dtypes, scaled products and full-matrix biases keep PyTorch's
     call even when oneDNN is forced (a oneDNN call here would raise)."""
 
@@ -104,7 +99,7 @@ def test_onednn_only_where_it_applies(forced: None, monkeypatch: pytest.MonkeyPa
         (Op.ADDMM, GemmAttrs(), [_f32(256, 256), _f32(256, 256), _f32(256, 256)]),
     ]
     for op, attrs, types in cases:
-        call = host_call(op, attrs, types)
+        call = host_call(op, attrs, types, "onednn")
         assert call is not None
         operands = [torch.randn(t.shape, dtype=t.dtype) for t in types]  # type: ignore[arg-type]
         torch.testing.assert_close(call(*operands), op_def(op).impl(attrs, *operands))
@@ -116,7 +111,6 @@ def test_choice_is_measured_once_per_machine(
     """The measured answer is cached on disk: a later process (here: an emptied memory cache)
     reads it back; a corrupt cache file is measured again."""
     monkeypatch.setattr(config, "cache_dir", str(tmp_path))
-    monkeypatch.setattr(config, "cpu_matmul", "auto")
     monkeypatch.setattr(cpu_matmul, "_CHOICES", {})
     measured: list[bool] = []
 
@@ -131,14 +125,11 @@ def test_choice_is_measured_once_per_machine(
     (tmp_path / "cpu_matmul.json").write_text("{not json")
     cpu_matmul._CHOICES.clear()
     assert cpu_matmul.use_onednn(256, 256, 256) and len(measured) == 2
-    monkeypatch.setattr(config, "cpu_matmul", "blas")
-    assert not cpu_matmul.use_onednn(256, 256, 256)
+    assert not cpu_matmul.use_onednn(256, 256, 256, "blas")
 
 
 @needs_onednn
-def test_linear_training_through_onednn_matches_eager(
-    forced: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_linear_training_through_onednn_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """A two-layer MLP trained through Kiln's C++ backend with its matmuls on oneDNN: loss and
     every gradient match eager."""
     linear, calls = cpu_matmul.onednn_linear(), []
@@ -154,7 +145,7 @@ def test_linear_training_through_onednn_matches_eager(
     )
     model = copy.deepcopy(eager)
     x = torch.randn(200, 192)
-    compiled = kiln.compile(model)
+    compiled = kiln.compile(model, options={"cpu_matmul": "onednn"})
     try:
         for run in (eager, compiled):
             run(x).square().mean().backward()
@@ -169,7 +160,8 @@ def test_linear_training_through_onednn_matches_eager(
 @needs_onednn
 @pytest.mark.parametrize("choice", ["onednn", "blas"])
 def test_explain_names_the_matmul_library(choice: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``kiln.explain`` lists a linear layer's extern with the library that runs it."""
+    """``kiln.explain`` lists a linear layer's extern with the library that runs it
+    (``KILN_CPU_MATMUL`` sets the default of the ``cpu_matmul`` option)."""
     monkeypatch.setattr(config, "cpu_matmul", choice)
     model = torch.nn.Linear(192, 160)
     try:

@@ -1,0 +1,76 @@
+"""The pipeline: every stage after capture, in order, in one place.
+
+``kiln.compile`` builds one :class:`Pipeline` per :class:`~kiln.options.Options` and hands it to
+capture as its graph compiler, so capture never imports a later stage. Each captured graph
+then goes through, top to bottom:
+
+1. **passes** (``kiln/passes``): pattern rewrites, CSE, DCE; on a graph autodiff will
+   differentiate, without the passes that shape work for kernels (``AFTER_AUTODIFF``);
+2. **autodiff** (``kiln/autodiff``), when an output requires grad: the joint forward/backward
+   graph from the VJP rows, split by the save-or-recompute partitioner;
+3. **passes after autodiff**: the whole list, on the forward and on the backward graph;
+4. **backend** (``kiln/backends``): the options' backend compiles each graph. The default
+   ``kiln`` backend does so on the graph's first call, per layout of its inputs:
+   **schedule** (``kiln/schedule``: fused kernels, extern calls, buffer plan) →
+   **codegen** (``kiln/codegen``: Triton or C++ sources, and the host program) →
+   **runtime** (``kiln/runtime``: build, load, launch).
+
+The result is the graph as optimized (what ``kiln.explain`` prints) and the callable that runs
+it: the backend's compiled graph, or a forward/backward pair inside one ``autograd.Function``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.autodiff.partition import Partition, partition
+from kiln.autodiff.reverse import build_joint
+from kiln.autodiff.runtime import TrainingGraph, needs_autodiff
+from kiln.backends import CompiledGraph, get_backend
+from kiln.config import logger
+from kiln.ir.graph import Graph
+from kiln.ir.verify import verify
+from kiln.options import Options
+from kiln.passes import optimize
+
+_log_autodiff = logger("autodiff")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The stages after capture for one set of options; called with each captured graph."""
+
+    options: Options
+
+    def __call__(self, graph: Graph) -> tuple[Graph, CompiledGraph]:
+        training = needs_autodiff(graph)
+        graph = run_passes(graph, differentiating=training)
+        if not training:
+            return graph, self.compile_graph(graph)
+        try:
+            plan = differentiate(graph)
+        except NotImplementedError as error:
+            # No VJP for some node (an extern whose derivative PyTorch does not implement):
+            # the reference interpreter runs the graph under eager autograd, which records
+            # what each op's PyTorch call records (and raises at backward where eager does).
+            _log_autodiff.info("%s: eager autograd through the graph (%s)", graph.name, error)
+            return graph, get_backend("eager").compile(graph, self.options)
+        plan.forward = run_passes(plan.forward)
+        plan.backward = run_passes(plan.backward)
+        forward, backward = self.compile_graph(plan.forward), self.compile_graph(plan.backward)
+        return graph, TrainingGraph(graph, plan, forward, backward)
+
+    def compile_graph(self, graph: Graph) -> CompiledGraph:
+        """The backend stage (it schedules, generates and loads code on the first call)."""
+        return get_backend(self.options.backend).compile(graph, self.options)
+
+
+def run_passes(graph: Graph, *, differentiating: bool = False) -> Graph:
+    """The pass list on a verified graph; the result is verified too."""
+    return verify(optimize(verify(graph), differentiating=differentiating))
+
+
+def differentiate(graph: Graph) -> Partition:
+    """The joint forward/backward graph of ``graph``, split into what the forward computes and
+    saves and what the backward recomputes (raises NotImplementedError without a VJP)."""
+    return partition(build_joint(graph), graph)
