@@ -13,19 +13,9 @@ import sys
 import traceback
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-
-class UsageError(Exception):
-    """Bad input to a ``kiln`` command: reported as one line, exit status 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line (``kiln bench: error: ...``), without
-    the usage block argparse prints first."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from kiln.bench.arguments import OneLineParser, UsageError
 
 
 def main(argv: list[str] | None = None) -> int:

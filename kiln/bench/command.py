@@ -13,13 +13,13 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from kiln.bench.arguments import OneLineParser, UsageError
 from kiln.bench.machine import environment, resolve_device
 from kiln.bench.models import MODELS, SUITES
 from kiln.bench.progress import Progress
 from kiln.bench.runner import Options, Row, run_suite
 from kiln.bench.table import format_header, format_table
 from kiln.bench.worker import COMPILERS, DTYPES
-from kiln.cli import OneLineParser, UsageError
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from kiln.bench.arguments import OneLineParser, UsageError
 from kiln.bench.compare import max_relative_error
 from kiln.bench.machine import (
     environment,
@@ -35,7 +36,6 @@ from kiln.bench.machine import (
 )
 from kiln.bench.table import format_header
 from kiln.bench.timing import median_seconds, synchronize
-from kiln.cli import OneLineParser, UsageError
 
 GPU_SHAPE = (16384, 4096)
 CPU_SHAPE = (256, 1024)

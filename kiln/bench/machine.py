@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from kiln.cli import UsageError
+from kiln.bench.arguments import UsageError
 
 
 def resolve_device(requested: str | None) -> str:

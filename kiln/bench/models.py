@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.bench.tiny_gpt import TinyGPT
+
 InputMaker = Callable[[torch.Generator], tuple[torch.Tensor, ...]]
 
 
@@ -122,8 +124,6 @@ def _small_cnn(batch: int) -> Workload:
 
 
 def _tiny_gpt(batch: int) -> Workload:
-    from kiln.demo import TinyGPT
-
     return Workload(TinyGPT(), _tokens(batch, 64, 512))
 
 
@@ -162,7 +162,7 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("bert_base", "BERT-base MLM, Bx512", _bert(512), 16, ("transformers",)),
         ModelSpec("gpt2", "GPT-2 small LM, Bx1024", _gpt2(1024), 8, ("transformers",)),
         # The cpu suite: small sizes.
-        ModelSpec("tiny_gpt", "kiln.demo.TinyGPT (0.5M), Bx64", _tiny_gpt, 4),
+        ModelSpec("tiny_gpt", "kiln.bench.tiny_gpt.TinyGPT (0.5M), Bx64", _tiny_gpt, 4),
         ModelSpec("small_cnn", "3-stage conv/BN/ReLU CNN, Bx3x32x32", _small_cnn, 8),
         ModelSpec(
             "gpt2_tiny",

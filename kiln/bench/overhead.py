@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kiln.bench.arguments import OneLineParser, UsageError
 from kiln.bench.compare import max_relative_error
 from kiln.bench.machine import (
     environment,
@@ -28,7 +29,6 @@ from kiln.bench.machine import (
 )
 from kiln.bench.table import format_header
 from kiln.bench.timing import per_call_seconds, timed
-from kiln.cli import OneLineParser, UsageError
 
 OVERHEAD_TARGET_US = 20.0
 

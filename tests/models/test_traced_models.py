@@ -11,7 +11,7 @@ from tiny_models import SmallResNet, tiny_bert_config, tiny_gpt2_config
 from torch import nn
 
 import kiln
-from kiln.demo import TinyGPT
+from kiln.bench.tiny_gpt import TinyGPT
 from kiln.ir import Op
 
 
