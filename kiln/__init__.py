@@ -1,12 +1,13 @@
 """Kiln: a just-in-time compiler for PyTorch programs.
 
-The pipeline (see docs/architecture.md)::
+The pipeline (``kiln/pipeline.py``; docs/architecture.md)::
 
-    user code --frontends--> Graph (prims) --backends--> callable
-                kiln/frontends  kiln/ir, kiln/ops   kiln/backends
+    user code --capture--> Graph (prims) --passes--> --autodiff--> --backend--> callable
+              kiln/capture  kiln/ir, kiln/ops                      schedule -> codegen -> runtime
 
-``kiln.trace(fn, *inputs)`` gives the graph of a function or module; ``kiln.ir`` prints,
-verifies and interprets it; ``kiln.backends.get_backend("eager")`` runs it.
+``kiln.compile(fn)`` compiles a function or module; ``kiln.trace(fn, *inputs)`` gives the graph
+of one call; ``kiln.ir`` prints, verifies and interprets graphs;
+``kiln.backends.get_backend("eager").compile(graph, kiln.options.Options())`` runs one.
 """
 
 from kiln import (

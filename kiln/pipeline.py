@@ -9,8 +9,9 @@ then goes through, top to bottom:
 2. **autodiff** (``kiln/autodiff``), when an output requires grad: the joint forward/backward
    graph from the VJP rows, split by the save-or-recompute partitioner;
 3. **passes after autodiff**: the whole list, on the forward and on the backward graph;
-4. **backend** (``kiln/backends``): the options' backend compiles each graph. The default
-   ``kiln`` backend does so on the graph's first call, per layout of its inputs:
+4. **backend** (``kiln/backends``): the options' backend compiles each graph whole (splitting
+   a graph between backends by what each supports comes with the backend API, issue 23).
+   The default ``kiln`` backend does so on the graph's first call, per layout of its inputs:
    **schedule** (``kiln/schedule``: fused kernels, extern calls, buffer plan) →
    **codegen** (``kiln/codegen``: Triton or C++ sources, and the host program) →
    **runtime** (``kiln/runtime``: build, load, launch).
