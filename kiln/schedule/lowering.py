@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kiln.ir.graph import Node, Value
+from kiln.ir.graph import InputKind, Node, Value
 from kiln.ir.op import Op, Tag, op_def
 from kiln.ir.types import concrete_shape
 from kiln.ops import attrs as A
@@ -570,6 +570,16 @@ def lowerable(op: Op) -> bool:
         or op in REDUCE_KINDS
         or (op not in EXTERN_OPS and Tag.ELEMENTWISE in op_def(op).tags)
     )
+
+
+def in_kernels(node: Node) -> bool:
+    """Whether a loop kernel computes ``node``: its op lowers (it is no extern), and its
+    operands and results live on one device."""
+    if node.op in EXTERN_OPS or not lowerable(node.op):
+        return False
+    devices = {v.type.device for v in node.outputs}
+    devices |= {v.type.device for v in node.input_values() if v.kind is not InputKind.RNG_SEED}
+    return len(devices) == 1  # a kernel runs on one device; a transfer is an extern
 
 
 def buffer_view(buffer: Buffer) -> View:

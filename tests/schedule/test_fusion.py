@@ -152,9 +152,9 @@ def test_max_pool_window_recomputes_its_cheap_producer_in_one_kernel(monkeypatch
     # step of the separable max read by the next at 3 positions) are one kernel, where they
     # were three with two stored intermediates. Values read by several nodes of one kernel at
     # one position are computed once, whatever they cost.
-    import kiln.schedule.scheduler as scheduler
+    import kiln.schedule.inlining as inlining
 
-    monkeypatch.setattr(scheduler, "STENCIL_LIMIT", (128, 128))
+    monkeypatch.setattr(inlining, "STENCIL_LIMIT", (128, 128))
     args = (torch.randn(2, 4, 11, 12), torch.rand(4) + 0.5, torch.randn(4))
     (kernel,) = scheduled(_bn_relu_max_pool, *args).kernels()
     assert kernel.xnumel == 2 * 4 * 6 * 6
@@ -292,11 +292,11 @@ def test_gpu_fusion_limits_compile_and_match_eager(codegen: str, monkeypatch: An
     # The GPU's budgets (BatchNorm + ReLU + max pool as one kernel; values read by several
     # kernels recomputed up to 128 ops) through the generators CI can run (Triton's
     # interpreter, C++), forward and backward, against eager.
-    import kiln.schedule.scheduler as scheduler
+    import kiln.schedule.inlining as inlining
     from kiln.config import config
 
-    monkeypatch.setattr(scheduler, "STENCIL_LIMIT", (128, 128))
-    monkeypatch.setattr(scheduler, "TRAFFIC_RECOMPUTE_LIMIT", (128, 128))
+    monkeypatch.setattr(inlining, "STENCIL_LIMIT", (128, 128))
+    monkeypatch.setattr(inlining, "TRAFFIC_RECOMPUTE_LIMIT", (128, 128))
     monkeypatch.setattr(config, "codegen", codegen)
     torch.manual_seed(0)
     stem = torch.nn.Sequential(
@@ -325,11 +325,11 @@ def test_max_pool_backward_does_not_recompute_the_forward_per_window(
     # the BatchNorm + ReLU before it is read at about 100 positions an element: counted per
     # user (9), it was inlined, and ResNet-50's training step had one 70 ms kernel with 254
     # loads. Counted by route, it is stored once and the kernels stay small.
-    import kiln.schedule.scheduler as scheduler
+    import kiln.schedule.inlining as inlining
     from kiln.config import config
 
-    monkeypatch.setattr(scheduler, "STENCIL_LIMIT", (128, 128))
-    monkeypatch.setattr(scheduler, "TRAFFIC_RECOMPUTE_LIMIT", (128, 128))
+    monkeypatch.setattr(inlining, "STENCIL_LIMIT", (128, 128))
+    monkeypatch.setattr(inlining, "TRAFFIC_RECOMPUTE_LIMIT", (128, 128))
     monkeypatch.setattr(config, "codegen", "triton")
     monkeypatch.setattr(config, "debug_dir", str(tmp_path))
     torch.manual_seed(0)

@@ -1,0 +1,125 @@
+"""Layout choice: the strides of the values kernels store, channels-last around convolutions.
+
+cuDNN's convolutions are fastest on channels-last operands, and so are oneDNN's on the CPU, so
+a 4-D value that feeds a convolution (or its backward) is stored channels-last, on the GPU and
+the CPU, for inference and training; a graph input a convolution reads in the NCHW layout is
+copied channels-last first. Other values follow the layout of a same-shaped dense value they
+are computed from, as eager's elementwise ops keep ``channels_last``, else are contiguous: the
+layout propagates from one convolution to the next instead of being converted back and forth.
+(The strides in a dim order, and those extern results will have, are in ``layouts.py``.)
+"""
+
+from __future__ import annotations
+
+from kiln.ir.graph import Node, Origin, Value
+from kiln.ir.op import Op
+from kiln.ops.attrs import ConvertAttrs
+from kiln.ops.externs import convolution_backward
+from kiln.schedule import index as ix
+from kiln.schedule.layouts import channels_last_strides, memory_order, strides_in_order
+from kiln.schedule.lowering import REDUCE_KINDS, shape_of
+from kiln.schedule.program import View
+from kiln.schedule.views import VIEW_OPS, is_dense
+
+
+class LayoutChoice:
+    """Layouts for values of a graph whose readers are ``users``, given the ``layouts`` of the
+    values in memory so far (the fusion walk adds to it as it stores them)."""
+
+    def __init__(self, users: dict[Value, list[Node]], layouts: dict[Value, View]):
+        self.users = users
+        self.layouts = layouts
+
+    def strides_for(self, value: Value) -> tuple[int, ...]:
+        """The layout of a value a kernel stores: channels-last when it feeds a convolution on
+        the GPU (cuDNN's fast path), the layout of a same-shaped dense input it is computed
+        from (as eager's elementwise ops keep ``channels_last``), else contiguous."""
+        shape = shape_of(value)
+        contiguous = ix.contiguous_strides(shape)
+        if self.wants_channels_last(value):
+            return channels_last_strides(shape)
+        layout = self._source_layout(value, shape)
+        if layout is not None and is_dense(layout) and 0 not in layout.strides:
+            return strides_in_order(shape, memory_order(layout.strides))
+        return contiguous
+
+    def _source_layout(self, value: Value, shape: tuple[int, ...]) -> View | None:
+        """The layout of the first same-shaped value in memory that ``value``'s inlined
+        elementwise work reads (depth-first, operands in order)."""
+        stack, seen = [value], {value}
+        while stack:
+            current = stack.pop()
+            node = current.node
+            if node is None or node.op in REDUCE_KINDS or node.op in VIEW_OPS:
+                continue
+            for operand in reversed(list(node.input_values())):
+                if operand in seen or shape_of(operand) != shape:
+                    continue
+                seen.add(operand)
+                if operand in self.layouts:
+                    return self.layouts[operand]
+                stack.append(operand)
+        return None
+
+    def wants_channels_last(self, value: Value) -> bool:
+        """Whether ``value`` feeds a convolution (or its backward) on the GPU or the CPU:
+        cuDNN's convolutions are fastest on channels-last operands, and so are oneDNN's on the
+        CPU (small_cnn inference on two cores: 1.6-1.9x eager against about 1x; training, with
+        the C++ generator's split column reductions for the BatchNorm statistics over
+        channels-last rows, ``kiln/codegen/cpp_split.py``: see benchmarks/RESULTS.md)."""
+        feeds_convolution = any(_is_convolution(u) for u in self.users.get(value, ()))
+        if len(shape_of(value)) != 4 or not feeds_convolution:
+            return False
+        return value.type.device.type in ("cuda", "cpu")
+
+    def copies_channels_last(self, node: Node, position: int, operand: Value) -> bool:
+        """Whether extern ``node`` reads ``operand``, its operand at ``position`` and a graph
+        input (the caller checks that), through a channels-last copy: when a convolution reads
+        it as its input (or its backward as the gradient or the input) in the NCHW layout,
+        where convolutions go channels-last (:meth:`wants_channels_last`). Else the
+        convolution answers NCHW (oneDNN and cuDNN follow the input), and every kernel between
+        it and the next convolution converts between the layouts: small_cnn's first BatchNorm
+        read NCHW and wrote channels-last, column by column. Weights stay as they are (the
+        libraries reorder them anyway). Not for transposed convolutions: oneDNN's
+        channels-last float16 one accumulates in float16 (4 ulps off on the op table's
+        sample)."""
+        view = self.layouts[operand]
+        shape = shape_of(operand)
+        activations = 1 if node.op is Op.CONVOLUTION else 2  # (x) or (gradient, x)
+        return (
+            _is_convolution(node)
+            and position < activations
+            and not _transposed(node)
+            and len(shape) == 4
+            and view.strides != channels_last_strides(shape)
+            and view.strides == ix.contiguous_strides(shape)
+            and self.wants_channels_last(operand)
+        )
+
+
+def channels_last_copy(operand: Value, convolution: Node) -> Value:
+    """A new value: ``operand`` converted to its own dtype, for a kernel to store
+    channels-last before ``convolution`` reads it (``LayoutChoice.copies_channels_last``)."""
+    copy = Value(f"{operand.name}_channels_last", operand.type)
+    origin = Origin("channels_last", convolution.origin.file, convolution.origin.line)
+    attrs = ConvertAttrs(operand.type.dtype)
+    copy.node = Node(Op.CONVERT, (operand,), attrs, (copy,), origin)
+    return copy
+
+
+def _transposed(convolution: Node) -> bool:
+    """Whether a convolution (or its backward: the forward's attrs are its keywords) is
+    transposed."""
+    attrs = convolution.attrs
+    if convolution.op is Op.CONVOLUTION:
+        return bool(attrs.transposed)
+    return bool(attrs.kwargs.get("transposed", False))
+
+
+def _is_convolution(node: Node) -> bool:
+    """A convolution or its backward (whose gradient and input operands cuDNN wants laid out
+    like the forward's: a contiguous gradient made it transpose every one, and made the
+    kernel writing it store across the channels-last rows it reads)."""
+    return node.op is Op.CONVOLUTION or (
+        node.op is Op.EXTERN and node.attrs.fn is convolution_backward
+    )
