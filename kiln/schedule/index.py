@@ -17,9 +17,10 @@ division; ``(e // a) // b == e // (a*b)``; and ``c*k*(e // k) + c*(e % k) == c*e
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -54,23 +55,31 @@ class Indirect:
     size: int
     checked: bool = False
     wrapped: bool = False  # (negatives had ``size`` added: one still below 0 was below -size)
+    # Orders indirect terms by creation, never by address: the same program must print the
+    # same kernel source in every process (sources key the kernel caches on disk).
+    serial: int = field(default_factory=lambda: next(_SERIALS), compare=False, repr=False)
+
+
+_SERIALS = itertools.count()
 
 
 Atom = Var | FloorDiv | Mod | Indirect
 
 
-def _atom_key(atom: Atom) -> tuple[Any, ...]:
+def _atom_key(atom: Atom, order: bool = False) -> tuple[Any, ...]:
+    """Equal keys: the same atom (terms merge). ``order``: the key terms are sorted by, where
+    an indirect atom counts by creation (deterministic), not by its value's identity."""
     if isinstance(atom, Var):
         return (0, atom.name)
     if isinstance(atom, FloorDiv):
-        return (1, atom.divisor, _index_key(atom.operand))
+        return (1, atom.divisor, _index_key(atom.operand, order))
     if isinstance(atom, Mod):
-        return (2, atom.divisor, _index_key(atom.operand))
-    return (3, id(atom.value))
+        return (2, atom.divisor, _index_key(atom.operand, order))
+    return (3, atom.serial) if order else (3, id(atom.value))
 
 
-def _index_key(index: Index) -> tuple[Any, ...]:
-    return (index.const, tuple((_atom_key(a), c) for a, c in index.terms))
+def _index_key(index: Index, order: bool = False) -> tuple[Any, ...]:
+    return (index.const, tuple((_atom_key(a, order), c) for a, c in index.terms))
 
 
 @dataclass(frozen=True)
@@ -158,7 +167,7 @@ def _merge(
 
 def _make(terms: list[tuple[Atom, int]], const: int) -> Index:
     terms, extra = _recombine(terms)
-    terms.sort(key=lambda term: _atom_key(term[0]))
+    terms.sort(key=lambda term: _atom_key(term[0], order=True))
     return Index(tuple(terms), const + extra)
 
 

@@ -127,3 +127,32 @@ def test_division_factors_out_a_common_stride() -> None:
             value = evaluate(expr, env)
             assert evaluate(ix.floordiv(expr, 1024), env) == value // 1024
             assert evaluate(ix.mod(expr, 1024), env) == value % 1024
+
+
+def test_kernel_source_is_the_same_on_every_compile() -> None:
+    """Indirect terms (two gathered indices in one address) are ordered by creation, not by
+    memory address: the same program prints the same kernel source in every compile (and
+    process), so the kernel caches keyed by source hit."""
+    import torch
+
+    import kiln
+    from kiln.backends.kiln import RECORDERS
+    from kiln.codegen.cpp import generate_cpp
+
+    def program(t: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return t[i, j] * 2 + t[j, i]
+
+    sources = set()
+    for _ in range(6):
+        kiln.reset()
+        records: list = []
+        RECORDERS.append(records)
+        try:
+            t, i, j = torch.randn(7, 7), torch.randint(0, 7, (5,)), torch.randint(0, 7, (5,))
+            result = kiln.compile(program, options={"codegen": "cpp"})(t, i, j)
+        finally:
+            RECORDERS.remove(records)
+        torch.testing.assert_close(result, program(t, i, j))
+        sources.add(generate_cpp(records[-1].program.kernels()))
+    kiln.reset()
+    assert len(sources) == 1
