@@ -53,15 +53,12 @@ GATHERS: dict[str, tuple[Program, list[list[int]], list[tuple[list[list[int]], i
 
 @pytest.mark.parametrize("codegen", ["cpp", "evaluate"])
 @pytest.mark.parametrize("name", sorted(GATHERS))
-def test_out_of_range_index_raises_as_eager(name: str, codegen: str, monkeypatch: Any) -> None:
+def test_out_of_range_index_raises_as_eager(name: str, codegen: str) -> None:
     """An index outside its dimension raises (eager's IndexError or RuntimeError: both catch
     Kiln's), naming the index; it never reads memory outside the tensor."""
-    from kiln.config import config
-
-    monkeypatch.setattr(config, "codegen", codegen)
-    kiln.reset()  # (a capture cached under the other codegen would run its kernels)
+    kiln.reset()
     program, good, bad_indices = GATHERS[name]
-    compiled = kiln.compile(program)
+    compiled = kiln.compile(program, options={"codegen": codegen})
     x = torch.randn(4, 4)
     torch.testing.assert_close(compiled(x, torch.tensor(good)), program(x, torch.tensor(good)))
     for bad, offender in bad_indices:
@@ -79,16 +76,13 @@ def test_out_of_range_index_raises_as_eager(name: str, codegen: str, monkeypatch
     assert not kiln.counters.fallbacks
 
 
-def test_triton_kernels_clamp_out_of_range_indices(monkeypatch: Any) -> None:
+def test_triton_kernels_clamp_out_of_range_indices() -> None:
     """A GPU kernel cannot raise without a sync (eager's CUDA gather asserts on the device): a
     Triton kernel reads element 0 for an index outside, never memory the tensor does not own
     (here under the interpreter, as in CI)."""
-    from kiln.config import config
-
-    monkeypatch.setattr(config, "codegen", "triton")
     kiln.reset()
     x = torch.randn(4, 4)
-    compiled = kiln.compile(lambda t, i: torch.gather(t, 1, i) * 2)
+    compiled = kiln.compile(lambda t, i: torch.gather(t, 1, i) * 2, options={"codegen": "triton"})
     index = torch.tensor([[0, 4], [1, 2], [-3, 3], [9, 0]])
     clamped = torch.where((index >= 0) & (index < 4), index, 0)
     torch.testing.assert_close(compiled(x, index), torch.gather(x, 1, clamped) * 2)

@@ -246,11 +246,7 @@ def test_a_mutation_read_elsewhere_or_shifted_is_not_written_in_place() -> None:
 
 
 @pytest.mark.parametrize("codegen", ["cpp", "triton", "evaluate"])
-def test_in_place_mutations_match_eager(codegen: str, monkeypatch: Any) -> None:
-    from kiln.config import config
-
-    monkeypatch.setattr(config, "codegen", codegen)
-
+def test_in_place_mutations_match_eager(codegen: str) -> None:
     def step(x: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
         stat.mul_(0.9).add_(x.mean(0), alpha=0.1)
         x.add_(x.flip(0))
@@ -258,7 +254,7 @@ def test_in_place_mutations_match_eager(codegen: str, monkeypatch: Any) -> None:
 
     x, stat = torch.randn(5, 7), torch.randn(7)
     x2, stat2 = x.clone(), stat.clone()
-    compiled = kiln.compile(step)
+    compiled = kiln.compile(step, options={"codegen": codegen})
     for _ in range(3):
         got, want = compiled(x, stat), step(x2, stat2)
         torch.testing.assert_close(got, want)
@@ -293,11 +289,9 @@ def test_gpu_fusion_limits_compile_and_match_eager(codegen: str, monkeypatch: An
     # kernels recomputed up to 128 ops) through the generators CI can run (Triton's
     # interpreter, C++), forward and backward, against eager.
     import kiln.schedule.inlining as inlining
-    from kiln.config import config
 
     monkeypatch.setattr(inlining, "STENCIL_LIMIT", (128, 128))
     monkeypatch.setattr(inlining, "TRAFFIC_RECOMPUTE_LIMIT", (128, 128))
-    monkeypatch.setattr(config, "codegen", codegen)
     torch.manual_seed(0)
     stem = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1, bias=False),
@@ -308,7 +302,7 @@ def test_gpu_fusion_limits_compile_and_match_eager(codegen: str, monkeypatch: An
     )
     x = torch.randn(2, 3, 9, 10)
     reference = copy.deepcopy(stem)
-    compiled = kiln.compile(stem)
+    compiled = kiln.compile(stem, options={"codegen": codegen})
     for run in (reference, compiled):
         run(x).square().mean().backward()
     for got, want in zip(stem.parameters(), reference.parameters(), strict=True):
@@ -330,7 +324,6 @@ def test_max_pool_backward_does_not_recompute_the_forward_per_window(
 
     monkeypatch.setattr(inlining, "STENCIL_LIMIT", (128, 128))
     monkeypatch.setattr(inlining, "TRAFFIC_RECOMPUTE_LIMIT", (128, 128))
-    monkeypatch.setattr(config, "codegen", "triton")
     monkeypatch.setattr(config, "debug_dir", str(tmp_path))
     torch.manual_seed(0)
     stem = torch.nn.Sequential(
@@ -342,7 +335,7 @@ def test_max_pool_backward_does_not_recompute_the_forward_per_window(
     )
     x = torch.randn(2, 3, 16, 16)
     reference = copy.deepcopy(stem)
-    kiln.compile(stem)(x).square().mean().backward()
+    kiln.compile(stem, options={"codegen": "triton"})(x).square().mean().backward()
     reference(x).square().mean().backward()
     for got, want in zip(stem.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
