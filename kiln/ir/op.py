@@ -139,6 +139,9 @@ class Tag(enum.Enum):
     RANDOM = "random"
     EXTERN = "extern"
     NONDIFFERENTIABLE = "nondifferentiable"  # outputs never require grad (bool, int, indices)
+    # costly per element (exp, log, ...): the scheduler counts it as several ops when deciding
+    # whether recomputing a value in each reader is cheaper than storing it
+    TRANSCENDENTAL = "transcendental"
 
 
 @dataclass

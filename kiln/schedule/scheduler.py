@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.ir.graph import Graph, InputKind, Node, Origin, Value
-from kiln.ir.op import Op, Tag, op_def
+from kiln.ir.op import Op, Tag, op_def, registered_ops
 from kiln.ops.attrs import ConvertAttrs
 from kiln.ops.externs import convolution_backward
 from kiln.schedule import index as ix
@@ -65,7 +65,7 @@ STENCIL_LIMIT = (32, 128)
 # recomputed costs about what the saved write and read do, so only cheap arithmetic goes.
 TRAFFIC_RECOMPUTE_LIMIT = (8, 128)
 COST_CAP = 1 << 12  # costs and read counts saturate here
-TRANSCENDENTAL = frozenset({Op.EXP, Op.LOG, Op.TANH, Op.ERF, Op.POW, Op.SIN, Op.COS})
+TRANSCENDENTAL = frozenset(d.op for d in registered_ops() if Tag.TRANSCENDENTAL in d.tags)
 MAX_MEMBERS = 16  # values one kernel may compute and store
 SEARCH_DEPTH = 6  # how many recent kernels a value tries to join
 

@@ -166,3 +166,14 @@ def test_extern_runner_calls_like_the_row_impl() -> None:
             torch.testing.assert_close(g, w)
     with pytest.raises(IndexError, match="Slot"):
         extern_runner(cases[0])(a)
+
+
+def test_scheduler_reads_transcendentals_from_the_tag() -> None:
+    """The scheduler's inlining cost comes from ``Tag.TRANSCENDENTAL``; an empty set would mean
+    it read the registry before ``kiln.ops`` registered the rows."""
+    from kiln.schedule.scheduler import TRANSCENDENTAL
+
+    tagged = {row.op for row in registered_ops() if Tag.TRANSCENDENTAL in row.tags}
+    assert TRANSCENDENTAL, "the scheduler read the registry before the rows were registered"
+    assert tagged == TRANSCENDENTAL
+    assert all(Tag.ELEMENTWISE in op_def(op).tags for op in tagged)
