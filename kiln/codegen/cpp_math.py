@@ -1,4 +1,5 @@
-"""The C++ spelling of Kiln's scalar math: types, literals, conversions and elementwise ops.
+"""The C++ spelling of Kiln's scalar math: types, literals, conversions and elementwise ops
+(:data:`SPELLINGS`, one row per op).
 
 Values are computed in a *compute type*: float16 and bfloat16 are stored as ``uint16_t`` bits
 and computed in ``float``, converted at loads and stores with bit operations that vectorize
@@ -113,156 +114,159 @@ def store(text: str, dtype: torch.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# elementwise ops. A spelling takes the argument texts and the operands' dtype (a comparison's
-# operands, WHERE's values); Python tables keep one op's C++ text in one place.
+# elementwise ops: SPELLINGS has one row per op. A spelling takes the argument texts and the
+# operands' dtype (a comparison's operands, WHERE's values) and gives the C++ expression, or
+# None where the op has no meaning for that dtype. The functions and templates the rows call
+# (kiln_wrap_add, kiln_erfinv, ...) are defined in the prelude below.
 
-Spelling = Callable[[list[str], torch.dtype], str]
+Spelling = Callable[[list[str], torch.dtype], str | None]
 
-# libm functions of floats: name of the double version (float adds "f").
-_LIBM_UNARY = {
-    Op.EXP: "exp",
-    Op.EXP2: "exp2",
-    Op.EXPM1: "expm1",
-    Op.LOG: "log",
-    Op.LOG1P: "log1p",
-    Op.LOG2: "log2",
-    Op.SQRT: "sqrt",
-    Op.SIN: "sin",
-    Op.COS: "cos",
-    Op.TAN: "tan",
-    Op.TANH: "tanh",
-    Op.ASIN: "asin",
-    Op.ACOS: "acos",
-    Op.ATAN: "atan",
-    Op.SINH: "sinh",
-    Op.COSH: "cosh",
-    Op.ERF: "erf",
-    Op.FLOOR: "floor",
-    Op.CEIL: "ceil",
-    Op.TRUNC: "trunc",
-    Op.ROUND: "rint",  # half to even in the default rounding mode, like torch.round
-}
-_LIBM_BINARY = {Op.POW: "pow", Op.ATAN2: "atan2", Op.FMOD: "fmod"}
-_COMPARISONS = {Op.EQ: "==", Op.NE: "!=", Op.LT: "<", Op.LE: "<=", Op.GT: ">", Op.GE: ">="}
-_BITWISE = {Op.BITWISE_AND: "&", Op.BITWISE_OR: "|", Op.BITWISE_XOR: "^"}
-_WRAPPING = {Op.ADD: "kiln_wrap_add", Op.SUB: "kiln_wrap_sub", Op.MUL: "kiln_wrap_mul"}
-_INTEGER_HELPERS = {
-    Op.FLOOR_DIV: "kiln_floordiv_int",
-    Op.REMAINDER: "kiln_remainder_int",
-    Op.FMOD: "kiln_fmod_int",
-    Op.POW: "kiln_pow_int",
-    Op.SHIFT_LEFT: "kiln_shift_left",
-    Op.SHIFT_RIGHT: "kiln_shift_right",
-}
-_FLOAT_HELPERS = {
-    Op.FLOOR_DIV: "kiln_floordiv_float",
-    Op.REMAINDER: "kiln_remainder_float",
-    Op.MAXIMUM: "kiln_maximum",
-    Op.MINIMUM: "kiln_minimum",
-    Op.ERFINV: "kiln_erfinv",
-}
+
+def _suffix(dtype: torch.dtype) -> str:
+    """libm's name suffix: ``exp`` is the double version, ``expf`` the float one."""
+    return "" if dtype == torch.float64 else "f"
 
 
 def _one(dtype: torch.dtype) -> str:
     return "1.0" if dtype == torch.float64 else "1.0f"
 
 
-def _float_op(op: Op, args: list[str], dtype: torch.dtype) -> str | None:
-    suffix = "" if dtype == torch.float64 else "f"
+def _per_kind(
+    *, floats: Spelling | None = None, ints: Spelling | None = None, bools: Spelling | None = None
+) -> Spelling:
+    """One spelling per kind of dtype; a kind left out has no such op."""
+
+    def spell(args: list[str], dtype: torch.dtype) -> str | None:
+        chosen = floats if dtype.is_floating_point else bools if dtype == torch.bool else ints
+        return None if chosen is None else chosen(args, dtype)
+
+    return spell
+
+
+def _libm(name: str) -> Spelling:
+    """A libm function of floats, ``name`` being its double version."""
+    return lambda args, dtype: f"{name}{_suffix(dtype)}({', '.join(args)})"
+
+
+def _float_libm(name: str) -> Spelling:
+    """A libm function, defined on floats only."""
+    return _per_kind(floats=_libm(name))
+
+
+def _call(name: str) -> Spelling:
+    return lambda args, dtype: f"{name}({', '.join(args)})"
+
+
+def _infix(symbol: str) -> Spelling:
+    return lambda args, dtype: f"({args[0]} {symbol} {args[1]})"
+
+
+def _narrowed(symbol: str) -> Spelling:
+    """An integer operator cast back to its type, undoing C++'s promotion to int."""
+    return lambda args, dtype: f"({storage_type(dtype)})({args[0]} {symbol} {args[1]})"
+
+
+def _select(symbol: str) -> Spelling:
+    return lambda args, dtype: f"({args[0]} {symbol} {args[1]} ? {args[0]} : {args[1]})"
+
+
+def _logical(symbol: str) -> Spelling:
+    return lambda args, dtype: f"(({args[0]} != 0) {symbol} ({args[1]} != 0))"
+
+
+def _text(text: str) -> Spelling:
+    return lambda args, dtype: text
+
+
+def _same(args: list[str], dtype: torch.dtype) -> str:
+    return args[0]
+
+
+def _sign(args: list[str], dtype: torch.dtype) -> str:
+    (a,) = args
+    return f"({compute_type(dtype)})((0 < {a}) - ({a} < 0))"
+
+
+def _sigmoid(args: list[str], dtype: torch.dtype) -> str:
     one = _one(dtype)
-    a = args[0]
-    if op in _LIBM_UNARY:
-        return f"{_LIBM_UNARY[op]}{suffix}({a})"
-    if op in _LIBM_BINARY:
-        return f"{_LIBM_BINARY[op]}{suffix}({a}, {args[1]})"
-    if op in _FLOAT_HELPERS:
-        return f"{_FLOAT_HELPERS[op]}({', '.join(args)})"
-    simple = {
-        Op.NEG: f"(-{a})",
-        Op.ABS: f"fabs{suffix}({a})",
-        Op.RSQRT: f"({one} / sqrt{suffix}({a}))",
-        Op.RECIPROCAL: f"({one} / {a})",
-        Op.SIGMOID: f"({one} / ({one} + exp{suffix}(-{a})))",
-        Op.SIGN: f"({compute_type(dtype)})((0 < {a}) - ({a} < 0))",
-        Op.ISNAN: f"({a} != {a})",
-        Op.ISINF: f"(fabs{suffix}({a}) == INFINITY)",
-    }
-    if op in simple:
-        return simple[op]
-    if len(args) == 2:
-        b = args[1]
-        arithmetic = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/"}
-        if op in arithmetic:
-            return f"({a} {arithmetic[op]} {b})"
-    return None
+    return f"({one} / ({one} + exp{_suffix(dtype)}(-{args[0]})))"
 
 
-def _integer_op(op: Op, args: list[str], dtype: torch.dtype) -> str | None:
-    a = args[0]
-    if op in {Op.FLOOR, Op.CEIL, Op.ROUND, Op.TRUNC}:
-        return a
-    unary = {
-        Op.NEG: f"kiln_wrap_neg({a})",
-        Op.ABS: f"kiln_wrap_abs({a})",
-        Op.SIGN: f"({storage_type(dtype)})((0 < {a}) - ({a} < 0))",
-        Op.BITWISE_NOT: f"({storage_type(dtype)})(~{a})",
-        Op.ISNAN: "false",
-        Op.ISINF: "false",
-    }
-    if op in unary:
-        return unary[op]
-    b = args[1] if len(args) == 2 else ""
-    if op in _WRAPPING:
-        return f"{_WRAPPING[op]}({a}, {b})"
-    if op in _INTEGER_HELPERS:
-        return f"{_INTEGER_HELPERS[op]}({a}, {b})"
-    if op in _BITWISE:
-        return f"({storage_type(dtype)})({a} {_BITWISE[op]} {b})"
-    if op is Op.MAXIMUM:
-        return f"({a} > {b} ? {a} : {b})"
-    if op is Op.MINIMUM:
-        return f"({a} < {b} ? {a} : {b})"
-    return None
+_FALSE = _text("false")  # isnan/isinf of an integer or bool
 
-
-def _bool_op(op: Op, args: list[str]) -> str | None:
-    a = args[0]
-    b = args[1] if len(args) == 2 else ""
-    table = {
-        Op.SIGN: a,
-        Op.ABS: a,
-        Op.ISNAN: "false",
-        Op.ISINF: "false",
-        Op.BITWISE_NOT: f"(!{a})",
-        Op.ADD: f"({a} | {b})",  # bitwise, not short-circuit: branch-free, so it vectorizes
-        Op.MUL: f"({a} & {b})",
-        Op.MAXIMUM: f"({a} | {b})",
-        Op.MINIMUM: f"({a} & {b})",
-        Op.BITWISE_AND: f"({a} & {b})",
-        Op.BITWISE_OR: f"({a} | {b})",
-        Op.BITWISE_XOR: f"({a} != {b})",
-    }
-    return table.get(op)
+SPELLINGS: dict[Op, Spelling] = {
+    Op.NEG: _per_kind(floats=lambda a, d: f"(-{a[0]})", ints=_call("kiln_wrap_neg")),
+    Op.ABS: _per_kind(floats=_libm("fabs"), ints=_call("kiln_wrap_abs"), bools=_same),
+    Op.EXP: _float_libm("exp"),
+    Op.EXP2: _float_libm("exp2"),
+    Op.EXPM1: _float_libm("expm1"),
+    Op.LOG: _float_libm("log"),
+    Op.LOG1P: _float_libm("log1p"),
+    Op.LOG2: _float_libm("log2"),
+    Op.SQRT: _float_libm("sqrt"),
+    Op.RSQRT: _per_kind(floats=lambda a, d: f"({_one(d)} / sqrt{_suffix(d)}({a[0]}))"),
+    Op.RECIPROCAL: _per_kind(floats=lambda a, d: f"({_one(d)} / {a[0]})"),
+    Op.SIN: _float_libm("sin"),
+    Op.COS: _float_libm("cos"),
+    Op.TAN: _float_libm("tan"),
+    Op.TANH: _float_libm("tanh"),
+    Op.ASIN: _float_libm("asin"),
+    Op.ACOS: _float_libm("acos"),
+    Op.ATAN: _float_libm("atan"),
+    Op.SINH: _float_libm("sinh"),
+    Op.COSH: _float_libm("cosh"),
+    Op.ERF: _float_libm("erf"),
+    Op.ERFINV: _per_kind(floats=_call("kiln_erfinv")),
+    Op.SIGMOID: _per_kind(floats=_sigmoid),
+    Op.FLOOR: _per_kind(floats=_libm("floor"), ints=_same),
+    Op.CEIL: _per_kind(floats=_libm("ceil"), ints=_same),
+    # rint: half to even in the default rounding mode, like torch.round
+    Op.ROUND: _per_kind(floats=_libm("rint"), ints=_same),
+    Op.TRUNC: _per_kind(floats=_libm("trunc"), ints=_same),
+    Op.SIGN: _per_kind(floats=_sign, ints=_sign, bools=_same),
+    Op.ISNAN: _per_kind(floats=lambda a, d: f"({a[0]} != {a[0]})", ints=_FALSE, bools=_FALSE),
+    Op.ISINF: _per_kind(
+        floats=lambda a, d: f"(fabs{_suffix(d)}({a[0]}) == INFINITY)", ints=_FALSE, bools=_FALSE
+    ),
+    Op.LOGICAL_NOT: lambda a, d: f"({a[0]} == 0)",
+    Op.BITWISE_NOT: _per_kind(
+        ints=lambda a, d: f"({storage_type(d)})(~{a[0]})", bools=lambda a, d: f"(!{a[0]})"
+    ),
+    # bools: bitwise, not short-circuit operators: branch-free, so the loop vectorizes
+    Op.ADD: _per_kind(floats=_infix("+"), ints=_call("kiln_wrap_add"), bools=_infix("|")),
+    Op.SUB: _per_kind(floats=_infix("-"), ints=_call("kiln_wrap_sub")),
+    Op.MUL: _per_kind(floats=_infix("*"), ints=_call("kiln_wrap_mul"), bools=_infix("&")),
+    Op.DIV: _per_kind(floats=_infix("/")),
+    Op.FLOOR_DIV: _per_kind(floats=_call("kiln_floordiv_float"), ints=_call("kiln_floordiv_int")),
+    Op.REMAINDER: _per_kind(floats=_call("kiln_remainder_float"), ints=_call("kiln_remainder_int")),
+    Op.FMOD: _per_kind(floats=_libm("fmod"), ints=_call("kiln_fmod_int")),
+    Op.POW: _per_kind(floats=_libm("pow"), ints=_call("kiln_pow_int")),
+    Op.MAXIMUM: _per_kind(floats=_call("kiln_maximum"), ints=_select(">"), bools=_infix("|")),
+    Op.MINIMUM: _per_kind(floats=_call("kiln_minimum"), ints=_select("<"), bools=_infix("&")),
+    Op.ATAN2: _float_libm("atan2"),
+    Op.EQ: _infix("=="),
+    Op.NE: _infix("!="),
+    Op.LT: _infix("<"),
+    Op.LE: _infix("<="),
+    Op.GT: _infix(">"),
+    Op.GE: _infix(">="),
+    Op.LOGICAL_AND: _logical("&"),
+    Op.LOGICAL_OR: _logical("|"),
+    Op.LOGICAL_XOR: _logical("!="),
+    Op.BITWISE_AND: _per_kind(ints=_narrowed("&"), bools=_infix("&")),
+    Op.BITWISE_OR: _per_kind(ints=_narrowed("|"), bools=_infix("|")),
+    Op.BITWISE_XOR: _per_kind(ints=_narrowed("^"), bools=_infix("!=")),
+    Op.SHIFT_LEFT: _per_kind(ints=_call("kiln_shift_left")),
+    Op.SHIFT_RIGHT: _per_kind(ints=_call("kiln_shift_right")),
+    Op.WHERE: lambda a, d: f"({a[0]} ? {a[1]} : {a[2]})",
+}
 
 
 def spell(op: Op, args: list[str], dtype: torch.dtype) -> str:
     """The C++ expression of elementwise ``op`` on compute-type ``args`` whose dtype is
     ``dtype`` (WHERE: the values' dtype; CONVERT is :func:`convert`)."""
-    if op is Op.WHERE:
-        return f"({args[0]} ? {args[1]} : {args[2]})"
-    if op in _COMPARISONS:
-        return f"({args[0]} {_COMPARISONS[op]} {args[1]})"
-    if op is Op.LOGICAL_NOT:
-        return f"({args[0]} == 0)"
-    logical = {Op.LOGICAL_AND: "&", Op.LOGICAL_OR: "|", Op.LOGICAL_XOR: "!="}
-    if op in logical:
-        return f"(({args[0]} != 0) {logical[op]} ({args[1]} != 0))"
-    if dtype.is_floating_point:
-        text = _float_op(op, args, dtype)
-    elif dtype == torch.bool:
-        text = _bool_op(op, args)
-    else:
-        text = _integer_op(op, args, dtype)
+    spelling = SPELLINGS.get(op)
+    text = None if spelling is None else spelling(args, dtype)
     if text is None:
         raise NotImplementedError(f"the C++ code generator has no {op.printed_name} for {dtype}")
     return text

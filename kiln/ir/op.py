@@ -1,17 +1,22 @@
 """The op vocabulary of the IR and the registry of op definitions.
 
 The IR defines *which* primitives exist (:class:`Op`) and *what* a definition of one must give
-(:class:`OpDef`); ``kiln/ops`` fills one row per op. Everything about an op sits in its row:
-meta (output types from input types), the reference implementation (eager torch, the spec),
-sample inputs for the table-driven tests, tags, and the fields later stages fill: ``vjp``
-(autodiff) and ``lowering`` (schedule/codegen).
+(:class:`OpDef`); ``kiln/ops`` fills one row per op. A row holds what is true of the op on
+every target: meta (output types from input types), the reference implementation (eager torch,
+the spec), sample inputs for the table-driven tests, tags (what kind of op it is, whether it
+is differentiable, whether it is costly) and ``vjp`` (autodiff's rule, in prims).
+
+What needs a later stage's types lives in that stage, in a table keyed by :class:`Op` (the IR
+may not import it): how an op becomes loop-level IR (``RULES`` in ``kiln/schedule/lowering.py``;
+elementwise ops share one rule) and each code generator's spelling of an elementwise op
+(``SPELLINGS`` in ``kiln/codegen/triton_math.py`` and in ``kiln/codegen/cpp_math.py``).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -139,6 +144,9 @@ class Tag(enum.Enum):
     RANDOM = "random"
     EXTERN = "extern"
     NONDIFFERENTIABLE = "nondifferentiable"  # outputs never require grad (bool, int, indices)
+    # costly per element (exp, log, ...): the scheduler counts it as several ops when deciding
+    # whether recomputing a value in each reader is cheaper than storing it
+    TRANSCENDENTAL = "transcendental"
 
 
 @dataclass
@@ -169,11 +177,7 @@ class OpDef:
     dtypes: frozenset[torch.dtype] = frozenset()  # dtypes the samples cover
     samples: SampleFn | None = None
     vjp: Callable[..., Any] | None = None  # reverse-mode rule in prims (kiln/autodiff applies it)
-    # How an op lowers to loops lives in kiln/schedule/lowering.py (one rule per op), which
-    # needs the loop-level IR: a later stage the IR may not import.
-    lowering: Callable[..., Any] | None = None
     doc: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 _REGISTRY: dict[Op, OpDef] = {}

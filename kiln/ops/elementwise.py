@@ -147,6 +147,7 @@ def unary(
 
 
 NONDIFF = frozenset({Tag.NONDIFFERENTIABLE})
+COSTLY = frozenset({Tag.TRANSCENDENTAL})
 LN2 = 0.6931471805599453
 TWO_OVER_SQRT_PI = 1.1283791670955126  # eager's 2.0 / sqrt(M_PI)
 HALF_SQRT_PI = 0.886226925452758  # eager's 0.5 * sqrt(M_PI)
@@ -155,10 +156,18 @@ HALF_SQRT_PI = 0.886226925452758  # eager's 0.5 * sqrt(M_PI)
 # bf16/fp16 round where eager's autograd rounds.
 unary(Op.NEG, torch.neg, NUMERIC, derivative=lambda x, out, g: prims.neg(g))
 unary(Op.ABS, torch.abs, NUMERIC, derivative=lambda x, out, g: prims.mul(g, prims.sign(x)))
-unary(Op.EXP, torch.exp, FLOATS, derivative=lambda x, out, g: prims.mul(g, out))
+unary(Op.EXP, torch.exp, FLOATS, tags=COSTLY, derivative=lambda x, out, g: prims.mul(g, out))
 unary(Op.EXP2, torch.exp2, FLOATS, derivative=lambda x, out, g: prims.mul(prims.mul(g, out), LN2))
 unary(Op.EXPM1, torch.expm1, FLOATS, derivative=lambda x, out, g: prims.mul(g, prims.add(out, 1)))
-unary(Op.LOG, torch.log, FLOATS, low=0.1, high=5.0, derivative=lambda x, out, g: prims.div(g, x))
+unary(
+    Op.LOG,
+    torch.log,
+    FLOATS,
+    low=0.1,
+    high=5.0,
+    tags=COSTLY,
+    derivative=lambda x, out, g: prims.div(g, x),
+)
 unary(
     Op.LOG1P,
     torch.log1p,
@@ -199,8 +208,16 @@ unary(
     high=5.0,
     derivative=lambda x, out, g: prims.mul(prims.neg(g), _square(out)),
 )
-unary(Op.SIN, torch.sin, FLOATS, derivative=lambda x, out, g: prims.mul(g, prims.cos(x)))
-unary(Op.COS, torch.cos, FLOATS, derivative=lambda x, out, g: prims.mul(g, prims.neg(prims.sin(x))))
+unary(
+    Op.SIN, torch.sin, FLOATS, tags=COSTLY, derivative=lambda x, out, g: prims.mul(g, prims.cos(x))
+)
+unary(
+    Op.COS,
+    torch.cos,
+    FLOATS,
+    tags=COSTLY,
+    derivative=lambda x, out, g: prims.mul(g, prims.neg(prims.sin(x))),
+)
 unary(
     Op.TAN,
     torch.tan,
@@ -213,6 +230,7 @@ unary(  # eager's tanh_backward
     Op.TANH,
     torch.tanh,
     FLOATS,
+    tags=COSTLY,
     derivative=lambda x, out, g: prims.mul(g, prims.sub(1, _square(out))),
 )
 unary(
@@ -240,6 +258,7 @@ unary(
     Op.ERF,
     torch.erf,
     FLOATS,
+    tags=COSTLY,
     derivative=lambda x, out, g: prims.mul(
         prims.mul(prims.exp(prims.neg(prims.pow(x, 2))), TWO_OVER_SQRT_PI), g
     ),
@@ -478,7 +497,7 @@ binary(  # eager's rounding_mode="trunc" for floats is trunc(x / y)
     nonzero_rhs=True,
     vjp=_rounded_remainder_vjp(lambda x, y: prims.trunc(prims.div(x, y))),
 )
-binary(Op.POW, torch.pow, NUMERIC, low=0.0, high=3.0, vjp=_pow_vjp)
+binary(Op.POW, torch.pow, NUMERIC, low=0.0, high=3.0, tags=COSTLY, vjp=_pow_vjp)
 binary(Op.MAXIMUM, torch.maximum, ALL, vjp=_extremum_vjp(Op.LT))
 binary(Op.MINIMUM, torch.minimum, ALL, vjp=_extremum_vjp(Op.GT))
 binary(Op.ATAN2, torch.atan2, FLOATS, vjp=_atan2_vjp)

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 
 from kiln.ir.graph import Graph, Node, Value
-from kiln.ir.op import Op
+from kiln.ir.op import Op, Tag, op_def
 from kiln.schedule.lowering import REDUCE_KINDS, REINDEXING_OPS, in_kernels, shape_of
 from kiln.schedule.program import View
 from kiln.schedule.views import VIEW_OPS
@@ -38,7 +38,6 @@ STENCIL_LIMIT = (32, 128)
 # recomputed costs about what the saved write and read do, so only cheap arithmetic goes.
 TRAFFIC_RECOMPUTE_LIMIT = (8, 128)
 COST_CAP = 1 << 12  # costs and read counts saturate here
-TRANSCENDENTAL = frozenset({Op.EXP, Op.LOG, Op.TANH, Op.ERF, Op.POW, Op.SIN, Op.COS})
 
 
 class Inlining:
@@ -196,8 +195,12 @@ def _sites_through_users(
 
 
 def _own_cost(node: Node) -> int:
+    return op_cost(node.op)
+
+
+def op_cost(op: Op) -> int:
     """Ops per element of one node inlined: none for views and index generators, several for
-    transcendental functions."""
-    if node.op in VIEW_OPS or node.op in (Op.FULL, Op.IOTA):
+    transcendental functions (``Tag.TRANSCENDENTAL`` on the registry row)."""
+    if op in VIEW_OPS or op in (Op.FULL, Op.IOTA):
         return 0
-    return 3 if node.op in TRANSCENDENTAL else 1
+    return 3 if Tag.TRANSCENDENTAL in op_def(op).tags else 1

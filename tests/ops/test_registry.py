@@ -166,3 +166,14 @@ def test_extern_runner_calls_like_the_row_impl() -> None:
             torch.testing.assert_close(g, w)
     with pytest.raises(IndexError, match="Slot"):
         extern_runner(cases[0])(a)
+
+
+def test_inlining_cost_reads_transcendentals_from_the_tag() -> None:
+    """The scheduler's inlining cost comes from ``Tag.TRANSCENDENTAL`` on the rows."""
+    from kiln.schedule.inlining import op_cost
+
+    tagged = {row.op for row in registered_ops() if Tag.TRANSCENDENTAL in row.tags}
+    assert tagged == {Op.EXP, Op.LOG, Op.TANH, Op.ERF, Op.POW, Op.SIN, Op.COS}
+    assert all(Tag.ELEMENTWISE in op_def(op).tags for op in tagged)
+    assert all(op_cost(op) == 3 for op in tagged)
+    assert op_cost(Op.ADD) == 1
