@@ -44,6 +44,9 @@ class Mod:
     divisor: int
 
 
+_SERIALS = itertools.count()  # creation order of Indirect atoms
+
+
 @dataclass(frozen=True, eq=False)
 class Indirect:
     """An index value computed in the kernel (an int64 expression of the loop-level IR). The
@@ -59,8 +62,6 @@ class Indirect:
     # same kernel source in every process (sources key the kernel caches on disk).
     serial: int = field(default_factory=lambda: next(_SERIALS), compare=False, repr=False)
 
-
-_SERIALS = itertools.count()
 
 
 Atom = Var | FloorDiv | Mod | Indirect
