@@ -1,0 +1,194 @@
+"""The architecture, checked: every ``kiln.*`` import (module level or inside a function) read
+with ``ast`` follows the pipeline's order, no packages import each other in a cycle, and the
+code stays within its line budget (the count is printed at the end of every test run).
+
+The layers, bottom to top; a module may import its own layer and the layers below it only:
+
+    config, errors          foundations (environment, error types)
+    options, random_state   per-compile choices; the RNG state capture and compiles preserve
+    ir                      the graph IR
+    ops                     registry rows, translations, externs
+    frontends               proxy tensors, kiln.trace
+    capture                 bytecode capture
+    passes, autodiff, schedule, codegen, runtime, backends   the stages, in order
+    pipeline                the stages after capture, in one sequence
+    api, kiln               the public entry points
+    bench, demo, cli        the tools (the ``kiln`` command)
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import tokenize
+from collections import defaultdict
+from pathlib import Path
+
+KILN = Path(__file__).resolve().parent.parent / "kiln"
+
+LAYERS: list[set[str]] = [
+    {"config", "errors"},
+    {"options", "random_state"},
+    {"ir"},
+    {"ops"},
+    {"frontends"},
+    {"capture"},
+    {"passes"},
+    {"autodiff"},
+    {"schedule"},
+    {"codegen"},
+    {"runtime"},
+    {"backends"},
+    {"pipeline"},
+    {"api", "kiln"},
+    {"bench"},
+    {"demo"},
+    {"cli", "__main__"},
+]
+# Earlier stages a stage may still not import: the runtime builds, loads and launches what
+# codegen produced (plain sources and launch signatures), never generating code itself.
+FORBIDDEN = {("runtime", "codegen"), ("runtime", "schedule")}
+
+LINE_BUDGET = 32_000  # code lines of kiln/ (no blanks, comments, docstrings) after all features
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(KILN.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, list[tuple[str, int]]]:
+    """Each kiln module -> the kiln modules it imports (with the line), at any depth."""
+    found: dict[str, list[tuple[str, int]]] = {}
+    for path in sorted(KILN.rglob("*.py")):
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: list[tuple[str, int]] = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges += [(a.name, node.lineno) for a in node.names if a.name.startswith("kiln")]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against the package
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                if base == "kiln" or base.startswith("kiln."):
+                    edges.append((base, node.lineno))
+        found[name] = edges
+    return found
+
+
+def _layer_name(module: str) -> str:
+    """``kiln.capture.cache`` -> ``capture``; ``kiln`` -> ``kiln``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "kiln"
+
+
+def _rank(name: str) -> int:
+    for rank, layer in enumerate(LAYERS):
+        if name in layer:
+            return rank
+    raise AssertionError(f"kiln/{name} belongs to no layer: add it to LAYERS in {__file__}")
+
+
+def test_imports_follow_the_pipeline() -> None:
+    wrong = []
+    for module, edges in _imports().items():
+        mine = _layer_name(module)
+        for imported, line in edges:
+            theirs = _layer_name(imported)
+            if theirs == mine:
+                continue
+            if _rank(theirs) > _rank(mine) or (mine, theirs) in FORBIDDEN:
+                wrong.append(f"{module}:{line} imports {imported} ({mine} -> {theirs})")
+    assert not wrong, "imports against the pipeline order:\n" + "\n".join(wrong)
+
+
+def _package_of(module: str, depth: int) -> str:
+    return ".".join(module.split(".")[: depth + 1])
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_package_cycles() -> None:
+    """At every depth (``kiln.capture`` vs ``kiln.ops``, ``kiln.capture.calls`` vs
+    ``kiln.capture.handlers``), packages never import each other both ways."""
+    imports = _imports()
+    packages = {_module_name(p) for p in KILN.rglob("__init__.py")}
+    cycles = []
+    for depth in range(1, 4):
+        graph: dict[str, set[str]] = defaultdict(set)
+        for module, edges in imports.items():
+            here = _package_of(module, depth)
+            for imported, _ in edges:
+                there = _package_of(imported, depth)
+                same_parent = here.rpartition(".")[0] == there.rpartition(".")[0]
+                if here != there and same_parent and (here in packages or there in packages):
+                    graph[here].add(there)
+        cycles += _cycles(graph)
+    assert not cycles, f"packages importing each other: {cycles}"
+
+
+def code_lines(source: str) -> int:
+    """Lines holding code: no blank lines, comments or docstrings."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            first = node.body[0] if node.body else None
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    lines: set[int] = set()
+    skipped = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skipped and token.type != tokenize.ENDMARKER:
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def kiln_code_lines() -> int:
+    return sum(code_lines(path.read_text()) for path in KILN.rglob("*.py"))
+
+
+def test_code_lines_within_budget() -> None:
+    sample = '"""doc"""\n\n# note\nx = 1  # why\n\n\ndef f():\n    """doc"""\n    return x\n'
+    assert code_lines(sample) == 3
+    count = kiln_code_lines()
+    assert count <= LINE_BUDGET, f"kiln/ has {count} code lines, over the budget of {LINE_BUDGET}"
