@@ -68,11 +68,11 @@ def _install() -> None:
         pass
     layouts.probe_strides = _timing("stride probes", layouts.probe_strides)
     # The first call's stages, for the timeline (each patched where its caller looks it up).
-    from kiln import compiler
+    from kiln import pipeline
     from kiln.backends import kiln as backend
     from kiln.runtime import triton_build
 
-    compiler.optimize = _timing("passes", compiler.optimize)
+    pipeline.optimize = _timing("passes", pipeline.optimize)
     backend.schedule = _timing("schedule", backend.schedule)
     backend.build_kernels = _timing("build kernels", backend.build_kernels)
     triton_build._specialize = _timing("specialize", triton_build._specialize)

@@ -41,3 +41,12 @@ def _seeded(request: pytest.FixtureRequest) -> None:
 
     base = int(os.environ.get("KILN_TEST_SEED", "0"))
     torch.manual_seed(base + zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The size of the codebase, printed after every run (CI shows it; the budget is checked
+    by ``test_architecture.py``)."""
+    from test_architecture import LINE_BUDGET, kiln_code_lines
+
+    count = kiln_code_lines()
+    terminalreporter.write_line(f"kiln/: {count} code lines (budget {LINE_BUDGET})")

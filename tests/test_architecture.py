@@ -46,8 +46,9 @@ LAYERS: list[set[str]] = [
     {"cli", "__main__"},
 ]
 # Earlier stages a stage may still not import: the runtime builds, loads and launches what
-# codegen produced (plain sources and launch signatures), never generating code itself.
+# codegen produced (the plain data of kiln/codegen/sources.py), never generating code itself.
 FORBIDDEN = {("runtime", "codegen"), ("runtime", "schedule")}
+PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may still be read as
 
 LINE_BUDGET = 32_000  # code lines of kiln/ (no blanks, comments, docstrings) after all features
 
@@ -100,7 +101,8 @@ def test_imports_follow_the_pipeline() -> None:
             theirs = _layer_name(imported)
             if theirs == mine:
                 continue
-            if _rank(theirs) > _rank(mine) or (mine, theirs) in FORBIDDEN:
+            forbidden = (mine, theirs) in FORBIDDEN and imported not in PRODUCTS
+            if _rank(theirs) > _rank(mine) or forbidden:
                 wrong.append(f"{module}:{line} imports {imported} ({mine} -> {theirs})")
     assert not wrong, "imports against the pipeline order:\n" + "\n".join(wrong)
 

@@ -12,7 +12,6 @@ interpreter with one warning (``KILN_STRICT=1`` raises instead).
 from __future__ import annotations
 
 import logging
-import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,10 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.backends.kernels import Unavailable, build_kernels
 from kiln.backends.registry import CompiledGraph, register_backend
-from kiln.codegen.wrapper import Launcher, Wrapper
+from kiln.codegen.debug import dump_program
+from kiln.codegen.signatures import kernel_signature
+from kiln.codegen.wrapper import Wrapper
 from kiln.config import config, logger
-from kiln.errors import BackendError
 from kiln.ir.graph import Graph, InputKind
 from kiln.ir.interpreter import interpret
 from kiln.ir.op import Op
@@ -31,26 +32,14 @@ from kiln.ops import host_calls
 from kiln.options import Options
 from kiln.random_state import preserved_random_state
 from kiln.runtime.triton_build import start_workers
-from kiln.schedule.evaluate import evaluate_kernel
-from kiln.schedule.index import Index, format_index
-from kiln.schedule.loops import (
-    Apply,
-    Const,
-    IndexValue,
-    Kernel,
-    Load,
-    Rand,
-    Reduce,
-    format_kernel,
-    walk,
-)
-from kiln.schedule.program import Program, kernel_arguments
+from kiln.schedule.loops import Kernel, format_kernel
+from kiln.schedule.program import Program
 from kiln.schedule.scheduler import schedule
 
 _log = logger("kernels")
 
 Runner = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
-KernelBuilder = Callable[[list[Kernel], torch.device], dict[str, Launcher]]
+_WARNED: set[str] = set()  # generator-unavailable reasons already warned about
 
 
 @dataclass
@@ -92,156 +81,6 @@ class CompiledProgramRecord:
 
 
 RECORDERS: list[list[CompiledProgramRecord]] = []  # kiln.explain listens here
-
-
-def _evaluator(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
-    def launcher(kernel: Kernel) -> Launcher:
-        count = len(kernel_arguments(kernel))
-
-        def launch(*arguments: object) -> None:
-            seed = arguments[count] if len(arguments) > count else None
-            evaluate_kernel(kernel, arguments[:count], seed)  # type: ignore[arg-type]
-
-        return launch
-
-    return {k.name: launcher(k) for k in kernels}
-
-
-def _cpp(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
-    from kiln.codegen.cpp import generate_cpp
-    from kiln.runtime.cpp_build import cpp_compiler_available, load_kernels
-
-    if not cpp_compiler_available():
-        raise Unavailable("no C++ compiler (g++) on PATH: install one for compiled CPU kernels")
-    unique, same_as = deduplicate([k for k in kernels if k.xnumel > 0])
-    launchers = load_kernels(unique, generate_cpp(unique)) if unique else {}
-    return {name: launchers[original] for name, original in same_as.items()}
-
-
-def _triton(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
-    from kiln.codegen.triton import unsupported_reason
-    from kiln.runtime.triton_build import load_triton_kernels, triton_available
-
-    interpret = device.type != "cuda"  # CPU tensors: Triton's interpreter (tests, CI)
-    reason = triton_available(device, interpret=interpret)
-    if reason is not None:
-        raise Unavailable(reason)
-    unique, same_as = deduplicate([k for k in kernels if k.xnumel > 0])
-    supported = [k for k in unique if unsupported_reason(k) is None]
-    launchers = load_triton_kernels(supported, device, interpret) if supported else {}
-    for kernel in supported:  # (a kernel Triton fails to compile for the GPU: PyTorch ops)
-        launcher = launchers.get(kernel.name)
-        if hasattr(launcher, "fallback"):
-            launcher.fallback = _evaluator([kernel], device)[kernel.name]  # type: ignore[union-attr]
-    others = [k for k in unique if k.name not in launchers]
-    for kernel in others:  # a dtype Triton cannot load: PyTorch ops run the kernel
-        _log.info("%s runs as PyTorch ops: %s", kernel.name, unsupported_reason(kernel))
-    launchers.update(_evaluator(others, device))
-    return {name: launchers[original] for name, original in same_as.items()}
-
-
-def deduplicate(kernels: list[Kernel]) -> tuple[list[Kernel], dict[str, str]]:
-    """Kernels that differ only in their names and buffers' names are built once (a network
-    repeats its blocks): the distinct kernels, and each kernel's name -> the one it reuses."""
-    unique: dict[str, Kernel] = {}
-    same_as: dict[str, str] = {}
-    for kernel in kernels:
-        key = kernel_signature(kernel)
-        same_as[kernel.name] = unique.setdefault(key, kernel).name
-    return list(unique.values()), same_as
-
-
-def kernel_signature(kernel: Kernel) -> str:
-    """The kernel's structure with names replaced by positions: equal signatures compile to
-    the same code."""
-    position = {id(b): i for i, b in enumerate(kernel_arguments(kernel))}
-    parts = _structure(kernel, position)
-    for part in kernel.parts:
-        parts += ["part", *_structure(part, position)]
-    return "\n".join(parts)
-
-
-def _structure(kernel: Kernel, position: dict[int, int]) -> list[str]:
-    number: dict[int, int] = {}
-
-    def index(value: Index) -> str:
-        return format_index(
-            value,
-            lambda a: (
-                a.name
-                if hasattr(a, "name")
-                else f"%{number[id(a.value)]}{'!' if a.checked else ''}{'w' if a.wrapped else ''}"
-            ),
-        )
-
-    parts = [f"{kernel.xnumel},{kernel.rnumel}"]
-    for expr in walk([store.value for store in kernel.stores]):
-        number[id(expr)] = len(number)
-        fields = [type(expr).__name__, str(expr.dtype)]
-        if isinstance(expr, Load):
-            mask = number[id(expr.mask)] if expr.mask is not None else None
-            fields += [
-                f"@{position[id(expr.buffer)]}",
-                index(expr.offset),
-                f"{mask}",
-                repr(expr.other),
-            ]
-        elif isinstance(expr, Apply):
-            fields += [expr.op.name, *(f"%{number[id(a)]}" for a in expr.args)]
-        elif isinstance(expr, Reduce):
-            fields += [expr.kind.name, f"%{number[id(expr.value)]}"]
-        elif isinstance(expr, Const):
-            fields.append(repr(expr.value))
-        elif isinstance(expr, IndexValue):
-            fields.append(index(expr.index))
-        elif isinstance(expr, Rand):
-            fields += [index(expr.offset), str(expr.normal)]
-        parts.append(" ".join(fields))
-    for store in kernel.stores:
-        buffer, value = store.buffer, number[id(store.value)]
-        parts.append(f"store @{position[id(buffer)]} {buffer.dtype} {index(store.offset)} %{value}")
-    return parts
-
-
-class Unavailable(BackendError):
-    """The code generator cannot serve this machine (warned about once per reason)."""
-
-
-CODEGENS: dict[str, KernelBuilder] = {"evaluate": _evaluator, "cpp": _cpp, "triton": _triton}
-_WARNED: set[str] = set()
-
-
-def register_codegen(name: str, builder: KernelBuilder) -> None:
-    CODEGENS[name] = builder
-
-
-def codegen_for(device: torch.device, forced: str = "") -> str:
-    """The code generator serving ``device``: the options may force one (tests route CPU
-    tensors through Triton's interpreter); otherwise Triton on CUDA and C++ on CPU."""
-    if forced:
-        return forced
-    if device.type not in ("cuda", "cpu"):
-        raise Unavailable(f"no code generator for {device.type} tensors")
-    return "triton" if device.type == "cuda" else "cpp"
-
-
-def build_kernels(
-    kernels: list[Kernel], codegen: str = ""
-) -> tuple[dict[str, Launcher], list[str]]:
-    """Launchers of every kernel, each device's kernels built by that device's generator
-    (``codegen`` forces one); also the generators used."""
-    launchers: dict[str, Launcher] = {}
-    by_device: dict[torch.device, list[Kernel]] = {}
-    for kernel in kernels:
-        by_device.setdefault(kernel.device, []).append(kernel)
-    names = []
-    for device, group in by_device.items():
-        name = codegen_for(device, codegen)
-        if name not in CODEGENS:
-            raise BackendError(f"unknown code generator {name!r} (KILN_CODEGEN)")
-        names.append(name)
-        launchers.update(CODEGENS[name](group, device))
-    return launchers, names
 
 
 @dataclass
@@ -335,19 +174,7 @@ class KilnProgram:
             for kernel in program.kernels():
                 _log.info("%s\n%s", "; ".join(kernel.fused), format_kernel(kernel))
         if program is not None and config.debug_dir:
-            _dump(self.graph, program)
-
-
-def _dump(graph: Graph, program: Program) -> None:
-    """The graph, its kernels (loop-level IR) and the host program, in the debug directory
-    (the generators dump their kernel sources there too)."""
-    folder = os.path.join(str(config.debug_dir), "programs")
-    os.makedirs(folder, exist_ok=True)
-    listing = "\n\n".join(format_kernel(k) for k in program.kernels())
-    wrapper = Wrapper(program, {}).source()
-    path = os.path.join(folder, f"{graph.name}_{id(program):x}.txt")
-    with open(path, "w") as file:
-        file.write(f"# graph\n{graph}\n\n# kernels\n{listing}\n\n# host program\n{wrapper}")
+            dump_program(self.graph, program, str(config.debug_dir))
 
 
 def _draws_random_numbers(graph: Graph) -> bool:

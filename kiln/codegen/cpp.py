@@ -53,8 +53,9 @@ import torch
 from kiln.codegen import cpp_math, cpp_segments, cpp_split
 from kiln.codegen.cpp_math import compute_type, storage_type
 from kiln.codegen.cpp_split import XL, LaneSplit, PointwiseSplit
+from kiln.codegen.sources import CppEntry, CppSource
 from kiln.ir.op import Op
-from kiln.schedule.index import FloorDiv, Index, Indirect, Mod, Var
+from kiln.schedule.index import INT32_LIMIT, FloorDiv, Index, Indirect, Mod, Var
 from kiln.schedule.loops import (
     Apply,
     Const,
@@ -69,8 +70,10 @@ from kiln.schedule.loops import (
     ReduceKind,
     Store,
     X,
+    checks_indices,
     children,
     depends_on_r,
+    index_magnitudes,
     reduction_phase,
     walk,
 )
@@ -84,7 +87,6 @@ ROW_CACHE_LIMIT = 16384
 TRANSCENDENTAL = frozenset(
     {Op.EXP, Op.EXP2, Op.EXPM1, Op.LOG, Op.LOG1P, Op.LOG2, Op.TANH, Op.ERF, Op.SIGMOID, Op.POW}
 )
-INT32_LIMIT = 2**31 - 1
 
 
 def generate_cpp(kernels: list[Kernel], threads: int | None = None) -> str:
@@ -94,6 +96,20 @@ def generate_cpp(kernels: list[Kernel], threads: int | None = None) -> str:
     parts = [cpp_math.PRELUDE]
     parts += [_KernelPrinter(kernel, count).source() for kernel in kernels]
     return "\n".join(parts)
+
+
+def cpp_library(
+    kernels: list[Kernel], threads: int | None = None, source: str | None = None
+) -> CppSource:
+    """The translation unit of ``kernels`` (``source``: one already printed for them) with
+    each kernel's entry point, what the runtime builds and binds."""
+    entries = tuple(
+        CppEntry(k.name, len(kernel_arguments(k)), k.seed() is not None, checks_indices(k))
+        for k in kernels
+    )
+    name = kernels[0].name if kernels else "kernels"
+    text = generate_cpp(kernels, threads) if source is None else source
+    return CppSource(name, text, entries)
 
 
 @dataclass(eq=False)
@@ -752,31 +768,8 @@ def _store_needs(store: Store) -> list[Expr]:
 
 
 def _needs_int64(kernel: Kernel) -> bool:
-    """Whether an index (or a partial sum of one) may leave int32."""
-    if kernel.xnumel * max(kernel.rnumel, 1) + 64 * 16 > INT32_LIMIT:
-        return True
-    if kernel.xnumel > INT32_LIMIT // 2 or kernel.rnumel > INT32_LIMIT // 2:
-        return True
-    indexes: list[Index] = []
-    for expr in walk([s.value for s in kernel.stores]):
-        if isinstance(expr, (Load, Rand)):
-            indexes.append(expr.offset)
-        elif isinstance(expr, IndexValue):
-            indexes.append(expr.index)
-    indexes += [s.offset for s in kernel.stores]
-    return any(_magnitude(index) > INT32_LIMIT for index in indexes)
-
-
-def _magnitude(index: Index) -> int:
-    """An upper bound of ``|partial sum|`` while ``index`` is evaluated term by term."""
-    total = abs(index.const)
-    for atom, coef in index.terms:
-        if isinstance(atom, (Var, Indirect)):
-            high = max(atom.size - 1, 0)
-        else:
-            inner = _magnitude(atom.operand)
-            if inner > INT32_LIMIT:
-                return inner
-            high = inner // atom.divisor if isinstance(atom, FloorDiv) else atom.divisor - 1
-        total += abs(coef) * high
-    return total
+    """Whether an index (or a partial sum of one) may leave int32; beyond the indices, the
+    loop extents (with room for the vector tail) count."""
+    extents = [kernel.xnumel * max(kernel.rnumel, 1) + 64 * 16, 2 * kernel.xnumel]
+    extents.append(2 * kernel.rnumel)
+    return max([*extents, *index_magnitudes(kernel)]) > INT32_LIMIT

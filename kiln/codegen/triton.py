@@ -40,7 +40,6 @@ Indices are int32 unless some buffer, loop extent or index term reaches 2**31.
 
 from __future__ import annotations
 
-import enum
 import keyword
 import re
 from collections.abc import Iterable
@@ -49,9 +48,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.codegen import triton_math as tm
+from kiln.codegen.sources import Form, TritonSource
 from kiln.errors import BackendError
 from kiln.ir.op import Op
-from kiln.schedule.index import FloorDiv, Index, Indirect, Mod, Var
+from kiln.schedule.index import INT32_LIMIT, FloorDiv, Index, Indirect, Mod, Var
 from kiln.schedule.loops import (
     Apply,
     Const,
@@ -67,13 +67,13 @@ from kiln.schedule.loops import (
     X,
     children,
     depends_on_r,
+    index_magnitudes,
     index_of,
     reduction_phase,
     walk,
 )
 from kiln.schedule.program import kernel_arguments
 
-INT32_LIMIT = 2**31 - 1
 # ops whose spelling takes Python scalars as they are (operators, tl.where, tl.maximum)
 INFIX_OPS = frozenset(
     {
@@ -85,12 +85,6 @@ INFIX_OPS = frozenset(
 MAX_PERSISTENT_RBLOCK = 16384
 
 
-class Form(enum.Enum):
-    POINTWISE = "pointwise"
-    PERSISTENT = "persistent reduction"
-    LOOPED = "looped reduction"
-
-
 @dataclass(frozen=True)
 class Blocks:
     """Launch shape of one kernel: its form, block sizes and warps."""
@@ -99,23 +93,6 @@ class Blocks:
     xblock: int
     rblock: int = 1
     num_warps: int = 4
-
-
-@dataclass(frozen=True)
-class TritonSource:
-    """A generated kernel module and how to launch it."""
-
-    name: str  # the @triton.jit function
-    kernel_name: str  # the Kernel's name
-    source: str
-    arguments: tuple[str, ...]  # buffer names, in kernel_arguments() order
-    argument_dtypes: tuple[torch.dtype, ...]
-    has_seed: bool  # an int64 seed follows the tensors
-    constexprs: dict[str, int]  # XBLOCK (and RBLOCK)
-    num_warps: int
-    grid: tuple[int, int, int]
-    form: Form
-    interpret: bool
 
 
 class UnsupportedKernel(BackendError):
@@ -230,20 +207,6 @@ def _scalar_bool(text: str) -> str:
     return f"tl.full([], True, tl.int1) & ({text})"
 
 
-def _index_magnitude(index: Index) -> int:
-    """An upper bound of ``|value|`` of ``index`` and of every partial sum it computes."""
-    total, worst = abs(index.const), 0
-    for atom, coef in index.terms:
-        if isinstance(atom, (Var, Indirect)):
-            size = atom.size
-        else:
-            inner = _index_magnitude(atom.operand)
-            worst = max(worst, inner)
-            size = inner // atom.divisor + 1 if isinstance(atom, FloorDiv) else atom.divisor
-        total += abs(coef) * size
-    return max(total, worst)
-
-
 @dataclass
 class _Reduction:
     """Names of one reduction's accumulators in a looped kernel."""
@@ -319,13 +282,11 @@ class _Printer:
         return " & ".join(x + r) or None
 
     def _needs_int64(self) -> bool:
+        # Beyond the indices: lanes run past xnumel up to a whole block.
         kernel = self.kernel
         extents = [kernel.xnumel * max(kernel.rnumel, 1), kernel.xnumel + self.blocks.xblock]
         extents += [b.numel for b in kernel_arguments(kernel)]
-        for expr in walk(self.roots):
-            extents += [_index_magnitude(i) for i in index_of(expr)]
-        extents += [_index_magnitude(s.offset) for s in kernel.stores]
-        return max(extents) > INT32_LIMIT
+        return max([*extents, *index_magnitudes(kernel)]) > INT32_LIMIT
 
     # -- text ----------------------------------------------------------------------------------
 

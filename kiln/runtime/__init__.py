@@ -1,6 +1,9 @@
 """Runtime: source -> callables (kernel builds, loading, the on-disk artifact cache).
 
-Input: source text from ``kiln/codegen``. Output: Python callables that take tensors and run
+Input: what ``kiln/codegen`` produced, as the plain data of :mod:`kiln.codegen.sources`
+(``CppSource``: a translation unit and its entry points; ``TritonSource``: a module and its
+launch signature), the only thing of codegen's the runtime imports; it never generates source
+and never sees the loop-level IR. Output: Python callables that take tensors and run
 the kernels. Built artifacts are cached on disk under ``kiln.config.config.cache_dir``, keyed
 by the source, the flags and the compiler, so a second process never rebuilds them.
 

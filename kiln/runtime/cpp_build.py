@@ -15,8 +15,9 @@ Flags, tried in order: ``-O3 -march=native -fopenmp`` with libmvec math; then ``
 vectorize and change no result: NaN stays NaN, only errno and FP exception flags go. There is
 no ``-ffast-math``, which would break NaN semantics.
 
-``load_kernels(kernels, source)`` gives one callable per kernel taking CPU tensors in
-kernel-argument order (then the seed as an int) and passing their data pointers.
+``load_kernels(library)`` (a :class:`~kiln.codegen.sources.CppSource`) gives one callable per
+kernel taking CPU tensors in kernel-argument order (then the seed as an int) and passing their
+data pointers.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ from pathlib import Path
 
 import torch
 
+from kiln.codegen.sources import CppSource
 from kiln.config import config, logger
 from kiln.errors import CompilerNotFoundError, IndexOutOfBounds, KernelBuildError
-from kiln.schedule.loops import Kernel, checks_indices
-from kiln.schedule.program import kernel_arguments
 
 COMPILER = "g++"
 COMMON_FLAGS = (
@@ -249,29 +249,24 @@ def _trim(text: str) -> str:
 
 
 def load_kernels(
-    kernels: list[Kernel],
-    source: str,
-    cache_dir: str | os.PathLike[str] | None = None,
-    name: str | None = None,
+    library: CppSource, cache_dir: str | os.PathLike[str] | None = None
 ) -> dict[str, Launcher]:
-    """Build ``source`` (from :func:`~kiln.codegen.cpp.generate_cpp` of ``kernels``) and give
-    each kernel's callable: ``launch(*tensors[, seed])`` with CPU tensors in kernel-argument
-    order. Argument types are set once, so a call costs a few microseconds."""
-    library_name = name or (kernels[0].name if kernels else "kernels")
-    symbols = [kernel.name for kernel in kernels]
-    library = build(source, library_name, cache_dir, symbols)
+    """Build ``library`` (from :func:`~kiln.codegen.cpp.cpp_library`) and give each entry's
+    callable: ``launch(*tensors[, seed])`` with CPU tensors in kernel-argument order. Argument
+    types are set once, so a call costs a few microseconds."""
+    symbols = [entry.name for entry in library.entries]
+    built = build(library.source, library.name, cache_dir, symbols)
     launchers: dict[str, Launcher] = {}
-    for kernel in kernels:
-        function = getattr(library, kernel.name)
-        count = len(kernel_arguments(kernel))
-        has_seed = kernel.seed() is not None
+    for entry in library.entries:
+        function = getattr(built, entry.name)
+        count, has_seed = entry.argument_count, entry.has_seed
         function.argtypes = [ctypes.c_void_p] * count + ([ctypes.c_int64] if has_seed else [])
         function.restype = None
-        launch = _launcher(function, kernel.name, count, has_seed)
-        if checks_indices(kernel):
-            status = (ctypes.c_int64 * 3).in_dll(library, "kiln_index_error")
+        launch = _launcher(function, entry.name, count, has_seed)
+        if entry.checks_indices:
+            status = (ctypes.c_int64 * 3).in_dll(built, "kiln_index_error")
             launch = _index_checked(launch, status)
-        launchers[kernel.name] = launch
+        launchers[entry.name] = launch
     return launchers
 
 

@@ -1,6 +1,6 @@
 """Build and launch Triton kernels: generated module -> file in the cache -> launcher.
 
-``build_triton(source)`` writes the module of a :class:`~kiln.codegen.triton.TritonSource` to
+``build_triton(source)`` writes the module of a :class:`~kiln.codegen.sources.TritonSource` to
 ``<cache_dir>/triton/<sha256 of the source>.py`` (and a readable copy to the debug directory
 when one is set), imports it, and returns ``launch(*tensors, seed=None)``: tensors in
 kernel-argument order, then the seed (by keyword or as one more positional argument).
@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 
-from kiln.codegen.triton import TritonSource, generate_triton
+from kiln.codegen.sources import TritonSource
 from kiln.config import config, logger
 from kiln.errors import BackendError
 from kiln.runtime.triton_interpret import LOCK, interpret_mode
 from kiln.runtime.triton_launch import OPTIONS, TritonLauncher, _version
-from kiln.schedule.loops import Kernel
 
 MIN_VERSION = (3, 6)
 MIN_CAPABILITY = (7, 0)
@@ -142,14 +141,12 @@ def build_triton(source: TritonSource) -> TritonLauncher:
 
 
 def load_triton_kernels(
-    kernels: list[Kernel], device: torch.device, interpret: bool = False
+    sources: Sequence[TritonSource], device: torch.device
 ) -> dict[str, Launcher]:
-    """Generate, build and precompile ``kernels``; one launcher per kernel name (the backend's
-    code-generator interface). ``interpret`` runs them on CPU tensors through Triton's
-    interpreter."""
-    if not interpret:
+    """Build and precompile generated ``sources``; one launcher per kernel name. Sources
+    generated for the interpreter run on CPU tensors through Triton's interpreter."""
+    if not all(source.interpret for source in sources):
         _join_parent_warm_up("gluon")
-    sources = [generate_triton(kernel, interpret) for kernel in kernels]
     launchers = {s.kernel_name: build_triton(s) for s in sources}
     precompile(sources, [device])
     return dict(launchers)

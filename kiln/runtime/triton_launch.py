@@ -30,7 +30,7 @@ from kiln.errors import BackendError
 from kiln.runtime.triton_interpret import interpret_mode
 
 if TYPE_CHECKING:
-    from kiln.codegen.triton import TritonSource
+    from kiln.codegen.sources import TritonSource
 
 # FMA contraction on, as nvcc does for eager's kernels; explicit, because Triton 3.10 changes
 # the default (and 3.9 warns when it is left unset)

@@ -63,7 +63,6 @@ class Indirect:
     serial: int = field(default_factory=lambda: next(_SERIALS), compare=False, repr=False)
 
 
-
 Atom = Var | FloorDiv | Mod | Indirect
 
 
@@ -310,6 +309,26 @@ def linear(indices: Sequence[Index], strides: Sequence[int], offset: int = 0) ->
     for index, stride in zip(indices, strides, strict=True):
         total = total + index * stride
     return total
+
+
+INT32_LIMIT = 2**31 - 1
+
+
+def magnitude(index: Index) -> int:
+    """An upper bound of ``|value|`` of ``index``, of every partial sum while it is evaluated
+    term by term, and of the operands of its floor-divisions and modulos. Atoms count at
+    their exclusive bounds (a loop variable of extent ``n`` as ``n``): index math whose
+    magnitude is at most ``INT32_LIMIT`` can run in int32, one-past-the-end included."""
+    total, worst = abs(index.const), 0
+    for atom, coef in index.terms:
+        if isinstance(atom, (Var, Indirect)):
+            size = atom.size
+        else:
+            inner = magnitude(atom.operand)
+            worst = max(worst, inner)
+            size = inner // atom.divisor + 1 if isinstance(atom, FloorDiv) else atom.divisor
+        total += abs(coef) * size
+    return max(total, worst)
 
 
 def format_index(index: Index, name_of: Any) -> str:

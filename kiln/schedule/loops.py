@@ -21,14 +21,14 @@ Nothing here knows Triton or C++: ``kiln/codegen`` prints kernels for a device.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kiln.ir.op import Op
-from kiln.schedule.index import Index
+from kiln.schedule.index import Index, format_index, magnitude
 
 X = "x"  # the name of the row (or element) loop variable
 R = "r"  # the name of the reduction loop variable
@@ -245,6 +245,15 @@ def index_of(expr: Expr) -> list[Index]:
     return []
 
 
+def index_magnitudes(kernel: Kernel) -> list[int]:
+    """The :func:`~kiln.schedule.index.magnitude` of every index ``kernel`` evaluates (loads,
+    random offsets, index values, store offsets): a code generator uses 64-bit index math
+    when one, or its own loop extents, passes ``INT32_LIMIT``."""
+    roots = [store.value for store in kernel.stores]
+    found = [magnitude(index) for expr in walk(roots) for index in index_of(expr)]
+    return found + [magnitude(store.offset) for store in kernel.stores]
+
+
 def checks_indices(kernel: Kernel) -> bool:
     """Whether the kernel (or a part launched with it) reads through a checked gathered index,
     whose generated code reports an index outside its dimension."""
@@ -278,38 +287,50 @@ def reduction_phase(exprs: list[Expr]) -> dict[int, int]:
     return phase
 
 
-def format_kernel(kernel: Kernel) -> str:
-    """A readable listing of ``kernel`` (for explain, logs and tests)."""
-    from kiln.schedule.index import format_index
-
+def format_kernel(kernel: Kernel, buffer_name: Callable[[Buffer], str] | None = None) -> str:
+    """A readable listing of ``kernel`` (for explain, logs and tests). With ``buffer_name``
+    (buffers by argument position, say) it is the kernel's signature instead: the kernel's own
+    name left out, each value's dtype and each gathered index's checks printed, so kernels
+    with equal signatures compile to the same code."""
+    signature = buffer_name is not None
+    buffer_text = buffer_name or (lambda buffer: buffer.name)
     names: dict[int, str] = {}
 
     def name(expr: Expr) -> str:
         return names[id(expr)]
 
-    def idx(index: Index) -> str:
-        return format_index(index, lambda a: a.name if hasattr(a, "name") else name(a.value))
+    def atom(a: Any) -> str:
+        if hasattr(a, "name"):
+            return str(a.name)
+        flags = ("!" if a.checked else "") + ("w" if a.wrapped else "") if signature else ""
+        return name(a.value) + flags
 
-    lines = [f"kernel {kernel.name}: x < {kernel.xnumel}, r < {kernel.rnumel}"]
+    def idx(index: Index) -> str:
+        return format_index(index, atom)
+
+    title = "kernel" if signature else f"kernel {kernel.name}"
+    lines = [f"{title}: x < {kernel.xnumel}, r < {kernel.rnumel}"]
     for expr in walk([s.value for s in kernel.stores]):
         names[id(expr)] = f"t{len(names)}"
-        lines.append(f"  {name(expr)} = {_describe(expr, name, idx)}")
+        typed = f"  : {expr.dtype}" if signature else ""
+        lines.append(f"  {name(expr)} = {_describe(expr, name, idx, buffer_text)}{typed}")
     for store in kernel.stores:
-        lines.append(f"  store({store.buffer.name}, {idx(store.offset)}, {name(store.value)})")
+        target = buffer_text(store.buffer) + (f": {store.buffer.dtype}" if signature else "")
+        lines.append(f"  store({target}, {idx(store.offset)}, {name(store.value)})")
     for part in kernel.parts:
         lines.append("  and, in the same launch:")
-        lines += ["  " + line for line in format_kernel(part).splitlines()]
+        lines += ["  " + line for line in format_kernel(part, buffer_name).splitlines()]
     return "\n".join(lines)
 
 
-def _describe(expr: Expr, name: Any, idx: Any) -> str:
+def _describe(expr: Expr, name: Any, idx: Any, buffer_text: Any) -> str:
     if isinstance(expr, Const):
         return repr(expr.value)
     if isinstance(expr, IndexValue):
         return f"index({idx(expr.index)})"
     if isinstance(expr, Load):
         masked = f", mask={name(expr.mask)}, other={expr.other!r}" if expr.mask else ""
-        return f"load({expr.buffer.name}, {idx(expr.offset)}{masked})"
+        return f"load({buffer_text(expr.buffer)}, {idx(expr.offset)}{masked})"
     if isinstance(expr, Apply):
         args = ", ".join(name(a) for a in expr.args)
         return f"{expr.op.printed_name}({args})" + (

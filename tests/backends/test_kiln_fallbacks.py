@@ -5,14 +5,14 @@ graph that draws random numbers never falls back alone; strict mode raises."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
 
 import kiln
+import kiln.backends.kernels as kernels
 import kiln.backends.kiln as backend
-import kiln.runtime.cpp_build as cpp_build
-from kiln.config import config
 from kiln.errors import KernelBuildError
 
 
@@ -20,8 +20,11 @@ from kiln.errors import KernelBuildError
 def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     kiln.reset()
     monkeypatch.setattr(backend, "_WARNED", set())
-    monkeypatch.setattr(config, "codegen", "cpp")
-    monkeypatch.setattr(config, "strict", False)
+
+
+def _compile(fn: object, **options: object) -> Any:
+    """``fn`` compiled for C++ kernels, falling back where they cannot build."""
+    return kiln.compile(fn, options={"codegen": "cpp", "strict": False, **options})
 
 
 def _functions() -> list[tuple[object, torch.Tensor]]:
@@ -34,24 +37,21 @@ def _functions() -> list[tuple[object, torch.Tensor]]:
 def test_missing_compiler_warns_once_and_results_stay_right(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cpp_build, "cpp_compiler_available", lambda: False)
+    monkeypatch.setattr(kernels, "cpp_compiler_available", lambda: False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for fn, x in _functions():
-            torch.testing.assert_close(kiln.compile(fn)(x), fn(x))  # type: ignore[operator]
+            torch.testing.assert_close(_compile(fn)(x), fn(x))  # type: ignore[operator]
     messages = [str(w.message) for w in caught if "kiln" in str(w.message)]
     assert len(messages) == 1 and "no C++ compiler" in messages[0]
 
 
 def test_missing_triton_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kiln.runtime.triton_build as triton_build
-
-    monkeypatch.setattr(config, "codegen", "triton")
-    monkeypatch.setattr(triton_build, "triton_available", lambda *a, **k: "Triton is not installed")
+    monkeypatch.setattr(kernels, "triton_available", lambda *a, **k: "Triton is not installed")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for fn, x in _functions():
-            torch.testing.assert_close(kiln.compile(fn)(x), fn(x))  # type: ignore[operator]
+            torch.testing.assert_close(_compile(fn, codegen="triton")(x), fn(x))  # type: ignore[operator]
     messages = [str(w.message) for w in caught if "kiln" in str(w.message)]
     assert messages == ["kiln: graphs run on the reference interpreter: Triton is not installed"]
 
@@ -61,26 +61,25 @@ def _broken_build(*args: object, **kwargs: object) -> object:
 
 
 def test_a_failed_build_names_its_source_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpp_build, "load_kernels", _broken_build)
+    monkeypatch.setattr(kernels, "load_kernels", _broken_build)
     fn, x = _functions()[0]
     with pytest.warns(UserWarning, match=r"k0_relu\.cpp"):
-        result = kiln.compile(fn)(x)  # type: ignore[arg-type]
+        result = _compile(fn)(x)  # type: ignore[arg-type]
     torch.testing.assert_close(result, fn(x))  # type: ignore[operator]
 
 
 def test_strict_mode_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpp_build, "load_kernels", _broken_build)
-    monkeypatch.setattr(config, "strict", True)
+    monkeypatch.setattr(kernels, "load_kernels", _broken_build)
     fn, x = _functions()[0]
     with pytest.raises(KernelBuildError, match=r"k0_relu\.cpp"):
-        kiln.compile(fn)(x)  # type: ignore[arg-type]
+        _compile(fn, strict=True)(x)  # type: ignore[arg-type]
 
 
 def test_random_graphs_do_not_fall_back_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpp_build, "load_kernels", _broken_build)
+    monkeypatch.setattr(kernels, "load_kernels", _broken_build)
 
     def noisy(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.dropout(x, 0.5, training=True)
 
     with pytest.raises(KernelBuildError):
-        kiln.compile(noisy)(torch.randn(16))
+        _compile(noisy)(torch.randn(16))

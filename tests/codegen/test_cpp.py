@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import kiln  # noqa: F401  (registers the op rows)
-from kiln.codegen.cpp import generate_cpp
+from kiln.codegen.cpp import cpp_library, generate_cpp
 from kiln.config import config
 from kiln.errors import BackendError, CompilerNotFoundError, KernelBuildError
 from kiln.ir.op import Op, Tag, op_def, registered_ops
@@ -82,7 +82,7 @@ def cache_dir() -> Path:
 
 
 def build(kernels: list[Kernel], threads: int = THREADS) -> dict[str, Callable[..., None]]:
-    return cpp_build.load_kernels(kernels, generate_cpp(kernels, threads), cache_dir())
+    return cpp_build.load_kernels(cpp_library(kernels, threads), cache_dir())
 
 
 def run(
@@ -689,7 +689,7 @@ def test_cache_hit_corrupt_entry_and_compile_error(
 ) -> None:
     kernel = _tiny_kernel()
     source = generate_cpp([kernel], threads=1)
-    launch = cpp_build.load_kernels([kernel], source, tmp_path)["tiny"]
+    launch = cpp_build.load_kernels(cpp_library([kernel], source=source), tmp_path)["tiny"]
     a, out = torch.arange(4.0), torch.empty(4)
     launch(out, a)
     assert torch.equal(out, a + 1)
@@ -701,12 +701,14 @@ def test_cache_hit_corrupt_entry_and_compile_error(
     monkeypatch.setattr(
         cpp_build, "_compile", lambda c, s, stem: (compiles.append(stem), real_compile(c, s, stem))
     )
-    cpp_build.load_kernels([kernel], source, tmp_path)  # a cache hit: nothing compiles
+    cpp_build.load_kernels(
+        cpp_library([kernel], source=source), tmp_path
+    )  # a cache hit: nothing compiles
     assert compiles == []
     damaged = tmp_path / "damaged"
     damaged.write_bytes(b"not a library")
     os.replace(damaged, library)  # a new file: the loaded one stays intact in this process
-    launch = cpp_build.load_kernels([kernel], source, tmp_path)["tiny"]
+    launch = cpp_build.load_kernels(cpp_library([kernel], source=source), tmp_path)["tiny"]
     assert len(compiles) == 1  # the damaged entry was rebuilt
     launch(out, a * 2)
     assert torch.equal(out, a * 2 + 1)
@@ -723,7 +725,7 @@ def test_cache_hit_corrupt_entry_and_compile_error(
 def test_second_process_loads_from_the_cache(tmp_path: Path) -> None:
     kernel = _tiny_kernel("tiny_shared")
     source = generate_cpp([kernel], threads=1)
-    cpp_build.load_kernels([kernel], source, tmp_path)
+    cpp_build.load_kernels(cpp_library([kernel], source=source), tmp_path)
     script = (
         "import sys\nfrom kiln.runtime import cpp_build\n"
         "cpp_build._compile = None  # a compile would fail: the cache must serve it\n"
@@ -743,7 +745,7 @@ def test_flag_fallbacks_and_missing_openmp_warning(
     monkeypatch.setattr(cpp_build, "FLAG_PLANS", (("-O3", "-fno-such-flag-kiln"), ("-O2",)))
     monkeypatch.setattr(cpp_build, "_warned_no_openmp", False)
     with pytest.warns(UserWarning, match="without OpenMP"):
-        launch = cpp_build.load_kernels([kernel], source, tmp_path)["fallback"]
+        launch = cpp_build.load_kernels(cpp_library([kernel], source=source), tmp_path)["fallback"]
     a, out = torch.arange(4.0), torch.empty(4)
     launch(out, a)
     assert torch.equal(out, a + 1)
@@ -755,7 +757,7 @@ def test_missing_compiler_and_debug_dir(tmp_path: Path, monkeypatch: pytest.Monk
     kernel = _tiny_kernel("debugged")
     source = generate_cpp([kernel], threads=1)
     monkeypatch.setattr(config, "debug_dir", str(tmp_path / "debug"))
-    cpp_build.load_kernels([kernel], source, tmp_path)
+    cpp_build.load_kernels(cpp_library([kernel], source=source), tmp_path)
     assert (tmp_path / "debug" / "debugged.cpp").read_text() == source
     monkeypatch.setattr(cpp_build, "COMPILER", "kiln-no-such-compiler")
     assert not cpp_build.cpp_compiler_available()

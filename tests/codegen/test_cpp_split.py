@@ -17,7 +17,7 @@ from torch import nn
 
 import kiln
 from kiln.backends.kiln import RECORDERS
-from kiln.codegen.cpp import generate_cpp
+from kiln.codegen.cpp import cpp_library, generate_cpp
 from kiln.config import config
 from kiln.ir.op import Op
 from kiln.runtime import cpp_build
@@ -53,7 +53,8 @@ def run_both(
         arguments = [tensors[b.name] for b in kernel_arguments(kernel)]
         if compiled:
             source = generate_cpp([kernel], threads)
-            cpp_build.load_kernels([kernel], source, cache)[kernel.name](*arguments)
+            library = cpp_library([kernel], source=source)
+            cpp_build.load_kernels(library, cache)[kernel.name](*arguments)
         else:
             evaluate_kernel(kernel, arguments)
         results.append(tensors)

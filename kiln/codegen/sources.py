@@ -1,0 +1,55 @@
+"""What code generation hands the runtime: generated sources and how to launch them.
+
+Plain data, importing nothing of Kiln's: the runtime builds, loads and launches these and
+never sees the loop-level IR or a generator (``tests/test_architecture.py`` checks that
+``kiln/runtime`` imports nothing else of ``kiln/codegen``, and nothing of ``kiln/schedule``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class Form(enum.Enum):
+    POINTWISE = "pointwise"
+    PERSISTENT = "persistent reduction"
+    LOOPED = "looped reduction"
+
+
+@dataclass(frozen=True)
+class TritonSource:
+    """A generated kernel module and how to launch it."""
+
+    name: str  # the @triton.jit function
+    kernel_name: str  # the Kernel's name
+    source: str
+    arguments: tuple[str, ...]  # buffer names, in kernel_arguments() order
+    argument_dtypes: tuple[torch.dtype, ...]
+    has_seed: bool  # an int64 seed follows the tensors
+    constexprs: dict[str, int]  # XBLOCK (and RBLOCK)
+    num_warps: int
+    grid: tuple[int, int, int]
+    form: Form
+    interpret: bool
+
+
+@dataclass(frozen=True)
+class CppEntry:
+    """One kernel's function in a C++ library: ``name(T0* a0, ..., [int64_t seed])``."""
+
+    name: str
+    argument_count: int  # tensors, in kernel_arguments() order
+    has_seed: bool
+    checks_indices: bool  # reports a gathered index out of range through kiln_index_error
+
+
+@dataclass(frozen=True)
+class CppSource:
+    """One C++ translation unit (a graph's kernels) and its kernels' entry points."""
+
+    name: str
+    source: str
+    entries: tuple[CppEntry, ...]
