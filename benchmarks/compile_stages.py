@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 import kiln
-from kiln.backends.kiln import RECORDERS
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.bench.worker import prepare
+from kiln.recording import listen
 from kiln.schedule import layouts
 
 _lock = threading.Lock()
@@ -95,7 +96,7 @@ def main() -> None:
     _install()
     model, inputs, step = prepare(args.model, args.mode, device)
     records: list[Any] = []
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     start = time.perf_counter()  # kiln.compile included, as in kiln.bench's first call
     compiled = kiln.compile(model)
     step(compiled, inputs)

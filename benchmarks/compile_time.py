@@ -15,8 +15,9 @@ import torch
 
 import kiln
 import kiln.runtime.triton_build as triton_build
-from kiln.backends.kiln import RECORDERS
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.bench.worker import prepare
+from kiln.recording import listen
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
         triton_build.precompile = lambda *a, **k: None  # type: ignore[assignment]
     model, inputs, step = prepare(args.model, args.mode, torch.device("cuda"))
     records: list = []
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     compiled = kiln.compile(model)
     for call in range(3):
         torch.cuda.synchronize()

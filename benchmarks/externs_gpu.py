@@ -9,8 +9,9 @@ import collections
 import torch
 
 import kiln
-from kiln.backends.kiln import RECORDERS
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.bench.models import MODELS
+from kiln.recording import listen
 
 
 def main() -> None:
@@ -22,7 +23,7 @@ def main() -> None:
     model = workload.model.cuda().eval()
     inputs = [t.cuda() for t in workload.make_input(torch.Generator().manual_seed(0))]
     records: list = []
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         kiln.compile(model)(*inputs)
     counts: collections.Counter = collections.Counter()

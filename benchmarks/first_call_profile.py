@@ -16,8 +16,9 @@ import time
 import torch
 
 import kiln
-from kiln.backends.kiln import RECORDERS
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.bench.models import MODELS
+from kiln.recording import listen
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     model = workload.model.to(device).eval()
     inputs = [t.to(device) for t in workload.make_input(torch.Generator().manual_seed(0))]
     records: list = []
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     compiled = kiln.compile(model)
     profiler = cProfile.Profile()
     with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):

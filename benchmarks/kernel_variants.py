@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 import kiln
-from kiln.backends.kiln import RECORDERS
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.bench.kernels import make_cases
 from kiln.codegen.triton import Blocks, Form, choose_blocks, generate_triton
+from kiln.recording import listen, unlisten
 from kiln.runtime.triton_build import TritonLauncher, build_triton
 from kiln.schedule.loops import Kernel
 from kiln.schedule.program import kernel_arguments
@@ -36,14 +37,14 @@ def _recorded_calls(case: Any) -> list[tuple[Kernel, tuple[Any, ...]]]:
         arguments.setdefault(self.source.kernel_name, args)
         original(self, *args, seed=seed)
 
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     TritonLauncher.__call__ = recording  # type: ignore[method-assign]
     try:
         kiln.compile(case.fn)(*case.args)
         torch.cuda.synchronize()
     finally:
         TritonLauncher.__call__ = original  # type: ignore[method-assign]
-        RECORDERS.remove(records)
+        unlisten(records)
     kernels = [s for r in records for s in r.program.steps if isinstance(s, Kernel)]
     return [(k, arguments[k.name]) for k in kernels if k.name in arguments]
 

@@ -27,14 +27,15 @@ def _fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_and_tensors() -> tuple[object, list[torch.Tensor]]:
-    from kiln.backends.kiln import RECORDERS
+    from kiln.backends.kiln import CompiledProgramRecord
+    from kiln.recording import listen, unlisten
     from kiln.schedule.loops import Kernel
 
     records: list = []
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     x, y = torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda")
     kiln.compile(_fn)(x, y)
-    RECORDERS.remove(records)
+    unlisten(records)
     kernel = next(s for r in records for s in r.program.steps if isinstance(s, Kernel))
     tensors = [torch.empty(4096, device="cuda") for _ in range(3)]
     return kernel, tensors

@@ -18,8 +18,9 @@ from collections import defaultdict
 import torch
 
 import kiln
-from kiln.backends.kiln import RECORDERS
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.bench.worker import prepare
+from kiln.recording import listen, unlisten
 
 STEPS = 5
 
@@ -49,7 +50,7 @@ def profile(name: str, compiler: str, mode: str, top: int) -> None:
     else:
         run = model
     records: list = []
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start = time.perf_counter()
@@ -68,7 +69,7 @@ def profile(name: str, compiler: str, mode: str, top: int) -> None:
             for _ in range(STEPS):
                 step(run, inputs)
             torch.cuda.synchronize()
-    RECORDERS.remove(records)
+    unlisten(records)
     print(
         f"== {name} {mode} {compiler}: first call {first:.2f} s, step {wall_ms:.2f} ms", flush=True
     )

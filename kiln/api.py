@@ -118,16 +118,7 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExplainReport:
     graphs, graph breaks (reason, file, line, source text), frames run uncompiled, externs
     and guards, and the kernels each graph compiled to (the forward's; a backward compiles
     when it first runs). ``fn`` may be plain or already compiled."""
-    from kiln.backends.kiln import RECORDERS
-
-    records: list[Any] = []
-    RECORDERS.append(records)
-    try:
-        report = _explain(lambda: compile(_original(fn)), *args, **kwargs)
-    finally:
-        RECORDERS.remove(records)
-    report.kernels = [line for record in records for line in record.kernel_lines()]
-    return report
+    return _explain(lambda: compile(_original(fn)), *args, **kwargs)
 
 
 def _original(fn: Any) -> Any:

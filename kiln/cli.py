@@ -74,12 +74,8 @@ def explain_script(script: str, script_args: list[str], verbose: bool = False) -
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(path.resolve().parent))  # as `python script.py` would
-    from kiln.backends.kiln import RECORDERS
-
     status = 0
-    records: list[Any] = []
-    RECORDERS.append(records)
-    with recording(fresh=False) as log:
+    with recording(fresh=False) as events:
         try:
             runpy.run_path(str(path), run_name="__main__")
         except SystemExit as exit_:
@@ -89,9 +85,8 @@ def explain_script(script: str, script_args: list[str], verbose: bool = False) -
             status = 1
         finally:
             sys.argv, sys.path[:] = saved_argv, saved_path
-            RECORDERS.remove(records)
     recompiles = kiln.counters.recompiles[recompiles_before:]
-    print(format_explanation(script, log, recompiles, verbose, records), file=sys.stderr)
+    print(format_explanation(script, events, recompiles, verbose), file=sys.stderr)
     return status
 
 
@@ -105,19 +100,18 @@ def _exit_status(code: Any) -> int:
 
 
 def format_explanation(
-    script: str,
-    log: list[tuple[str, Any]],
-    recompiles: list[tuple[str, str]],
-    verbose: bool,
-    records: list[Any] | None = None,
+    script: str, events: list[Any], recompiles: list[tuple[str, str]], verbose: bool
 ) -> str:
     """One section per compiled function, in the order they first compiled: its graphs, graph
-    breaks (with source lines), frames run uncompiled, externs, recompiles and kernels."""
+    breaks (with source lines), frames run uncompiled, externs, recompiles; then the kernels
+    of every compiled program (the ``kiln.recording`` events of a run)."""
+    from kiln.capture.cache import Captured
     from kiln.capture.explain import report_of
 
-    by_function: dict[str, list[tuple[str, Any]]] = defaultdict(list)
-    for name, item in log:
-        by_function[name].append((name, item))
+    by_function: dict[str, list[Any]] = defaultdict(list)
+    for event in events:
+        if isinstance(event, Captured):
+            by_function[event.function].append(event)
     reasons: dict[str, list[str]] = defaultdict(list)
     for name, reason in recompiles:
         reasons[name].append(reason)
@@ -132,7 +126,7 @@ def format_explanation(
             lines += [f"--- graph {i} ---\n{graph}" for i, graph in enumerate(report.graphs)]
         lines.append(f"recompiles ({len(reasons[name])}):")
         lines += [f"  guard failed: {reason}" for reason in reasons[name]]
-    records = records or []
+    records = [event for event in events if hasattr(event, "kernel_lines")]
     lines.append(f"\nkernels ({len(records)} compiled program(s), forward and backward graphs):")
     for record in records:
         lines.append(

@@ -4,7 +4,7 @@ code stays within its line budget (the count is printed at the end of every test
 
 The layers, bottom to top; a module may import its own layer and the layers below it only:
 
-    config, errors          foundations (environment, error types)
+    config, errors, recording   foundations (environment, error types, explain's events)
     options, random_state   per-compile choices; the RNG state capture and compiles preserve
     ir                      the graph IR
     ops                     registry rows, translations, externs
@@ -27,7 +27,7 @@ from pathlib import Path
 KILN = Path(__file__).resolve().parent.parent / "kiln"
 
 LAYERS: list[set[str]] = [
-    {"config", "errors"},
+    {"config", "errors", "recording"},
     {"options", "random_state"},
     {"ir"},
     {"ops"},

@@ -31,6 +31,7 @@ from kiln.ir.op import Op
 from kiln.ops import host_calls
 from kiln.options import Options
 from kiln.random_state import preserved_random_state
+from kiln.recording import record as record_event
 from kiln.runtime.triton_build import start_workers
 from kiln.schedule.loops import Kernel, format_kernel
 from kiln.schedule.program import Program
@@ -78,9 +79,6 @@ class CompiledProgramRecord:
                 origin = f"  [{step.node.origin}]" if step.node.origin.api else ""
                 lines.append(f"{self.graph}: extern {step.node.op.printed_name}{note}{origin}")
         return lines
-
-
-RECORDERS: list[list[CompiledProgramRecord]] = []  # kiln.explain listens here
 
 
 @dataclass
@@ -168,8 +166,7 @@ class KilnProgram:
         record.cpu_matmul = self.options.cpu_matmul
         if program is not None:
             record.unique_kernels = len({kernel_signature(k) for k in program.kernels()})
-        for recorder in RECORDERS:
-            recorder.append(record)
+        record_event(record)
         if program is not None and _log.isEnabledFor(logging.INFO):
             for kernel in program.kernels():
                 _log.info("%s\n%s", "; ".join(kernel.fused), format_kernel(kernel))

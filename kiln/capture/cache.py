@@ -23,7 +23,7 @@ import types
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -38,6 +38,7 @@ from kiln.config import logger
 from kiln.ir.graph import Graph
 from kiln.options import Options
 from kiln.random_state import preserved_random_state
+from kiln.recording import record as record_event
 
 _log_breaks = logger("graph_breaks")
 _log_recompiles = logger("recompiles")
@@ -106,8 +107,14 @@ _CACHES: dict[tuple[int, GraphCompiler], tuple[types.CodeType, CodeCache]] = {}
 _WRAPPERS: dict[Any, Any] = {}
 _ROUTERS: dict[GraphCompiler, Router] = {}
 _LOCK = threading.RLock()
-# Captures made while a recorder is installed (kiln.explain).
-_RECORDERS: list[list[tuple[str, Capture | BreakRecord]]] = []
+
+
+class Captured(NamedTuple):
+    """A recorded event (``kiln.recording``): a capture of ``function``, or a frame of it run
+    uncompiled (``kiln.explain`` listens)."""
+
+    function: str
+    item: Capture | BreakRecord
 
 
 def reset() -> None:
@@ -370,9 +377,9 @@ def _install(
     _log_guards.info(
         "guards of %s:\n%s", fn.__qualname__, "\n".join(f"  {g}" for g in capture.guards)
     )
-    for recorder in _RECORDERS:
-        recorder.append((fn.__qualname__, capture))
-        recorder.extend((record.function, record) for record in capture.uncompiled)
+    record_event(Captured(fn.__qualname__, capture))
+    for record in capture.uncompiled:
+        record_event(Captured(record.function, record))
     return entry
 
 
@@ -389,8 +396,7 @@ def _skip(cache: CodeCache, record: BreakRecord, *, permanent: bool) -> None:
     _log_breaks.info("running %s uncompiled: %s", record.function, record)
     if permanent or record.reason is SkipReason.RECOMPILE_LIMIT:
         cache.skip = record
-    for recorder in _RECORDERS:
-        recorder.append((record.function, record))
+    record_event(Captured(record.function, record))
 
 
 def _capture_failed(

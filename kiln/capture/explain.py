@@ -10,11 +10,13 @@ from typing import Any
 
 from kiln.capture import cache
 from kiln.capture.breaks import BreakRecord
+from kiln.capture.cache import Captured
 from kiln.capture.convert import Capture
 from kiln.ir.graph import Graph
 from kiln.ir.op import Op
 from kiln.ops.autograd_function import function_outputs
 from kiln.ops.untracked import untracked_write
+from kiln.recording import recording as record_events
 
 # Externs autodiff uses to pass values through: not opaque calls of the user's program.
 _MARKERS = (function_outputs, untracked_write)
@@ -71,21 +73,20 @@ class ExplainReport:
 
 
 @contextmanager
-def recording(fresh: bool = True) -> Iterator[list[tuple[str, Capture | BreakRecord]]]:
-    """Collect the captures and skips made inside the block (from fresh caches, unless
-    ``fresh`` is False: then only what actually compiles inside the block is seen)."""
+def recording(fresh: bool = True) -> Iterator[list[Any]]:
+    """Every event recorded inside the block (``kiln.recording``: captures, frames run
+    uncompiled, compiled programs), from fresh caches unless ``fresh`` is False: then only
+    what actually compiles inside the block is seen."""
     saved_caches = dict(cache._CACHES)
     saved_wrappers = dict(cache._WRAPPERS)
     saved_counters = copy.deepcopy(vars(cache.counters))
     if fresh:
         cache._CACHES.clear()
         cache._WRAPPERS.clear()
-    log: list[tuple[str, Capture | BreakRecord]] = []
-    cache._RECORDERS.append(log)
     try:
-        yield log
+        with record_events() as events:
+            yield events
     finally:
-        cache._RECORDERS.remove(log)
         if fresh:  # explain() leaves no trace: caches and counters as before
             vars(cache.counters).update(saved_counters)
             cache._CACHES.clear()
@@ -95,16 +96,22 @@ def recording(fresh: bool = True) -> Iterator[list[tuple[str, Capture | BreakRec
 
 
 def explain(make: Callable[[], Any], *args: Any, **kwargs: Any) -> ExplainReport:
-    """Compile (``make()``) and call once, from fresh caches; report what was captured."""
-    with recording() as log:
+    """Compile (``make()``) and call once, from fresh caches; report what was captured and
+    the kernels each graph compiled to (the forward's; a backward compiles when it first
+    runs)."""
+    with recording() as events:
         make()(*args, **kwargs)
-    return report_of(log)
+    return report_of(events)
 
 
-def report_of(log: list[tuple[str, Capture | BreakRecord]]) -> ExplainReport:
-    """The report of a :func:`recording` log."""
+def report_of(events: list[Any]) -> ExplainReport:
+    """The report of a :func:`recording`'s events: captures and skips, and the kernel lines
+    of the programs compiled (events with ``kernel_lines``, the backend's records)."""
     report = ExplainReport()
-    for name, item in log:
+    report.kernels = [
+        line for e in events if hasattr(e, "kernel_lines") for line in e.kernel_lines()
+    ]
+    for name, item in (e for e in events if isinstance(e, Captured)):
         if isinstance(item, BreakRecord):
             report.skips.append(item)
             continue

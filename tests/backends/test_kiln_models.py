@@ -93,18 +93,19 @@ def test_training_step_matches_eager(codegen: str, name: str) -> None:
 def test_attention_layouts_are_predicted_so_nothing_rebuilds(codegen: str) -> None:
     """SDPA and its backward return the flash kernels' [B, S, H, D] layout; the schedule
     predicts it, so no extern result is copied and no graph is compiled a second time."""
-    from kiln.backends.kiln import RECORDERS
+    from kiln.backends.kiln import CompiledProgramRecord
+    from kiln.recording import listen, unlisten
 
     model, args = tiny_bert()
     model.train()
     records: list[Any] = []
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     try:
         compiled = kiln.compile(model)
         for _ in range(2):
             _first(compiled(*args)).float().square().mean().backward()
     finally:
-        RECORDERS.remove(records)
+        unlisten(records)
     assert [r.graph.rsplit("_", 1)[-1] for r in records] == ["forward", "backward"]
 
 
@@ -114,7 +115,8 @@ def test_cpu_convolution_inputs_are_channels_last(codegen: str) -> None:
     inference and training graphs (oneDNN is faster on them), and an NCHW graph input a
     convolution reads is copied channels-last first (so the convolution answers channels-last
     and no kernel after it converts layouts); forward and gradients match eager."""
-    from kiln.backends.kiln import RECORDERS
+    from kiln.backends.kiln import CompiledProgramRecord
+    from kiln.recording import listen, unlisten
     from kiln.schedule.program import ExternCall
 
     def conv_operand_layouts(train: bool) -> set[tuple[str, bool]]:
@@ -122,7 +124,7 @@ def test_cpu_convolution_inputs_are_channels_last(codegen: str) -> None:
         model.train(train)
         reference = copy.deepcopy(model)
         records: list[Any] = []
-        RECORDERS.append(records)
+        listen(records, CompiledProgramRecord)
         try:
             out = kiln.compile(model)(*args)
             torch.testing.assert_close(out, reference(*args), rtol=1e-4, atol=1e-4)
@@ -133,7 +135,7 @@ def test_cpu_convolution_inputs_are_channels_last(codegen: str) -> None:
                     assert mine.grad is not None and theirs.grad is not None
                     torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-4)
         finally:
-            RECORDERS.remove(records)
+            unlisten(records)
         layouts = set()
         for record in records:
             for step in record.program.steps:

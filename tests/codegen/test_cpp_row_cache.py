@@ -6,14 +6,15 @@ from __future__ import annotations
 import torch
 
 import kiln
-from kiln.backends.kiln import RECORDERS
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.codegen.cpp import generate_cpp
 from kiln.config import config
+from kiln.recording import listen, unlisten
 
 
 def test_softmax_computes_each_exp_once() -> None:
     records: list = []
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     saved = config.codegen
     config.codegen = "cpp"
     try:
@@ -21,7 +22,7 @@ def test_softmax_computes_each_exp_once() -> None:
         result = kiln.compile(lambda x: torch.softmax(x * 3, -1))(x)
     finally:
         config.codegen = saved
-        RECORDERS.remove(records)
+        unlisten(records)
     torch.testing.assert_close(result, torch.softmax(x * 3, -1))
     (kernel,) = records[-1].program.kernels()
     source = generate_cpp([kernel])

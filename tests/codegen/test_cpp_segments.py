@@ -14,12 +14,13 @@ import pytest
 import torch
 
 import kiln
-from kiln.backends.kiln import RECORDERS
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.codegen.cpp import generate_cpp
 from kiln.codegen.cpp_segments import lane_segments
 from kiln.codegen.cpp_split import LaneSplit
 from kiln.config import config
 from kiln.ir.op import Op
+from kiln.recording import listen, unlisten
 from kiln.runtime import cpp_build
 from kiln.schedule.index import var
 from kiln.schedule.loops import IndexValue, Kernel, Load, Reduce, ReduceKind, Store
@@ -121,14 +122,14 @@ def test_split_backward_matches_eager() -> None:
     x = torch.randn(4, 10, 32, requires_grad=True)
     saved, records = config.codegen, []
     config.codegen = "cpp"
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     try:
         compiled = kiln.compile(fn)
         mine = compiled(x)
         grads = torch.autograd.grad(mine.sum(), [x, linear.weight, linear.bias])
     finally:
         config.codegen = saved
-        RECORDERS.remove(records)
+        unlisten(records)
         kiln.reset()
     expected = fn(x)
     want = torch.autograd.grad(expected.sum(), [x, linear.weight, linear.bias])

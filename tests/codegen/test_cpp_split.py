@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.backends.kiln import RECORDERS
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.codegen.cpp import cpp_library, generate_cpp
 from kiln.config import config
 from kiln.ir.op import Op
+from kiln.recording import listen, unlisten
 from kiln.runtime import cpp_build
 from kiln.schedule.evaluate import evaluate_kernel
 from kiln.schedule.index import Index, var
@@ -292,7 +293,7 @@ def test_conv_batchnorm_training_matches_eager(channels_last: bool) -> None:
     model = copy.deepcopy(eager)
     saved, records = config.codegen, []
     config.codegen = "cpp"
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     try:
         compiled = kiln.compile(model)
         for _ in range(2):
@@ -308,7 +309,7 @@ def test_conv_batchnorm_training_matches_eager(channels_last: bool) -> None:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     finally:
         config.codegen = saved
-        RECORDERS.remove(records)
+        unlisten(records)
         kiln.reset()
     for mine, theirs in zip(model.buffers(), eager.buffers(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)

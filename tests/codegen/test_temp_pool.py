@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import kiln
-from kiln.backends.kiln import RECORDERS, CompiledProgramRecord
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.codegen import temp_pool
 from kiln.codegen.temp_pool import TempPool, pooled_allocations
 from kiln.codegen.wrapper import Wrapper
 from kiln.ir.graph import Node
 from kiln.ir.op import Op
+from kiln.recording import listen, unlisten
 from kiln.schedule.index import var
 from kiln.schedule.loops import Buffer, BufferKind, Kernel, Store
 from kiln.schedule.program import ExternCall, Program, Step, View
@@ -119,7 +120,7 @@ def test_compiled_results_never_share_pooled_memory() -> None:
     torch.manual_seed(0)
     w1, w2 = torch.randn(48, 40) / 7, torch.randn(40, 24) / 6
     records: list[CompiledProgramRecord] = []
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     try:
         compiled = kiln.compile(_mlp)
         inputs = [torch.randn(32, 48) for _ in range(6)]
@@ -145,5 +146,5 @@ def test_compiled_results_never_share_pooled_memory() -> None:
         for index, result in outcomes.items():
             torch.testing.assert_close(result, _mlp(inputs[index], w1, w2), rtol=1e-5, atol=1e-6)
     finally:
-        RECORDERS.remove(records)
+        unlisten(records)
         kiln.reset()

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import kiln
-from kiln.backends.kiln import RECORDERS
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.frontends.trace import graph_inputs
 from kiln.ir import Op, interpret, verify
 from kiln.passes import eliminate_dead_code
 from kiln.passes.sum_factor import factor_sums
+from kiln.recording import listen, unlisten
 from tests.backends.op_table import run_compiled
 
 
@@ -69,11 +70,11 @@ def test_batchnorm_backward_sums_share_one_kernel_and_match_eager(
     x = torch.randn(2, 3, 8, 8)
     reference = copy.deepcopy(net)
     records: list = []
-    RECORDERS.append(records)
+    listen(records, CompiledProgramRecord)
     try:
         kiln.compile(net)(x).square().mean().backward()
     finally:
-        RECORDERS.remove(records)
+        unlisten(records)
     reference(x).square().mean().backward()
     for got, want in zip(net.parameters(), reference.parameters(), strict=True):
         assert got.grad is not None and want.grad is not None

@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.backends.kiln import RECORDERS, KilnProgram
+from kiln.backends.kiln import CompiledProgramRecord, KilnProgram
 from kiln.codegen.signatures import kernel_signature
 from kiln.codegen.triton import generate_triton
 from kiln.config import config
 from kiln.frontends.trace import graph_inputs
 from kiln.passes import optimize
+from kiln.recording import listen, unlisten
 from kiln.schedule.loops import BufferKind, format_kernel
 from kiln.schedule.program import Program
 from kiln.schedule.scheduler import schedule
@@ -81,12 +82,12 @@ def test_eval_conv_batchnorm_weights_fold_in_one_launch_per_convolution() -> Non
     ).eval()
     with torch.no_grad():
         records: list[Any] = []
-        RECORDERS.append(records)
+        listen(records, CompiledProgramRecord)
         try:
             x = torch.randn(2, 3, 12, 12)
             torch.testing.assert_close(kiln.compile(model)(x), model(x), rtol=1e-5, atol=1e-5)
         finally:
-            RECORDERS.remove(records)
+            unlisten(records)
     (record,) = records
     assert len(record.program.kernels()) == 2
     assert all(k.parts for k in record.program.kernels())

@@ -136,8 +136,9 @@ def test_kernel_source_is_the_same_on_every_compile() -> None:
     import torch
 
     import kiln
-    from kiln.backends.kiln import RECORDERS
+    from kiln.backends.kiln import CompiledProgramRecord
     from kiln.codegen.cpp import generate_cpp
+    from kiln.recording import listen, unlisten
 
     def program(t: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         return t[i, j] * 2 + t[j, i]
@@ -146,12 +147,12 @@ def test_kernel_source_is_the_same_on_every_compile() -> None:
     for _ in range(6):
         kiln.reset()
         records: list = []
-        RECORDERS.append(records)
+        listen(records, CompiledProgramRecord)
         try:
             t, i, j = torch.randn(7, 7), torch.randint(0, 7, (5,)), torch.randint(0, 7, (5,))
             result = kiln.compile(program, options={"codegen": "cpp"})(t, i, j)
         finally:
-            RECORDERS.remove(records)
+            unlisten(records)
         torch.testing.assert_close(result, program(t, i, j))
         sources.add(generate_cpp(records[-1].program.kernels()))
     kiln.reset()
