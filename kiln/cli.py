@@ -68,7 +68,7 @@ def explain_script(script: str, script_args: list[str], verbose: bool = False) -
     if not path.is_file():
         raise UsageError(f"no such script: {script}")
     import kiln
-    from kiln.capture.explain import recording
+    from kiln.capture.driver.explain import recording
 
     recompiles_before = len(kiln.counters.recompiles)
     saved_argv, saved_path = sys.argv, list(sys.path)
@@ -113,7 +113,7 @@ def format_explanation(
 ) -> str:
     """One section per compiled function, in the order they first compiled: its graphs, graph
     breaks (with source lines), frames run uncompiled, externs, recompiles and kernels."""
-    from kiln.capture.explain import report_of
+    from kiln.capture.driver.explain import report_of
 
     by_function: dict[str, list[tuple[str, Any]]] = defaultdict(list)
     for name, item in log:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from kiln.capture.frame import PY, Frame, handles
-from kiln.capture.iteration import SymbolicIterator
+from kiln.capture.core.frame import PY, Frame, handles
+from kiln.capture.core.iteration import SymbolicIterator
 
 
 class BackendFlags:
@@ -108,7 +108,7 @@ def truth(value: Any, frame: Frame | None = None) -> bool:
 # --- loops ------------------------------------------------------------------------------
 @handles("GET_ITER", "GET_YIELD_FROM_ITER")
 def get_iter(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.ops_data import make_iterator
+    from kiln.capture.handlers.data import make_iterator
 
     frame.push(make_iterator(frame, frame.pop()))
 
@@ -140,7 +140,7 @@ def end_for(frame: Frame, inst: dis.Instruction) -> None:
 # --- with -------------------------------------------------------------------------------
 @handles("BEFORE_WITH")
 def before_with(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.calls import call_function
+    from kiln.capture.calls.dispatch import call_function
 
     ctx = frame.pop()
     kind = type(ctx)
@@ -160,7 +160,7 @@ def before_with(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("WITH_EXCEPT_START")
 def with_except_start(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.calls import invoke
+    from kiln.capture.calls.dispatch import invoke
 
     error = frame.top()
     exit_method = frame.top(4)
@@ -224,7 +224,7 @@ def return_generator(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("YIELD_VALUE")
 def yield_value(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.breaks import BreakReason, GraphBreak
+    from kiln.capture.core.breaks import BreakReason, GraphBreak
 
     if frame.yielded is None:
         raise GraphBreak(BreakReason.UNSUPPORTED_BYTECODE, "yield outside an inlined generator")

@@ -6,10 +6,11 @@ The policy, in order:
    proxies send them through ``__torch_function__`` into the graph;
 2. ``nn.Module`` calls follow ``Module.__call__`` (forward pre-hooks, ``forward`` inlined,
    forward hooks);
-3. Python functions are inlined (a child :class:`~kiln.capture.frame.Frame`), except torch's own
-   functional code outside ``torch.nn.modules``, which only sees proxies and runs natively;
+3. Python functions are inlined (a child :class:`~kiln.capture.core.frame.Frame`), except
+   torch's own functional code outside ``torch.nn.modules``, which only sees proxies and runs
+   natively;
 4. builtins that take callbacks or iterate (``map``, ``sorted``, ``zip``, ``enumerate``...) are
-   modelled in ``kiln/capture/builtins.py``; pure builtins and methods of immutable values
+   modelled in ``kiln/capture/calls/builtins.py``; pure builtins and methods of immutable values
    run natively;
 5. classes: known value types are constructed natively (with a recipe to re-create them after
    the graph), other user classes get ``__new__`` natively and ``__init__`` inlined;
@@ -28,11 +29,11 @@ from typing import Any
 
 import torch
 
-from kiln.capture.autograd_function import apply_function, is_function_apply
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.frame import NULL, Frame
-from kiln.capture.iteration import SymbolicIterator, collect, items_of
-from kiln.capture.session import Recipe
+from kiln.capture.calls.autograd_function import apply_function, is_function_apply
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import NULL, Frame
+from kiln.capture.core.iteration import SymbolicIterator, collect, items_of
+from kiln.capture.core.session import Recipe
 from kiln.ops.translations import lookup
 
 CO_GENERATOR = inspect.CO_GENERATOR
@@ -128,7 +129,7 @@ _FUNCTORCH = os.path.join(os.path.dirname(torch.__file__), "_functorch", "")
 
 def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Call ``fn(*args, **kwargs)`` symbolically from ``frame``."""
-    from kiln.capture import builtins as models
+    from kiln.capture.calls import builtins as models
 
     if fn is NULL:
         raise TypeError("'NoneType' object is not callable")
@@ -165,7 +166,7 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
         name = getattr(fn, "original_name", type(fn).__name__)
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"TorchScript module {name}")
     if isinstance(fn, torch.nn.Module):
-        from kiln.capture.modules import call_module
+        from kiln.capture.calls.modules import call_module
 
         return call_module(frame, fn, args, kwargs)
     if isinstance(fn, type):
@@ -185,7 +186,7 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
     call = python_dunder(fn, "__call__")
     if call is not None:
         return inline(frame, call, (fn, *args), kwargs)
-    from kiln.capture.resume import Router
+    from kiln.capture.driver.resume import Router
 
     if isinstance(fn, Router):  # code Kiln routed (``route(f)(x)``): capture follows f itself
         return args[0]
@@ -256,7 +257,7 @@ def materialize(session: Any, value: Any) -> Any:
 
 
 def _dict_items_of(session: Any, mapping: dict[Any, Any]) -> dict[Any, Any]:
-    from kiln.capture.sources import Item
+    from kiln.capture.guards.sources import Item
 
     source = session.source_of(mapping)
     session.guard_contents(mapping)
@@ -317,7 +318,7 @@ def _container_method(
         if name in ("copy", "keys", "values", "items") and isinstance(result, list | dict):
             session.new(result)
         return result
-    from kiln.capture.sources import Item
+    from kiln.capture.guards.sources import Item
 
     if name == "get":
         key = args[0]
@@ -499,7 +500,7 @@ def _cached_call(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str,
     ``logger.warning_once``): without tensor arguments it runs natively, answering from its
     cache as eager's call would (a first call's side effect happens now, during the first
     call); with tensors the function itself is followed."""
-    from kiln.capture.builtins import _holds_tensors
+    from kiln.capture.calls.builtins import _holds_tensors
 
     if not any(_holds_tensors(value) for value in (*args, *kwargs.values())):
         return native(frame, fn, args, kwargs)
@@ -510,7 +511,7 @@ def _dereference(frame: Frame, ref: weakref.ReferenceType[Any]) -> Any:
     """``ref()``: the target, read through the reference's source (guarded, a graph input for
     a tensor), so code comparing it with the object it expects (``ref() is weight`` in
     ``nn.RNNBase``) sees the same traced value."""
-    from kiln.capture.sources import Called
+    from kiln.capture.guards.sources import Called
 
     session = frame.session
     target = ref()

@@ -2,7 +2,7 @@
 
 Operators run natively on the real values: on numbers they compute constants, on proxies they
 go through ``__torch_function__`` into the graph. Mutation of a container that existed before
-the call is journalled through the session first (see ``kiln/capture/session.py``).
+the call is journalled through the session first (see ``kiln/capture/core/session.py``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.frame import NULL, PY, UNBOUND, Frame, handles
-from kiln.capture.iteration import SymbolicIterator, items_of
-from kiln.capture.sources import Item
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import NULL, PY, UNBOUND, Frame, handles
+from kiln.capture.core.iteration import SymbolicIterator, items_of
+from kiln.capture.guards.sources import Item
 
 _BINARY = {
     "+": operator.add,
@@ -219,7 +219,7 @@ def compare_op(frame: Frame, inst: dis.Instruction) -> None:
     right = frame.pop()
     left = frame.pop()
     no_opaque(frame, "a comparison", left, right)
-    from kiln.capture.calls import materialize
+    from kiln.capture.calls.dispatch import materialize
 
     left, right = materialize(frame.session, left), materialize(frame.session, right)
     arg = inst.arg or 0
@@ -392,7 +392,7 @@ def unpack_ex(frame: Frame, inst: dis.Instruction) -> None:
 def _items(frame: Frame, value: Any) -> list[Any]:
     items = items_of(frame.session, value)
     if items is None:
-        from kiln.capture.calls import iterate
+        from kiln.capture.calls.dispatch import iterate
 
         items = iterate(frame, value)
     return items
@@ -416,7 +416,7 @@ def binary_slice(frame: Frame, inst: dis.Instruction) -> None:
 
 def subscript(frame: Frame, container: Any, key: Any) -> Any:
     """``container[key]``: sourced reads are wrapped; Python ``__getitem__`` is inlined."""
-    from kiln.capture.calls import call_function, python_dunder
+    from kiln.capture.calls.dispatch import call_function, python_dunder
 
     session = frame.session
     no_opaque(frame, "indexing", container, key)
@@ -426,14 +426,14 @@ def subscript(frame: Frame, container: Any, key: Any) -> Any:
         name, module = modules[key]  # IndexError as eager's
         if source is None:
             return module
-        from kiln.capture.sources import Attr
+        from kiln.capture.guards.sources import Attr
 
         return session.wrap(module, Item(Attr(source, "_modules"), name))
     if isinstance(container, torch.nn.ModuleDict) and isinstance(key, str):
         module = container._modules[key]
         if source is None:
             return module
-        from kiln.capture.sources import Attr
+        from kiln.capture.guards.sources import Attr
 
         return session.wrap(module, Item(Attr(source, "_modules"), key))
     method = python_dunder(container, "__getitem__")
@@ -472,7 +472,7 @@ def store_slice(frame: Frame, inst: dis.Instruction) -> None:
 
 
 def store_item(frame: Frame, container: Any, key: Any, value: Any) -> None:
-    from kiln.capture.calls import call_function, python_dunder
+    from kiln.capture.calls.dispatch import call_function, python_dunder
 
     method = python_dunder(container, "__setitem__")
     if method is not None and not isinstance(container, torch.Tensor):
@@ -495,7 +495,7 @@ def delete_subscr(frame: Frame, inst: dis.Instruction) -> None:
     key = frame.pop()
     container = frame.pop()
     if isinstance(container, list | dict | set):
-        from kiln.capture.calls import _wrap_contents
+        from kiln.capture.calls.dispatch import _wrap_contents
 
         frame.session.touch_container(container)
         if isinstance(container, list) and frame.session.source_of(container) is not None:
@@ -570,7 +570,7 @@ def make_iterator(frame: Frame, value: Any) -> Any:
         return value
     items = items_of(frame.session, value)
     if items is None:
-        from kiln.capture.calls import iterate
+        from kiln.capture.calls.dispatch import iterate
 
         items = iterate(frame, no_opaque(frame, "iteration", value))
     return frame.session.new(SymbolicIterator(items))
@@ -614,7 +614,7 @@ def copy_dict_without_keys(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("MATCH_CLASS")
 def match_class(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.ops_names import get_attribute
+    from kiln.capture.handlers.names import get_attribute
 
     names = frame.pop()
     cls = frame.pop()

@@ -11,7 +11,7 @@ broke) is rebuilt from the graph's outputs; then, depending on the instruction:
 * anything else: the original code resumes *at* the instruction, uncompiled.
 
 Resume functions are the original code with a prologue that rebuilds the stack (re-entering
-known context managers) and jumps to the offset (``kiln/capture/rewrite.py``); they are
+known context managers) and jumps to the offset (``kiln/capture/bytecode/rewrite.py``); they are
 created once per (code, offset, stack layout, live locals) and compiled like any function.
 """
 
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from kiln.capture.frame import NULL, PY, Frame
-from kiln.capture.higher_order import run_cond
-from kiln.capture.ops_flow import is_known_context
-from kiln.capture.reconstruct import Reconstructor
-from kiln.capture.rewrite import StackSlot, live_locals, resume_code
+from kiln.capture.bytecode.rewrite import StackSlot, live_locals, resume_code
+from kiln.capture.calls.higher_order import run_cond
+from kiln.capture.core.frame import NULL, PY, Frame
+from kiln.capture.driver.reconstruct import Reconstructor
+from kiln.capture.handlers.flow import is_known_context
 
 _RESUME_CODES: dict[tuple[Any, ...], types.CodeType] = {}
 _BASE_NAMES: dict[int, str] = {}  # id(resume code) -> name of the function it continues
@@ -367,7 +367,7 @@ class ResumeTarget:
 
 def _runs_natively(fn: types.FunctionType) -> bool:
     """Torch internals and the standard library are not worth compiling as separate frames."""
-    from kiln.capture.calls import _runs_natively as native
+    from kiln.capture.calls.dispatch import _runs_natively as native
 
     module = (fn.__module__ or "").split(".")[0]
     return native(fn) or module in sys.stdlib_module_names or module == "kiln"

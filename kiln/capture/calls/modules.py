@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.nn.modules import module as module_globals
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.frame import Frame
-from kiln.capture.guards import LengthIs
-from kiln.capture.sources import Attr
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import Frame
+from kiln.capture.guards.guards import LengthIs
+from kiln.capture.guards.sources import Attr
 
 _GLOBAL_HOOKS = (
     "_global_forward_pre_hooks",
@@ -31,8 +31,8 @@ _GLOBAL_HOOKS = (
 def call_module(
     frame: Frame, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    from kiln.capture.calls import call_function, inline
-    from kiln.capture.ops_names import get_attribute
+    from kiln.capture.calls.dispatch import call_function, inline
+    from kiln.capture.handlers.names import get_attribute
 
     call = type(module).__call__
     if call is not torch.nn.Module.__call__ and isinstance(call, types.FunctionType):

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.frame import NULL, PY, Frame, handles
-from kiln.capture.sources import Attr, Builtin, Closure, Constant, Global, Item, Source
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import NULL, PY, Frame, handles
+from kiln.capture.guards.sources import Attr, Builtin, Closure, Constant, Global, Item, Source
 from kiln.frontends.proxy import ProxyTensor
 
 # Library modules whose attributes are taken as fixed (not guarded on every read).
@@ -120,7 +120,7 @@ def _push_method(frame: Frame, value: Any) -> None:
 
 def get_attribute(frame: Frame, obj: Any, name: str) -> Any:
     """``obj.name`` during capture: guarded when ``obj`` has a source, properties inlined."""
-    from kiln.capture.calls import call_function
+    from kiln.capture.calls.dispatch import call_function
 
     session = frame.session
     if isinstance(obj, torch.Tensor):
@@ -137,7 +137,7 @@ def get_attribute(frame: Frame, obj: Any, name: str) -> Any:
         return value
     descriptor = _class_attribute(obj, name)
     if isinstance(descriptor, property) and isinstance(descriptor.fget, types.FunctionType):
-        from kiln.capture.calls import _runs_natively
+        from kiln.capture.calls.dispatch import _runs_natively
 
         if not _runs_natively(descriptor.fget):
             return call_function(frame, descriptor.fget, (obj,), {})
@@ -223,7 +223,7 @@ def set_attribute(frame: Frame, obj: Any, name: str, value: Any) -> None:
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"setting tensor attribute {name!r}")
     descriptor = _class_attribute(obj, name)
     if isinstance(descriptor, property) and isinstance(descriptor.fset, types.FunctionType):
-        from kiln.capture.calls import call_function
+        from kiln.capture.calls.dispatch import call_function
 
         call_function(frame, descriptor.fset, (obj, value), {})
         return

@@ -26,8 +26,8 @@ import torch
 from torch.autograd.function import _SingleLevelFunction
 from torch.utils import _pytree as pytree
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.frame import Frame
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import Frame
 from kiln.frontends.proxy import ProxyTensor
 from kiln.frontends.source import user_location
 from kiln.ir.builder import GraphBuilder, require_builder
@@ -84,7 +84,7 @@ def apply_function(
     frame: Frame, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``function.apply(*args)`` captured (see the module docstring)."""
-    from kiln.capture.calls import call_function
+    from kiln.capture.calls.dispatch import call_function
 
     name = function.__qualname__
     if kwargs:
@@ -133,7 +133,7 @@ def _trace_backward(
 ) -> tuple[CustomBackward, list[Value]]:
     """``function.backward`` as a graph, and the main graph's values it reads (its saved
     inputs); a GraphBreak when it cannot be replayed as a graph."""
-    from kiln.capture.calls import call_function
+    from kiln.capture.calls.dispatch import call_function
 
     name = function.__qualname__
     session = frame.session

@@ -22,11 +22,11 @@ import torch
 import torch.func
 import torch.utils.checkpoint as checkpointing
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.builtins import model
-from kiln.capture.frame import Frame
-from kiln.capture.iteration import items_of
-from kiln.capture.session import Recipe
+from kiln.capture.calls.builtins import model
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import Frame
+from kiln.capture.core.iteration import items_of
+from kiln.capture.core.session import Recipe
 from kiln.frontends.proxy import ProxyTensor
 from kiln.ir.builder import require_builder
 
@@ -63,7 +63,7 @@ def _checkpoint(
     early_stop: bool = True,
     **kwargs: Any,
 ) -> Any:
-    from kiln.capture.calls import call_function
+    from kiln.capture.calls.dispatch import call_function
 
     kwargs.pop("preserve_rng_state", None)  # recomputation replays the graph's own stream
     reentrant = True if use_reentrant is None else use_reentrant  # eager's default
@@ -83,7 +83,7 @@ def _checkpoint_sequential(
     use_reentrant: bool | None = None,
     **kwargs: Any,
 ) -> Any:
-    from kiln.capture.calls import call_function, iterate
+    from kiln.capture.calls.dispatch import call_function, iterate
 
     reentrant = True if use_reentrant is None else use_reentrant
     kwargs.pop("preserve_rng_state", None)
@@ -107,7 +107,7 @@ def _checkpoint_sequential(
 
 @model(torch.cond)
 def _cond(frame: Frame, pred: Any, true_fn: Any, false_fn: Any, operands: Any = ()) -> Any:
-    from kiln.capture.calls import call_function
+    from kiln.capture.calls.dispatch import call_function
 
     if isinstance(pred, ProxyTensor):
         raise GraphBreak(

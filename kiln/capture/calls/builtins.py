@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.frame import Frame
-from kiln.capture.iteration import SymbolicIterator
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import Frame
+from kiln.capture.core.iteration import SymbolicIterator
 
 Model = Callable[..., Any]
 MODELS: dict[Any, Model] = {}
@@ -37,13 +37,13 @@ def model(*fns: Any) -> Callable[[Model], Model]:
 
 
 def _items(frame: Frame, value: Any) -> list[Any]:
-    from kiln.capture.ops_data import _items
+    from kiln.capture.handlers.data import _items
 
     return _items(frame, value)
 
 
 def _call(frame: Frame, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    from kiln.capture.calls import call_function
+    from kiln.capture.calls.dispatch import call_function
 
     return call_function(frame, fn, args, kwargs)
 
@@ -77,8 +77,8 @@ MODELS[warnings.warn] = _io
 # --- backend flags ------------------------------------------------------------------------
 def _backend_flags(flags: Any) -> Model:
     def make(frame: Frame, *args: Any, **kwargs: Any) -> Any:
-        from kiln.capture.ops_flow import BackendFlags
-        from kiln.capture.session import Recipe
+        from kiln.capture.core.session import Recipe
+        from kiln.capture.handlers.flow import BackendFlags
 
         context = BackendFlags(flags, *args, **kwargs)
         return frame.session.new(context, Recipe(BackendFlags, (flags, *args), kwargs))
@@ -112,10 +112,10 @@ def _copy_of(frame: Frame, copier: Callable[[Any], Any], value: Any) -> Any:
     """``copy.copy``/``copy.deepcopy`` of a value without tensors (a model config): copied
     natively, re-created after the graph from its recipe; the original's state at the call
     is guarded, since what the copy says was read from it."""
-    from kiln.capture.calls import materialize
-    from kiln.capture.guards import Equals
-    from kiln.capture.session import Recipe, is_constant
-    from kiln.capture.sources import Attr
+    from kiln.capture.calls.dispatch import materialize
+    from kiln.capture.core.session import Recipe, is_constant
+    from kiln.capture.guards.guards import Equals
+    from kiln.capture.guards.sources import Attr
 
     session = frame.session
     if is_constant(value):
@@ -158,7 +158,7 @@ _MISSING = object()
 
 @model(builtins.getattr)
 def _getattr(frame: Frame, obj: Any, name: str, default: Any = _MISSING) -> Any:
-    from kiln.capture.ops_names import get_attribute
+    from kiln.capture.handlers.names import get_attribute
 
     try:
         return get_attribute(frame, obj, name)
@@ -171,7 +171,7 @@ def _getattr(frame: Frame, obj: Any, name: str, default: Any = _MISSING) -> Any:
 
 @model(builtins.hasattr)
 def _hasattr(frame: Frame, obj: Any, name: str) -> bool:
-    from kiln.capture.ops_names import get_attribute
+    from kiln.capture.handlers.names import get_attribute
 
     try:
         get_attribute(frame, obj, name)
@@ -183,7 +183,7 @@ def _hasattr(frame: Frame, obj: Any, name: str) -> bool:
 
 
 def _guard_hasattr(frame: Frame, obj: Any, name: str, *, present: bool) -> None:
-    from kiln.capture.guards import HasAttr
+    from kiln.capture.guards.guards import HasAttr
 
     source = frame.session.source_of(obj)
     if source is not None and not frame.session.is_new(obj):
@@ -192,7 +192,7 @@ def _guard_hasattr(frame: Frame, obj: Any, name: str, *, present: bool) -> None:
 
 @model(builtins.setattr)
 def _setattr(frame: Frame, obj: Any, name: str, value: Any) -> None:
-    from kiln.capture.ops_names import set_attribute
+    from kiln.capture.handlers.names import set_attribute
 
     set_attribute(frame, obj, name, value)
 
@@ -204,7 +204,7 @@ def _delattr(frame: Frame, obj: Any, name: str) -> None:
 
 @model(builtins.super)
 def _super(frame: Frame, *args: Any) -> Any:
-    from kiln.capture.ops_names import zero_arg_super
+    from kiln.capture.handlers.names import zero_arg_super
 
     return zero_arg_super(frame) if not args else super(*args)
 
@@ -232,14 +232,14 @@ def _proxy_type(frame: Frame, proxy: Any) -> type:
 def _iter(frame: Frame, value: Any, *sentinel: Any) -> Any:
     if sentinel:
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "iter(callable, sentinel)")
-    from kiln.capture.ops_data import make_iterator
+    from kiln.capture.handlers.data import make_iterator
 
     return make_iterator(frame, value)
 
 
 @model(builtins.next)
 def _next(frame: Frame, iterator: Any, *default: Any) -> Any:
-    from kiln.capture.calls import python_dunder
+    from kiln.capture.calls.dispatch import python_dunder
 
     step = python_dunder(iterator, "__next__")
     try:
@@ -310,7 +310,7 @@ def _frozenset(frame: Frame, *value: Any) -> Any:
 
 @model(builtins.dict)
 def _dict(frame: Frame, *value: Any, **kwargs: Any) -> Any:
-    from kiln.capture.ops_data import _dict_items
+    from kiln.capture.handlers.data import _dict_items
 
     result: dict[Any, Any] = {}
     if value:
@@ -373,7 +373,7 @@ def _all(frame: Frame, value: Any) -> bool:
 
 @model(builtins.len)
 def _len(frame: Frame, value: Any) -> int:
-    from kiln.capture.calls import python_dunder
+    from kiln.capture.calls.dispatch import python_dunder
 
     method = python_dunder(value, "__len__")
     if method is not None:
@@ -451,7 +451,7 @@ def _tensor_format(frame: Frame, tensor: Any, spec: str) -> Any:
 def _id(frame: Frame, value: Any) -> int:
     """``id()`` of an object that exists before the call, pinned by an identity guard; ids of
     objects the call creates differ on every call, so they cannot be baked into a graph."""
-    from kiln.capture.guards import Identity
+    from kiln.capture.guards.guards import Identity
     from kiln.frontends.proxy import ProxyTensor
 
     session = frame.session
