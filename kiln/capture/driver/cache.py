@@ -28,9 +28,11 @@ from typing import Any, Protocol
 import torch
 
 from kiln.capture.bytecode.rewrite import route_calls
+from kiln.capture.calls.routing import Router
+from kiln.capture.core import frame
 from kiln.capture.core.breaks import BreakRecord, FullGraphError, SkipReason
+from kiln.capture.driver import resume
 from kiln.capture.driver.convert import Capture, Skip, capture_frame, param_names
-from kiln.capture.driver.resume import Router
 from kiln.capture.guards import native_guards
 from kiln.capture.guards.guards import compile_guards, wants_native
 from kiln.capture.guards.sources import safe_name
@@ -119,9 +121,6 @@ def reset() -> None:
             cache.routed = None
         _WRAPPERS.clear()
         counters.reset()
-        from kiln.capture.core import frame
-        from kiln.capture.driver import resume
-
         frame._INSTRUCTIONS.clear()
         resume._RESUME_CODES.clear()
 
