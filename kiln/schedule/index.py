@@ -63,7 +63,6 @@ class Indirect:
     serial: int = field(default_factory=lambda: next(_SERIALS), compare=False, repr=False)
 
 
-
 Atom = Var | FloorDiv | Mod | Indirect
 
 
