@@ -1,6 +1,6 @@
 """What a compiled module's guard function costs, and where: a ResNet-50-shaped model (no
 torchvision needed; batch 1, 64x64, CPU), its guard timed alone with the tensors checked in
-Python and by the native extension (``kiln/capture/native_guards.py``, built first when it is
+Python and by the native extension (``kiln/capture/guards/native_guards.py``, built first when it is
 not cached), then with only its access paths (the prelude), and without its tensor checks.
 
     python benchmarks/guard_cost.py
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.capture import native_guards
-from kiln.capture.guards import compile_guards
+from kiln.capture.guards import native_guards
+from kiln.capture.guards.guards import compile_guards
 
 
 class Bottleneck(nn.Module):

@@ -1,7 +1,7 @@
 """The public entry points: ``kiln.compile``, ``kiln.explain``, ``kiln.reset``.
 
 ``compile`` wraps a function (or a module's call) in a guarded, cached dispatcher
-(``kiln/capture/cache.py``); the first call with new inputs captures the frame's bytecode
+(``kiln/capture/driver/cache.py``); the first call with new inputs captures the frame's bytecode
 into graphs (``kiln/capture``), which the chosen backend compiles.
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from kiln.backends import get_backend
-from kiln.capture.breaks import BreakReason, SkipReason
-from kiln.capture.builtins import graph_break
-from kiln.capture.cache import compiled_function, counters, reset
-from kiln.capture.explain import ExplainReport
-from kiln.capture.explain import explain as _explain
+from kiln.capture.calls.builtins import graph_break
+from kiln.capture.core.breaks import BreakReason, SkipReason
+from kiln.capture.driver.cache import compiled_function, counters, reset
+from kiln.capture.driver.explain import ExplainReport
+from kiln.capture.driver.explain import explain as _explain
 from kiln.options import Options
 from kiln.pipeline import Pipeline
 from kiln.runtime.triton_build import start_workers

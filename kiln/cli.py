@@ -68,7 +68,7 @@ def explain_script(script: str, script_args: list[str], verbose: bool = False) -
     if not path.is_file():
         raise UsageError(f"no such script: {script}")
     import kiln
-    from kiln.capture.explain import recording
+    from kiln.capture.driver.explain import recording
 
     recompiles_before = len(kiln.counters.recompiles)
     saved_argv, saved_path = sys.argv, list(sys.path)
@@ -105,8 +105,8 @@ def format_explanation(
     """One section per compiled function, in the order they first compiled: its graphs, graph
     breaks (with source lines), frames run uncompiled, externs, recompiles; then the kernels
     of every compiled program (the ``kiln.recording`` events of a run)."""
-    from kiln.capture.cache import Captured
-    from kiln.capture.explain import report_of
+    from kiln.capture.driver.cache import Captured
+    from kiln.capture.driver.explain import report_of
 
     by_function: dict[str, list[Any]] = defaultdict(list)
     for event in events:

@@ -37,7 +37,7 @@ from kiln.bench.compare import (
 )
 from kiln.bench.models import MODELS, primary_output, training_loss
 from kiln.bench.timing import PeakMemory, median_seconds, timed
-from kiln.capture import native_guards
+from kiln.capture.guards import native_guards
 
 PHASE = "kiln-bench-phase "
 RESULT = "kiln-bench-result "

@@ -6,18 +6,16 @@ over the arguments, and a head function that runs the captured graph, replays si
 and rebuilds the frame's result, or, at a graph break, performs the unsupported step natively
 and continues in a resume function that is compiled in its turn.
 
-Stages, one module each: ``frame`` (the symbolic interpreter loop) with ``ops_*`` (one handler
-per opcode), ``calls``/``builtins``/``modules`` (what a call does), ``session`` (graph, guards,
-sources, side effects of one capture), ``sources``/``guards``, ``reconstruct`` and ``resume``
-(generated code), ``convert`` (one capture end to end), ``cache`` (compiled wrappers and the
-per-code cache), ``explain``. The bytecode toolkit (``bytecode``, ``assembler``, ``rewrite``)
-builds resume functions.
-"""
+Subpackages, bottom to top (each imports only those below it):
 
-from kiln.capture import (  # noqa: F401  (register the opcode handlers and call models)
-    higher_order,
-    ops_calls,
-    ops_data,
-    ops_flow,
-    ops_names,
-)
+* ``bytecode``: decode, assemble and rewrite code objects (resume functions);
+* ``guards``: sources of values read from outside the frame, and the guards on them;
+* ``core``: the symbolic frame, the session of one capture, graph breaks, iteration;
+* ``calls``: what a call does (inline, native, models of builtins, modules, Functions);
+* ``handlers``: one handler per opcode, registered in ``core.frame.HANDLERS``;
+* ``driver``: one capture end to end (``convert``), generated code (``reconstruct``,
+  ``resume``), the per-code cache (``cache``) and ``explain``.
+
+
+This module imports nothing, so importing one layer never drags in the ones above it.
+"""

@@ -13,7 +13,7 @@ from tiny_models import SmallResNet, tiny_bert_config, tiny_gpt2_config
 
 import kiln
 from kiln.autodiff.runtime import TrainingGraph
-from kiln.capture.convert import GraphRunner
+from kiln.capture.driver.convert import GraphRunner
 
 
 def _training_graph(compiled: Any) -> TrainingGraph:

@@ -29,16 +29,16 @@ PY = sys.version_info[:2]
 
 
 def load_capture_modules() -> tuple[Any, Any, Any]:
-    """kiln.capture.{bytecode, assembler, rewrite}: imported normally where kiln can be (the
-    CI interpreter, with torch), else from their files under stand-in ``kiln`` and
+    """kiln.capture.bytecode.{decode, assembler, rewrite}: imported normally where kiln can be
+    (the CI interpreter, with torch), else from their files under stand-in ``kiln`` and
     ``kiln.capture`` packages, whose real ``__init__`` modules need torch."""
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("kiln") is None:
         for name, folder in (("kiln", "kiln"), ("kiln.capture", "kiln/capture")):
             package = types.ModuleType(name)
             package.__path__ = [str(ROOT / folder)]
             sys.modules[name] = package
-    names = ("bytecode", "assembler", "rewrite")
-    return tuple(importlib.import_module(f"kiln.capture.{n}") for n in names)  # type: ignore[return-value]
+    names = ("decode", "assembler", "rewrite")
+    return tuple(importlib.import_module(f"kiln.capture.bytecode.{n}") for n in names)  # type: ignore[return-value]
 
 
 bytecode, assembler, rewrite = load_capture_modules()

@@ -10,7 +10,7 @@ import torch
 
 import kiln
 from kiln.backends.registry import _BACKENDS, register_backend
-from kiln.capture.breaks import FullGraphError
+from kiln.capture.core.breaks import FullGraphError
 from kiln.ir.graph import Graph
 
 
@@ -129,7 +129,7 @@ def test_options_are_checked() -> None:
 def test_internal_capture_error_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in capture must never give a wrong result: the frame runs uncompiled, with a
     warning, or the error is raised under strict."""
-    from kiln.capture import frame
+    from kiln.capture.core import frame
 
     def broken(frame_: object, inst: object) -> None:
         raise AttributeError("simulated capture bug")

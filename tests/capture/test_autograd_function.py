@@ -1,7 +1,7 @@
 """Custom ``torch.autograd.Function``s in compiled code: each gets exactly its own gradient.
 
 Capture traces ``forward`` without gradients and ``backward`` into a graph of its own; the
-outputs pass through a marker whose VJP is that backward (kiln/capture/autograd_function.py).
+outputs pass through a marker whose VJP is that backward (kiln/capture/calls/autograd_function.py).
 A backward the graph cannot replay (I/O, data-dependent code) breaks the graph at the
 ``apply`` call, which then runs in eager autograd. Every test compares every parameter's and
 input's gradient with eager over calls with new values and shapes, and the counters.

@@ -21,7 +21,7 @@ from harness import case, check, line_of, rand, run_case
 from torch import nn
 
 import kiln
-from kiln.capture.breaks import FullGraphError
+from kiln.capture.core.breaks import FullGraphError
 
 IO = kiln.BreakReason.IO
 DATA = kiln.BreakReason.DATA_DEPENDENT

@@ -19,7 +19,7 @@ from torch import nn
 
 import kiln
 from kiln.autodiff.runtime import TrainingGraph
-from kiln.capture.convert import GraphRunner
+from kiln.capture.driver.convert import GraphRunner
 
 
 class Block(nn.Module):

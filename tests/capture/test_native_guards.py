@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.capture import guards as guard_module
-from kiln.capture import native_guards
-from kiln.capture.guards import NativeTensorCheck, TensorMatch, compile_guards
-from kiln.capture.sources import Local
+from kiln.capture.guards import guards as guard_module
+from kiln.capture.guards import native_guards
+from kiln.capture.guards.guards import NativeTensorCheck, TensorMatch, compile_guards
+from kiln.capture.guards.sources import Local
 
 COUNT = native_guards.NATIVE_MIN_TENSORS + 4
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-from kiln.capture.assembler import assemble, stack_depths, stack_effect
-from kiln.capture.bytecode import (
+from kiln.capture.bytecode.assembler import assemble, stack_depths, stack_effect
+from kiln.capture.bytecode.decode import (
     LOCAL_OPNAMES,
     PACKED_LOCAL_OPNAMES,
     PY_VERSION,

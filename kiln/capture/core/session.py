@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kiln.capture.guards import (
+from kiln.capture.guards.guards import (
     Aliasing,
     Equals,
     GlobalState,
@@ -36,7 +36,7 @@ from kiln.capture.guards import (
     global_state,
     storages_separate,
 )
-from kiln.capture.sources import Attr, Source
+from kiln.capture.guards.sources import Attr, Source
 from kiln.frontends.proxy import ProxyTensor
 from kiln.frontends.source import user_location
 from kiln.ir.builder import GraphBuilder

@@ -22,11 +22,13 @@ import torch
 import torch.func
 import torch.utils.checkpoint as checkpointing
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.builtins import model
-from kiln.capture.frame import Frame
-from kiln.capture.iteration import items_of
-from kiln.capture.session import Recipe
+from kiln.capture.calls.dispatch import call_function
+from kiln.capture.calls.iterate import iterate
+from kiln.capture.calls.registry import model
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import Frame
+from kiln.capture.core.iteration import items_of
+from kiln.capture.core.session import Recipe
 from kiln.frontends.proxy import ProxyTensor
 from kiln.ir.builder import require_builder
 
@@ -63,8 +65,6 @@ def _checkpoint(
     early_stop: bool = True,
     **kwargs: Any,
 ) -> Any:
-    from kiln.capture.calls import call_function
-
     kwargs.pop("preserve_rng_state", None)  # recomputation replays the graph's own stream
     reentrant = True if use_reentrant is None else use_reentrant  # eager's default
     if reentrant and kwargs:
@@ -83,8 +83,6 @@ def _checkpoint_sequential(
     use_reentrant: bool | None = None,
     **kwargs: Any,
 ) -> Any:
-    from kiln.capture.calls import call_function, iterate
-
     reentrant = True if use_reentrant is None else use_reentrant
     kwargs.pop("preserve_rng_state", None)
     if kwargs:
@@ -107,20 +105,12 @@ def _checkpoint_sequential(
 
 @model(torch.cond)
 def _cond(frame: Frame, pred: Any, true_fn: Any, false_fn: Any, operands: Any = ()) -> Any:
-    from kiln.capture.calls import call_function
-
     if isinstance(pred, ProxyTensor):
         raise GraphBreak(
             BreakReason.DATA_DEPENDENT, "torch.cond on a tensor: the chosen branch runs compiled"
         )
     branch = true_fn if pred else false_fn
     return call_function(frame, branch, tuple(operands), {})
-
-
-def run_cond(route: Any, pred: Any, true_fn: Any, false_fn: Any, operands: Any = ()) -> Any:
-    """``torch.cond`` performed by a head at a break: the selected branch, compiled."""
-    branch = true_fn if bool(pred) else false_fn
-    return route(branch)(*operands)
 
 
 def _transform(transform: Any) -> Any:

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from kiln.capture.session import Session
-from kiln.capture.sources import Attr, Item
+from kiln.capture.core.session import Session
+from kiln.capture.guards.sources import Attr, Item
 
 # At most this many items are materialized from an iterator of unknown length.
 MAX_ITEMS = 100_000

@@ -9,47 +9,14 @@ stops inside the block.
 
 from __future__ import annotations
 
-import contextlib
 import dis
 from typing import Any
 
-import torch
-
-from kiln.capture.frame import PY, Frame, handles
-from kiln.capture.iteration import SymbolicIterator
-
-
-class BackendFlags:
-    """``torch.backends.cudnn.flags(...)`` as capture sees it: the same switch of backend
-    flags, but a context manager that can be entered again (the generator-based original
-    cannot), so a head and a resume function can re-enter it around a graph break."""
-
-    def __init__(self, flags: Any, *args: Any, **kwargs: Any) -> None:
-        self.flags, self.args, self.kwargs = flags, args, kwargs
-        self._active: list[Any] = []
-
-    def __enter__(self) -> Any:
-        self._active.append(self.flags(*self.args, **self.kwargs))
-        return self._active[-1].__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self._active.pop().__exit__(*exc)
-
-
-# Context managers capture enters natively: they only switch torch's global state.
-KNOWN_CONTEXTS: tuple[type, ...] = (
-    BackendFlags,
-    torch.no_grad,
-    torch.enable_grad,
-    torch.set_grad_enabled,
-    torch.inference_mode,
-    torch.autocast,
-    contextlib.nullcontext,
-)
-
-
-def is_known_context(ctx: Any) -> bool:
-    return isinstance(ctx, KNOWN_CONTEXTS)
+from kiln.capture.calls.dispatch import call_function, invoke
+from kiln.capture.calls.iterate import make_iterator
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.contexts import is_known_context
+from kiln.capture.core.frame import PY, Frame, handles
 
 
 # --- jumps ------------------------------------------------------------------------------
@@ -108,8 +75,6 @@ def truth(value: Any, frame: Frame | None = None) -> bool:
 # --- loops ------------------------------------------------------------------------------
 @handles("GET_ITER", "GET_YIELD_FROM_ITER")
 def get_iter(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.ops_data import make_iterator
-
     frame.push(make_iterator(frame, frame.pop()))
 
 
@@ -140,8 +105,6 @@ def end_for(frame: Frame, inst: dis.Instruction) -> None:
 # --- with -------------------------------------------------------------------------------
 @handles("BEFORE_WITH")
 def before_with(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.calls import call_function
-
     ctx = frame.pop()
     kind = type(ctx)
     if not hasattr(kind, "__enter__") or not hasattr(kind, "__exit__"):
@@ -160,8 +123,6 @@ def before_with(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("WITH_EXCEPT_START")
 def with_except_start(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.calls import invoke
-
     error = frame.top()
     exit_method = frame.top(4)
     result = invoke(frame, exit_method, (type(error), error, error.__traceback__), {})
@@ -224,8 +185,6 @@ def return_generator(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("YIELD_VALUE")
 def yield_value(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.breaks import BreakReason, GraphBreak
-
     if frame.yielded is None:
         raise GraphBreak(BreakReason.UNSUPPORTED_BYTECODE, "yield outside an inlined generator")
     frame.yielded.append(frame.pop())
@@ -255,6 +214,3 @@ def end_send(frame: Frame, inst: dis.Instruction) -> None:
 @handles("CLEANUP_THROW")
 def cleanup_throw(frame: Frame, inst: dis.Instruction) -> None:
     raise frame.pop()
-
-
-__all__ = ["KNOWN_CONTEXTS", "SymbolicIterator", "is_known_context"]

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from kiln.capture.guards import Identity
-from kiln.capture.iteration import SymbolicIterator
-from kiln.capture.session import ABSENT, EffectKind, Session, is_constant
-from kiln.capture.sources import Binder, Source
+from kiln.capture.core.iteration import SymbolicIterator
+from kiln.capture.core.session import ABSENT, EffectKind, Session, is_constant
+from kiln.capture.guards.guards import Identity
+from kiln.capture.guards.sources import Binder, Source
 from kiln.frontends.proxy import ProxyTensor
 from kiln.ir.graph import Value
 

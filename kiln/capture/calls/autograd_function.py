@@ -26,8 +26,9 @@ import torch
 from torch.autograd.function import _SingleLevelFunction
 from torch.utils import _pytree as pytree
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.frame import Frame
+from kiln.capture.calls import registry
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import Frame
 from kiln.frontends.proxy import ProxyTensor
 from kiln.frontends.source import user_location
 from kiln.ir.builder import GraphBuilder, require_builder
@@ -84,8 +85,6 @@ def apply_function(
     frame: Frame, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``function.apply(*args)`` captured (see the module docstring)."""
-    from kiln.capture.calls import call_function
-
     name = function.__qualname__
     if kwargs:
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{name}.apply with keyword arguments")
@@ -94,10 +93,10 @@ def apply_function(
     ctx = frame.session.new(FunctionContext(needs))
     with torch.no_grad():
         if function.setup_context is not _SingleLevelFunction.setup_context:
-            output = call_function(frame, function.forward, args, {})
-            call_function(frame, function.setup_context, (ctx, args, output), {})
+            output = registry.call_function(frame, function.forward, args, {})
+            registry.call_function(frame, function.setup_context, (ctx, args, output), {})
         else:
-            output = call_function(frame, function.forward, (ctx, *args), {})
+            output = registry.call_function(frame, function.forward, (ctx, *args), {})
     if not any(needs):
         return output
     leaves, structure = pytree.tree_flatten(output)
@@ -133,8 +132,6 @@ def _trace_backward(
 ) -> tuple[CustomBackward, list[Value]]:
     """``function.backward`` as a graph, and the main graph's values it reads (its saved
     inputs); a GraphBreak when it cannot be replayed as a graph."""
-    from kiln.capture.calls import call_function
-
     name = function.__qualname__
     session = frame.session
     graph = Graph(name=f"{function.__name__}_backward")
@@ -149,7 +146,7 @@ def _trace_backward(
     try:
         with GraphBuilder(graph), torch.no_grad():
             grads = [ProxyTensor(c) for c in cotangents]
-            result = call_function(frame, backward, (ctx, *grads), {})
+            result = registry.call_function(frame, backward, (ctx, *grads), {})
             results = _gradients(name, result, args, tensors, graph)
     except GraphBreak as error:
         raise GraphBreak(error.reason, f"backward of {name}: {error.detail}") from error

@@ -14,10 +14,13 @@ from typing import Any
 import torch
 from torch.nn.modules import module as module_globals
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.frame import Frame
-from kiln.capture.guards import LengthIs
-from kiln.capture.sources import Attr
+from kiln.capture.calls import registry
+from kiln.capture.calls.attributes import get_attribute
+from kiln.capture.calls.inline import inline
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import Frame
+from kiln.capture.guards.guards import LengthIs
+from kiln.capture.guards.sources import Attr
 
 _GLOBAL_HOOKS = (
     "_global_forward_pre_hooks",
@@ -31,9 +34,6 @@ _GLOBAL_HOOKS = (
 def call_module(
     frame: Frame, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    from kiln.capture.calls import call_function, inline
-    from kiln.capture.ops_names import get_attribute
-
     call = type(module).__call__
     if call is not torch.nn.Module.__call__ and isinstance(call, types.FunctionType):
         return inline(frame, call, (module, *args), kwargs)
@@ -45,20 +45,20 @@ def call_module(
     _guard_hooks(frame, module)
     for key, hook in list(module._forward_pre_hooks.items()):
         if key in module._forward_pre_hooks_with_kwargs:
-            result = call_function(frame, hook, (module, args, kwargs), {})
+            result = registry.call_function(frame, hook, (module, args, kwargs), {})
             if result is not None:
                 args, kwargs = result
         else:
-            result = call_function(frame, hook, (module, args), {})
+            result = registry.call_function(frame, hook, (module, args), {})
             if result is not None:
                 args = result if isinstance(result, tuple) else (result,)
     forward = get_attribute(frame, module, "forward")
-    output = call_function(frame, forward, args, kwargs)
+    output = registry.call_function(frame, forward, args, kwargs)
     for key, hook in list(module._forward_hooks.items()):
         if key in module._forward_hooks_with_kwargs:
-            result = call_function(frame, hook, (module, args, kwargs, output), {})
+            result = registry.call_function(frame, hook, (module, args, kwargs, output), {})
         else:
-            result = call_function(frame, hook, (module, args, output), {})
+            result = registry.call_function(frame, hook, (module, args, output), {})
         if result is not None:
             output = result
     return output

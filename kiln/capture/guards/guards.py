@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from kiln.capture import native_guards
-from kiln.capture.sources import Binder, Source
+from kiln.capture.guards import native_guards
+from kiln.capture.guards.sources import Binder, Source
 from kiln.ir.types import CPU
 
 

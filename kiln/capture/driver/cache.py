@@ -11,7 +11,7 @@ runs the head of the first whose guard function passes::
                 return ___e.head(___f, self, x, mask)
         return ___miss(self, x, mask)
 
-A miss captures the frame (``kiln/capture/convert.py``). Past the recompile limit for one code
+A miss captures the frame (``driver/convert.py``). Past the recompile limit for one code
 object (counted per module instance for methods), or when capture cannot handle the frame,
 the code runs as its original function, with the reason logged and kept for ``explain``.
 """
@@ -27,13 +27,15 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from kiln.capture import native_guards
-from kiln.capture.breaks import BreakRecord, FullGraphError, SkipReason
-from kiln.capture.convert import Capture, Skip, capture_frame, param_names
-from kiln.capture.guards import compile_guards, wants_native
-from kiln.capture.resume import Router
-from kiln.capture.rewrite import route_calls
-from kiln.capture.sources import safe_name
+from kiln.capture.bytecode.rewrite import route_calls
+from kiln.capture.calls.routing import Router
+from kiln.capture.core import frame
+from kiln.capture.core.breaks import BreakRecord, FullGraphError, SkipReason
+from kiln.capture.driver import resume
+from kiln.capture.driver.convert import Capture, Skip, capture_frame, param_names
+from kiln.capture.guards import native_guards
+from kiln.capture.guards.guards import compile_guards, wants_native
+from kiln.capture.guards.sources import safe_name
 from kiln.config import logger
 from kiln.ir.graph import Graph
 from kiln.options import Options
@@ -126,8 +128,6 @@ def reset() -> None:
             cache.routed = None
         _WRAPPERS.clear()
         counters.reset()
-        from kiln.capture import frame, resume
-
         frame._INSTRUCTIONS.clear()
         resume._RESUME_CODES.clear()
 

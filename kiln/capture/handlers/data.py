@@ -2,7 +2,7 @@
 
 Operators run natively on the real values: on numbers they compute constants, on proxies they
 go through ``__torch_function__`` into the graph. Mutation of a container that existed before
-the call is journalled through the session first (see ``kiln/capture/session.py``).
+the call is journalled through the session first (see ``kiln/capture/core/session.py``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,20 @@ from typing import Any
 
 import torch
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.frame import NULL, PY, UNBOUND, Frame, handles
-from kiln.capture.iteration import SymbolicIterator, items_of
-from kiln.capture.sources import Item
+from kiln.capture.calls.attributes import get_attribute
+from kiln.capture.calls.dispatch import call_function
+from kiln.capture.calls.iterate import dict_items, item_list
+from kiln.capture.calls.native import (
+    materialize,
+    no_opaque,
+    no_tensor,
+    python_dunder,
+    wrap_contents,
+)
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.frame import NULL, PY, UNBOUND, Frame, handles
+from kiln.capture.core.iteration import items_of
+from kiln.capture.guards.sources import Attr, Item
 
 _BINARY = {
     "+": operator.add,
@@ -219,8 +229,6 @@ def compare_op(frame: Frame, inst: dis.Instruction) -> None:
     right = frame.pop()
     left = frame.pop()
     no_opaque(frame, "a comparison", left, right)
-    from kiln.capture.calls import materialize
-
     left, right = materialize(frame.session, left), materialize(frame.session, right)
     arg = inst.arg or 0
     shift = {(3, 11): 0, (3, 12): 4}.get(PY, 5)
@@ -247,7 +255,7 @@ def contains_op(frame: Frame, inst: dis.Instruction) -> None:
     if isinstance(container, list | tuple | dict):
         frame.session.guard_contents(container)
         if not isinstance(container, dict):
-            container = _items(frame, container)  # guards each item the test compares
+            container = item_list(frame, container)  # guards each item the test compares
     result = item in container
     frame.push((not result) if inst.arg else result)
 
@@ -345,17 +353,7 @@ def dict_update(frame: Frame, inst: dis.Instruction) -> None:
         duplicate = set(target) & set(mapping.keys())
         if duplicate:
             raise TypeError(f"got multiple values for keyword argument '{duplicate.pop()}'")
-    target.update(_dict_items(frame, mapping))
-
-
-def _dict_items(frame: Frame, mapping: Any) -> dict[Any, Any]:
-    """A dict's items, each value read through its ``Item`` source when it has one."""
-    session = frame.session
-    source = session.source_of(mapping)
-    if source is None or session.is_new(mapping):
-        return dict(mapping)
-    session.guard_contents(mapping)
-    return {key: session.wrap(mapping[key], Item(source, key)) for key in mapping}
+    target.update(dict_items(frame, mapping))
 
 
 @handles("LIST_TO_TUPLE")
@@ -366,7 +364,7 @@ def list_to_tuple(frame: Frame, inst: dis.Instruction) -> None:
 @handles("UNPACK_SEQUENCE")
 def unpack_sequence(frame: Frame, inst: dis.Instruction) -> None:
     value = frame.pop()
-    items = _items(frame, value)
+    items = item_list(frame, value)
     count = inst.arg or 0
     if len(items) != count:
         if len(items) > count:
@@ -378,7 +376,7 @@ def unpack_sequence(frame: Frame, inst: dis.Instruction) -> None:
 @handles("UNPACK_EX")
 def unpack_ex(frame: Frame, inst: dis.Instruction) -> None:
     value = frame.pop()
-    items = _items(frame, value)
+    items = item_list(frame, value)
     before, after = (inst.arg or 0) & 0xFF, (inst.arg or 0) >> 8
     if len(items) < before + after:
         raise ValueError(
@@ -387,15 +385,6 @@ def unpack_ex(frame: Frame, inst: dis.Instruction) -> None:
     middle = frame.session.new(items[before : len(items) - after])
     parts = [*items[:before], middle, *items[len(items) - after :]]
     frame.stack.extend(reversed(parts))
-
-
-def _items(frame: Frame, value: Any) -> list[Any]:
-    items = items_of(frame.session, value)
-    if items is None:
-        from kiln.capture.calls import iterate
-
-        items = iterate(frame, value)
-    return items
 
 
 # --- subscripts -------------------------------------------------------------------------
@@ -416,8 +405,6 @@ def binary_slice(frame: Frame, inst: dis.Instruction) -> None:
 
 def subscript(frame: Frame, container: Any, key: Any) -> Any:
     """``container[key]``: sourced reads are wrapped; Python ``__getitem__`` is inlined."""
-    from kiln.capture.calls import call_function, python_dunder
-
     session = frame.session
     no_opaque(frame, "indexing", container, key)
     source = session.source_of(container)
@@ -426,15 +413,11 @@ def subscript(frame: Frame, container: Any, key: Any) -> Any:
         name, module = modules[key]  # IndexError as eager's
         if source is None:
             return module
-        from kiln.capture.sources import Attr
-
         return session.wrap(module, Item(Attr(source, "_modules"), name))
     if isinstance(container, torch.nn.ModuleDict) and isinstance(key, str):
         module = container._modules[key]
         if source is None:
             return module
-        from kiln.capture.sources import Attr
-
         return session.wrap(module, Item(Attr(source, "_modules"), key))
     method = python_dunder(container, "__getitem__")
     if method is not None and not isinstance(container, torch.Tensor):
@@ -472,8 +455,6 @@ def store_slice(frame: Frame, inst: dis.Instruction) -> None:
 
 
 def store_item(frame: Frame, container: Any, key: Any, value: Any) -> None:
-    from kiln.capture.calls import call_function, python_dunder
-
     method = python_dunder(container, "__setitem__")
     if method is not None and not isinstance(container, torch.Tensor):
         call_function(frame, method, (container, key, value), {})
@@ -495,30 +476,13 @@ def delete_subscr(frame: Frame, inst: dis.Instruction) -> None:
     key = frame.pop()
     container = frame.pop()
     if isinstance(container, list | dict | set):
-        from kiln.capture.calls import _wrap_contents
-
         frame.session.touch_container(container)
         if isinstance(container, list) and frame.session.source_of(container) is not None:
-            _wrap_contents(frame.session, container)
+            wrap_contents(frame.session, container)
     del container[key]
 
 
 # --- strings ----------------------------------------------------------------------------
-def no_opaque(frame: Frame, what: str, *values: Any) -> Any:
-    """Break before capture computes on an object it cannot follow (``session.opaque``):
-    the head performs the step natively on each call. Returns the (last) value."""
-    for value in values:
-        if frame.session.opaque(value):
-            raise GraphBreak(
-                BreakReason.UNSUPPORTED_CALL,
-                f"{what} on a {type(value).__name__} read from outside the frame",
-            )
-    return values[-1] if values else None
-
-
-def no_tensor(value: Any, what: str) -> None:
-    if isinstance(value, torch.Tensor):
-        raise GraphBreak(BreakReason.DATA_DEPENDENT, f"{what} of a tensor needs its values")
 
 
 _CONVERSIONS = {0: None, 1: str, 2: repr, 3: ascii}
@@ -564,18 +528,6 @@ def get_len(frame: Frame, inst: dis.Instruction) -> None:
     frame.push(len(no_opaque(frame, "len()", frame.top())))
 
 
-def make_iterator(frame: Frame, value: Any) -> Any:
-    """``iter(value)`` for capture: materialized items where the capture can list them."""
-    if isinstance(value, SymbolicIterator):
-        return value
-    items = items_of(frame.session, value)
-    if items is None:
-        from kiln.capture.calls import iterate
-
-        items = iterate(frame, no_opaque(frame, "iteration", value))
-    return frame.session.new(SymbolicIterator(items))
-
-
 # --- match statements -------------------------------------------------------------------
 _SELF_MATCHING = (bool, bytearray, bytes, dict, float, frozenset, int, list, set, str, tuple)
 
@@ -614,8 +566,6 @@ def copy_dict_without_keys(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("MATCH_CLASS")
 def match_class(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.ops_names import get_attribute
-
     names = frame.pop()
     cls = frame.pop()
     subject = frame.pop()

@@ -11,26 +11,22 @@ broke) is rebuilt from the graph's outputs; then, depending on the instruction:
 * anything else: the original code resumes *at* the instruction, uncompiled.
 
 Resume functions are the original code with a prologue that rebuilds the stack (re-entering
-known context managers) and jumps to the offset (``kiln/capture/rewrite.py``); they are
+known context managers) and jumps to the offset (``kiln/capture/bytecode/rewrite.py``); they are
 created once per (code, offset, stack layout, live locals) and compiled like any function.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
-import sys
 import types
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from kiln.capture.frame import NULL, PY, Frame
-from kiln.capture.higher_order import run_cond
-from kiln.capture.ops_flow import is_known_context
-from kiln.capture.reconstruct import Reconstructor
-from kiln.capture.rewrite import StackSlot, live_locals, resume_code
+from kiln.capture.bytecode.rewrite import StackSlot, live_locals, resume_code
+from kiln.capture.calls.routing import Router
+from kiln.capture.core.contexts import is_known_context
+from kiln.capture.core.frame import NULL, PY, Frame
+from kiln.capture.driver.reconstruct import Reconstructor
 
 _RESUME_CODES: dict[tuple[Any, ...], types.CodeType] = {}
 _BASE_NAMES: dict[int, str] = {}  # id(resume code) -> name of the function it continues
@@ -317,32 +313,6 @@ def _line_at(frame: Frame, offset: int) -> int:
     return frame.code.co_firstlineno
 
 
-class Router:
-    """The callable a compiled frame calls in place of each callee: Python functions, methods
-    and plain modules go through their compiled wrappers made with the capture's own options
-    (backend, fullgraph, limits), so nested frames are compiled as the caller asked."""
-
-    def __init__(self, compiled_function: Callable[[types.FunctionType], Any]) -> None:
-        self.compiled_function = compiled_function
-
-    def __call__(self, callee: Any) -> Any:
-        compiled = self.compiled_function
-        if callee is torch.cond:  # a tensor predicate: the chosen branch runs compiled
-            return functools.partial(run_cond, self)
-        if hasattr(callee, "_kiln_cache") or isinstance(callee, Router):
-            return callee  # compiled already (code routed twice routes its own wrappers)
-        if isinstance(callee, types.FunctionType) and not _runs_natively(callee):
-            return compiled(callee)
-        method = getattr(callee, "__func__", None) if isinstance(callee, types.MethodType) else None
-        if isinstance(method, types.FunctionType) and not _runs_natively(method):
-            return types.MethodType(compiled(method), callee.__self__)
-        if isinstance(callee, torch.nn.Module) and _plain_call(callee):
-            forward = getattr(callee.forward, "__func__", None)
-            if isinstance(forward, types.FunctionType) and not _runs_natively(forward):
-                return types.MethodType(compiled(forward), callee)
-        return callee
-
-
 class ResumeTarget:
     """The resume function for the calling function's closure (compiled, or raw)."""
 
@@ -363,29 +333,3 @@ class ResumeTarget:
             target = self.router.compiled_function(resume)
         self._by_closure[id(closure)] = (closure, target)
         return target
-
-
-def _runs_natively(fn: types.FunctionType) -> bool:
-    """Torch internals and the standard library are not worth compiling as separate frames."""
-    from kiln.capture.calls import _runs_natively as native
-
-    module = (fn.__module__ or "").split(".")[0]
-    return native(fn) or module in sys.stdlib_module_names or module == "kiln"
-
-
-def _plain_call(module: torch.nn.Module) -> bool:
-    from torch.nn.modules import module as module_globals
-
-    if type(module).__call__ is not torch.nn.Module.__call__:
-        return False
-    hooks = (
-        module._forward_hooks,
-        module._forward_pre_hooks,
-        module._backward_hooks,
-        module._backward_pre_hooks,
-        module_globals._global_forward_hooks,
-        module_globals._global_forward_pre_hooks,
-        module_globals._global_backward_hooks,
-        module_globals._global_backward_pre_hooks,
-    )
-    return not any(hooks)

@@ -1,4 +1,4 @@
-"""Assemble a list of `Instruction`s (see `kiln.capture.bytecode`) back into a code object.
+"""Assemble a list of `Instruction`s (see `kiln.capture.bytecode.decode`) back into a code object.
 
 Everything positional is derived, never patched in place: byte offsets (with inline CACHE
 slots), EXTENDED_ARG prefixes (grown to a fixpoint, since a longer jump can push its target
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-from kiln.capture.bytecode import (
+from kiln.capture.bytecode.decode import (
     PY_VERSION,
     TERMINATOR_OPNAMES,
     Handler,

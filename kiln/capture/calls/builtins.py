@@ -19,38 +19,23 @@ from typing import Any
 
 import torch
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.frame import Frame
-from kiln.capture.iteration import SymbolicIterator
-
-Model = Callable[..., Any]
-MODELS: dict[Any, Model] = {}
-
-
-def model(*fns: Any) -> Callable[[Model], Model]:
-    def register(implementation: Model) -> Model:
-        for fn in fns:
-            MODELS[fn] = implementation
-        return implementation
-
-    return register
-
-
-def _items(frame: Frame, value: Any) -> list[Any]:
-    from kiln.capture.ops_data import _items
-
-    return _items(frame, value)
+from kiln.capture.calls.attributes import get_attribute, set_attribute, zero_arg_super
+from kiln.capture.calls.dispatch import call_function
+from kiln.capture.calls.iterate import dict_items, item_list, make_iterator
+from kiln.capture.calls.native import holds_tensors, materialize, no_tensor, python_dunder
+from kiln.capture.calls.registry import MODELS, Model, model
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.contexts import BackendFlags
+from kiln.capture.core.frame import Frame
+from kiln.capture.core.iteration import SymbolicIterator
+from kiln.capture.core.session import Recipe, is_constant
+from kiln.capture.guards.guards import Equals, HasAttr, Identity
+from kiln.capture.guards.sources import Attr
+from kiln.frontends.proxy import ProxyTensor
 
 
 def _call(frame: Frame, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    from kiln.capture.calls import call_function
-
     return call_function(frame, fn, args, kwargs)
-
-
-def no_tensor(value: Any, what: str) -> None:
-    if isinstance(value, torch.Tensor):
-        raise GraphBreak(BreakReason.DATA_DEPENDENT, f"{what} of a tensor needs its values")
 
 
 # --- I/O and explicit breaks ------------------------------------------------------------
@@ -77,9 +62,6 @@ MODELS[warnings.warn] = _io
 # --- backend flags ------------------------------------------------------------------------
 def _backend_flags(flags: Any) -> Model:
     def make(frame: Frame, *args: Any, **kwargs: Any) -> Any:
-        from kiln.capture.ops_flow import BackendFlags
-        from kiln.capture.session import Recipe
-
         context = BackendFlags(flags, *args, **kwargs)
         return frame.session.new(context, Recipe(BackendFlags, (flags, *args), kwargs))
 
@@ -91,39 +73,19 @@ for _flags in (torch.backends.cudnn.flags, torch.backends.mkldnn.flags):
 
 
 # --- copy ---------------------------------------------------------------------------------
-def _holds_tensors(value: Any, seen: set[int] | None = None, depth: int = 0) -> bool:
-    """Whether ``value`` reaches a tensor through containers and object attributes."""
-    seen = set() if seen is None else seen
-    if isinstance(value, torch.Tensor):
-        return True
-    if id(value) in seen or depth > 8 or isinstance(value, (str, bytes, int, float, type)):
-        return False
-    seen.add(id(value))
-    if isinstance(value, dict):
-        items: Any = list(value.keys()) + list(value.values())
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = list(value)
-    else:
-        items = list(getattr(value, "__dict__", {}).values())
-    return any(_holds_tensors(item, seen, depth + 1) for item in items)
 
 
 def _copy_of(frame: Frame, copier: Callable[[Any], Any], value: Any) -> Any:
     """``copy.copy``/``copy.deepcopy`` of a value without tensors (a model config): copied
     natively, re-created after the graph from its recipe; the original's state at the call
     is guarded, since what the copy says was read from it."""
-    from kiln.capture.calls import materialize
-    from kiln.capture.guards import Equals
-    from kiln.capture.session import Recipe, is_constant
-    from kiln.capture.sources import Attr
-
     session = frame.session
     if is_constant(value):
         return value
     container = type(value) in (list, dict, set)
     if copier is copy.copy and container:
         return session.new(copy.copy(materialize(session, value)))
-    if _holds_tensors(value) or not (container or hasattr(value, "__dict__")):
+    if holds_tensors(value) or not (container or hasattr(value, "__dict__")):
         what = f"{copier.__name__} of a {type(value).__name__}"
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{what} holding tensors or native state")
     source = session.source_of(value)
@@ -158,8 +120,6 @@ _MISSING = object()
 
 @model(builtins.getattr)
 def _getattr(frame: Frame, obj: Any, name: str, default: Any = _MISSING) -> Any:
-    from kiln.capture.ops_names import get_attribute
-
     try:
         return get_attribute(frame, obj, name)
     except AttributeError:
@@ -171,8 +131,6 @@ def _getattr(frame: Frame, obj: Any, name: str, default: Any = _MISSING) -> Any:
 
 @model(builtins.hasattr)
 def _hasattr(frame: Frame, obj: Any, name: str) -> bool:
-    from kiln.capture.ops_names import get_attribute
-
     try:
         get_attribute(frame, obj, name)
     except AttributeError:
@@ -183,8 +141,6 @@ def _hasattr(frame: Frame, obj: Any, name: str) -> bool:
 
 
 def _guard_hasattr(frame: Frame, obj: Any, name: str, *, present: bool) -> None:
-    from kiln.capture.guards import HasAttr
-
     source = frame.session.source_of(obj)
     if source is not None and not frame.session.is_new(obj):
         frame.session.add_guard(HasAttr(source, "hasattr", name, present))
@@ -192,8 +148,6 @@ def _guard_hasattr(frame: Frame, obj: Any, name: str, *, present: bool) -> None:
 
 @model(builtins.setattr)
 def _setattr(frame: Frame, obj: Any, name: str, value: Any) -> None:
-    from kiln.capture.ops_names import set_attribute
-
     set_attribute(frame, obj, name, value)
 
 
@@ -204,8 +158,6 @@ def _delattr(frame: Frame, obj: Any, name: str) -> None:
 
 @model(builtins.super)
 def _super(frame: Frame, *args: Any) -> Any:
-    from kiln.capture.ops_names import zero_arg_super
-
     return zero_arg_super(frame) if not args else super(*args)
 
 
@@ -213,8 +165,6 @@ def _super(frame: Frame, *args: Any) -> Any:
 def _type(frame: Frame, *args: Any) -> Any:
     if len(args) != 1:
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "type() with 3 arguments")
-    from kiln.frontends.proxy import ProxyTensor
-
     value = args[0]
     if isinstance(value, ProxyTensor):
         return _proxy_type(frame, value)
@@ -232,15 +182,11 @@ def _proxy_type(frame: Frame, proxy: Any) -> type:
 def _iter(frame: Frame, value: Any, *sentinel: Any) -> Any:
     if sentinel:
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "iter(callable, sentinel)")
-    from kiln.capture.ops_data import make_iterator
-
     return make_iterator(frame, value)
 
 
 @model(builtins.next)
 def _next(frame: Frame, iterator: Any, *default: Any) -> Any:
-    from kiln.capture.calls import python_dunder
-
     step = python_dunder(iterator, "__next__")
     try:
         return _call(frame, step, iterator) if step is not None else next(iterator)
@@ -256,7 +202,7 @@ def _new_iterator(frame: Frame, items: list[Any]) -> SymbolicIterator:
 
 @model(builtins.enumerate)
 def _enumerate(frame: Frame, value: Any, start: int = 0) -> Any:
-    items = _items(frame, value)
+    items = item_list(frame, value)
     return _new_iterator(
         frame, [frame.session.new((start + i, item)) for i, item in enumerate(items)]
     )
@@ -264,7 +210,7 @@ def _enumerate(frame: Frame, value: Any, start: int = 0) -> Any:
 
 @model(builtins.zip)
 def _zip(frame: Frame, *values: Any, strict: bool = False) -> Any:
-    lists = [_items(frame, value) for value in values]
+    lists = [item_list(frame, value) for value in values]
     if strict and len({len(items) for items in lists}) > 1:
         raise ValueError("zip() arguments have different lengths")
     return _new_iterator(frame, [frame.session.new(group) for group in zip(*lists, strict=False)])
@@ -272,60 +218,58 @@ def _zip(frame: Frame, *values: Any, strict: bool = False) -> Any:
 
 @model(builtins.reversed)
 def _reversed(frame: Frame, value: Any) -> Any:
-    return _new_iterator(frame, list(reversed(_items(frame, value))))
+    return _new_iterator(frame, list(reversed(item_list(frame, value))))
 
 
 @model(builtins.map)
 def _map(frame: Frame, fn: Any, *values: Any) -> Any:
-    lists = [_items(frame, value) for value in values]
+    lists = [item_list(frame, value) for value in values]
     return _new_iterator(frame, [_call(frame, fn, *group) for group in zip(*lists, strict=False)])
 
 
 @model(builtins.filter)
 def _filter(frame: Frame, fn: Any, value: Any) -> Any:
-    items = _items(frame, value)
+    items = item_list(frame, value)
     keep = [item for item in items if (bool(item) if fn is None else bool(_call(frame, fn, item)))]
     return _new_iterator(frame, keep)
 
 
 @model(builtins.list)
 def _list(frame: Frame, *value: Any) -> Any:
-    return frame.session.new(list(_items(frame, value[0])) if value else [])
+    return frame.session.new(list(item_list(frame, value[0])) if value else [])
 
 
 @model(builtins.tuple)
 def _tuple(frame: Frame, *value: Any) -> Any:
-    return frame.session.new(tuple(_items(frame, value[0])) if value else ())
+    return frame.session.new(tuple(item_list(frame, value[0])) if value else ())
 
 
 @model(builtins.set)
 def _set(frame: Frame, *value: Any) -> Any:
-    return frame.session.new(set(_items(frame, value[0])) if value else set())
+    return frame.session.new(set(item_list(frame, value[0])) if value else set())
 
 
 @model(builtins.frozenset)
 def _frozenset(frame: Frame, *value: Any) -> Any:
-    return frozenset(_items(frame, value[0])) if value else frozenset()
+    return frozenset(item_list(frame, value[0])) if value else frozenset()
 
 
 @model(builtins.dict)
 def _dict(frame: Frame, *value: Any, **kwargs: Any) -> Any:
-    from kiln.capture.ops_data import _dict_items
-
     result: dict[Any, Any] = {}
     if value:
         source = value[0]
         if isinstance(source, dict):
-            result.update(_dict_items(frame, source))
+            result.update(dict_items(frame, source))
         else:
-            result.update(_items(frame, source))
+            result.update(item_list(frame, source))
     result.update(kwargs)
     return frame.session.new(result)
 
 
 @model(builtins.sorted)
 def _sorted(frame: Frame, value: Any, *, key: Any = None, reverse: bool = False) -> Any:
-    items = _items(frame, value)
+    items = item_list(frame, value)
     if key is None:
         return frame.session.new(sorted(items, reverse=reverse))
     keys = [_call(frame, key, item) for item in items]
@@ -335,7 +279,7 @@ def _sorted(frame: Frame, value: Any, *, key: Any = None, reverse: bool = False)
 
 def _reduce_builtin(native: Callable[..., Any]) -> Model:
     def reduce(frame: Frame, *args: Any, key: Any = None, **kwargs: Any) -> Any:
-        items = _items(frame, args[0]) if len(args) == 1 else list(args)
+        items = item_list(frame, args[0]) if len(args) == 1 else list(args)
         for item in items:
             no_tensor(item, native.__name__)
         if key is None:
@@ -356,25 +300,23 @@ MODELS[builtins.max] = _reduce_builtin(builtins.max)
 @model(builtins.sum)
 def _sum(frame: Frame, value: Any, start: Any = 0) -> Any:
     total = start
-    for item in _items(frame, value):
+    for item in item_list(frame, value):
         total = total + item
     return total
 
 
 @model(builtins.any)
 def _any(frame: Frame, value: Any) -> bool:
-    return any(bool(item) for item in _items(frame, value))
+    return any(bool(item) for item in item_list(frame, value))
 
 
 @model(builtins.all)
 def _all(frame: Frame, value: Any) -> bool:
-    return all(bool(item) for item in _items(frame, value))
+    return all(bool(item) for item in item_list(frame, value))
 
 
 @model(builtins.len)
 def _len(frame: Frame, value: Any) -> int:
-    from kiln.capture.calls import python_dunder
-
     method = python_dunder(value, "__len__")
     if method is not None:
         return int(_call(frame, method, value))
@@ -412,7 +354,7 @@ def _introspection(frame: Frame, *args: Any, **kwargs: Any) -> Any:
 
 @model(functools.reduce)
 def _functools_reduce(frame: Frame, fn: Any, value: Any, *initial: Any) -> Any:
-    items = _items(frame, value)
+    items = item_list(frame, value)
     if initial:
         items = [initial[0], *items]
     if not items:
@@ -425,12 +367,12 @@ def _functools_reduce(frame: Frame, fn: Any, value: Any, *initial: Any) -> Any:
 
 @model(itertools.chain)
 def _chain(frame: Frame, *values: Any) -> Any:
-    return _new_iterator(frame, [item for value in values for item in _items(frame, value)])
+    return _new_iterator(frame, [item for value in values for item in item_list(frame, value)])
 
 
 @model(itertools.product)
 def _product(frame: Frame, *values: Any, repeat: int = 1) -> Any:
-    lists = [_items(frame, value) for value in values]
+    lists = [item_list(frame, value) for value in values]
     return _new_iterator(
         frame, [frame.session.new(group) for group in itertools.product(*lists, repeat=repeat)]
     )
@@ -438,7 +380,7 @@ def _product(frame: Frame, *values: Any, repeat: int = 1) -> Any:
 
 @model(itertools.islice)
 def _islice(frame: Frame, value: Any, *args: Any) -> Any:
-    return _new_iterator(frame, list(itertools.islice(_items(frame, value), *args)))
+    return _new_iterator(frame, list(itertools.islice(item_list(frame, value), *args)))
 
 
 @model(torch.Tensor.__format__)
@@ -451,9 +393,6 @@ def _tensor_format(frame: Frame, tensor: Any, spec: str) -> Any:
 def _id(frame: Frame, value: Any) -> int:
     """``id()`` of an object that exists before the call, pinned by an identity guard; ids of
     objects the call creates differ on every call, so they cannot be baked into a graph."""
-    from kiln.capture.guards import Identity
-    from kiln.frontends.proxy import ProxyTensor
-
     session = frame.session
     real = session.caller_tensor(value) if isinstance(value, ProxyTensor) else value
     source = session.source_of(value)

@@ -29,15 +29,16 @@ from typing import Any
 
 import torch
 
-from kiln.capture.breaks import BreakRecord, FullGraphError, GraphBreak, SkipReason
-from kiln.capture.calls import CO_ASYNC, CO_GENERATOR
-from kiln.capture.frame import BreakHere, ExceptionEntry, Frame
-from kiln.capture.guards import Guard, Identity
-from kiln.capture.ops_flow import is_known_context
-from kiln.capture.reconstruct import Reconstructor, Unreconstructible
-from kiln.capture.resume import OPERATIONS, OPERATORS, emit_break
-from kiln.capture.session import Session
-from kiln.capture.sources import Binder, FunctionAttr, Local, safe_name
+from kiln.capture import handlers  # noqa: F401  (registers the opcode handlers frames run)
+from kiln.capture.calls.inline import CO_ASYNC, CO_GENERATOR
+from kiln.capture.core.breaks import BreakRecord, FullGraphError, GraphBreak, SkipReason
+from kiln.capture.core.contexts import is_known_context
+from kiln.capture.core.frame import BreakHere, ExceptionEntry, Frame
+from kiln.capture.core.session import Session
+from kiln.capture.driver.reconstruct import Reconstructor, Unreconstructible
+from kiln.capture.driver.resume import OPERATIONS, OPERATORS, emit_break
+from kiln.capture.guards.guards import Guard, Identity
+from kiln.capture.guards.sources import Binder, FunctionAttr, Local, safe_name
 from kiln.errors import SourceLocation
 from kiln.frontends.proxy import TraceMode
 from kiln.frontends.source import set_user_location

@@ -8,10 +8,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.capture import cache
-from kiln.capture.breaks import BreakRecord
-from kiln.capture.cache import Captured
-from kiln.capture.convert import Capture
+from kiln.capture.core.breaks import BreakRecord
+from kiln.capture.driver import cache
+from kiln.capture.driver.cache import Captured
+from kiln.capture.driver.convert import Capture
 from kiln.ir.graph import Graph
 from kiln.ir.op import Op
 from kiln.ops.autograd_function import function_outputs

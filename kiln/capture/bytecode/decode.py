@@ -4,8 +4,8 @@
 CPython's raw encoding changes every minor version (opcode numbers, inline CACHE counts, jump
 direction variants, NULL order), but a transform only wants "this instruction jumps to that one,
 and that one handles its exceptions".  `decode` gives exactly that, and
-`kiln.capture.assembler.assemble` turns such a list back into a code object, recomputing every
-offset, so instructions can be inserted or removed freely::
+`kiln.capture.bytecode.assembler.assemble` turns such a list back into a code object,
+recomputing every offset, so instructions can be inserted or removed freely::
 
     >>> insts = decode(f.__code__)            # CACHE / EXTENDED_ARG gone, args folded
     >>> insts[k].target                       # an Instruction, not a byte offset

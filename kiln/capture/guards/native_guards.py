@@ -53,7 +53,7 @@ SOURCE = r"""
 namespace {
 
 // What one tensor must be: its exact Python type, dtype, device, requires_grad, sizes and
-// strides (what kiln.capture.guards.TensorMatch checks from Python).
+// strides (what kiln.capture.guards.guards.TensorMatch checks from Python).
 struct Spec {
   PyObject* type;
   c10::ScalarType dtype;

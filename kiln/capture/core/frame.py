@@ -2,11 +2,11 @@
 
 A :class:`Frame` holds the value stack, locals, cells and the instruction pointer of one code
 object. :meth:`Frame.run` dispatches each instruction to its handler in ``HANDLERS`` (filled by
-``kiln/capture/ops_*.py``, one function per opcode); calls to Python functions create a child
+``kiln/capture/handlers/``, one function per opcode); calls to Python functions create a child
 frame (inlining). Exceptions raised by an instruction go through the code's exception table as
 CPython's would, so ``try``/``except``/``with`` work symbolically.
 
-Where capture cannot go on, a handler raises :class:`~kiln.capture.breaks.GraphBreak`; it
+Where capture cannot go on, a handler raises :class:`~kiln.capture.core.breaks.GraphBreak`; it
 travels to the root frame, and the driver restarts the capture with the break placed at the
 root frame's instruction that was running.
 """
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.capture.breaks import BreakReason, GraphBreak
-from kiln.capture.session import Session
+from kiln.capture.core.breaks import BreakReason, GraphBreak
+from kiln.capture.core.session import Session
 from kiln.errors import OpaqueCallError, SourceLocation, TraceError
 from kiln.frontends.source import set_user_location
 

@@ -11,8 +11,9 @@ import dis
 import types
 from typing import Any
 
-from kiln.capture.calls import invoke
-from kiln.capture.frame import NULL, PY, Frame, handles
+from kiln.capture.calls.dispatch import invoke
+from kiln.capture.calls.iterate import dict_items, item_list
+from kiln.capture.core.frame import NULL, PY, Frame, handles
 
 
 @handles("KW_NAMES")
@@ -57,10 +58,8 @@ def call_kw(frame: Frame, inst: dis.Instruction) -> None:
 
 @handles("CALL_FUNCTION_EX")
 def call_function_ex(frame: Frame, inst: dis.Instruction) -> None:
-    from kiln.capture.ops_data import _dict_items, _items
-
-    kwargs = _dict_items(frame, frame.pop()) if (inst.arg or 0) & 1 else {}
-    positional = _items(frame, frame.pop())
+    kwargs = dict_items(frame, frame.pop()) if (inst.arg or 0) & 1 else {}
+    positional = item_list(frame, frame.pop())
     upper = frame.pop()
     lower = frame.pop()
     fn = lower if upper is NULL else upper
