@@ -13,9 +13,9 @@ import torch
 
 import kiln.ops  # noqa: F401  (registers rows)
 from kiln.backends.kiln import KilnProgram
-from kiln.config import config
 from kiln.ir import Graph, GraphBuilder, Op, Tag, TensorType, op_def, registered_ops
 from kiln.ops import prims
+from kiln.options import Options
 
 # The device samples are made on: CI runs CPU tensors (the Triton generator through Triton's
 # interpreter); on a GPU machine, KILN_TEST_DEVICE=cuda runs the compiled Triton kernels.
@@ -63,12 +63,7 @@ def graph_of(
 
 
 def run_compiled(graph: Graph, tensors: list[torch.Tensor], codegen: str) -> list[torch.Tensor]:
-    saved = config.codegen, config.strict
-    config.codegen, config.strict = codegen, True
-    try:
-        return KilnProgram(graph)(tensors)
-    finally:
-        config.codegen, config.strict = saved
+    return KilnProgram(graph, Options(codegen=codegen, strict=True))(tensors)
 
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, note: str, exact: bool) -> None:

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.config import config
 from tests.tiny_models import SmallResNet, tiny_bert_config, tiny_gpt2_config
 
 transformers = pytest.importorskip("transformers")
@@ -49,34 +48,34 @@ def _first(output: Any) -> torch.Tensor:
 
 @pytest.fixture
 def codegen(request: pytest.FixtureRequest) -> Any:
-    saved = config.codegen, config.strict
-    config.codegen, config.strict = request.param, True
+    """The options of kiln.compile for one code generator (strict: no silent fallback)."""
     kiln.reset()
-    yield request.param
-    config.codegen, config.strict = saved
+    yield {"codegen": request.param, "strict": True}
     kiln.reset()
 
 
 @pytest.mark.parametrize("codegen", CODEGENS, indirect=True)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_inference_matches_eager(codegen: str, name: str) -> None:
+def test_inference_matches_eager(codegen: dict[str, Any], name: str) -> None:
     model, args = MODELS[name]()
     model.eval()
     with torch.no_grad():
         expected = _first(model(*args))
-        actual = _first(kiln.compile(model, fullgraph=True)(*args))
+        actual = _first(kiln.compile(model, fullgraph=True, options=codegen)(*args))
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("codegen", CODEGENS, indirect=True)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_training_step_matches_eager(codegen: str, name: str) -> None:
+def test_training_step_matches_eager(codegen: dict[str, Any], name: str) -> None:
     model, args = MODELS[name]()
     model.train()
     twin = copy.deepcopy(model)
     expected = _first(model(*args)).float().square().mean()
     expected.backward()
-    actual = _first(kiln.compile(twin, fullgraph=True)(*args)).float().square().mean()
+    actual = (
+        _first(kiln.compile(twin, fullgraph=True, options=codegen)(*args)).float().square().mean()
+    )
     actual.backward()
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-6)
     for (name_, want), got in zip(model.named_parameters(), twin.parameters(), strict=True):
@@ -90,7 +89,7 @@ def test_training_step_matches_eager(codegen: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("codegen", ["cpp"], indirect=True)
-def test_attention_layouts_are_predicted_so_nothing_rebuilds(codegen: str) -> None:
+def test_attention_layouts_are_predicted_so_nothing_rebuilds(codegen: dict[str, Any]) -> None:
     """SDPA and its backward return the flash kernels' [B, S, H, D] layout; the schedule
     predicts it, so no extern result is copied and no graph is compiled a second time."""
     from kiln.backends.kiln import CompiledProgramRecord
@@ -101,7 +100,7 @@ def test_attention_layouts_are_predicted_so_nothing_rebuilds(codegen: str) -> No
     records: list[Any] = []
     listen(records, CompiledProgramRecord)
     try:
-        compiled = kiln.compile(model)
+        compiled = kiln.compile(model, options=codegen)
         for _ in range(2):
             _first(compiled(*args)).float().square().mean().backward()
     finally:
@@ -110,7 +109,7 @@ def test_attention_layouts_are_predicted_so_nothing_rebuilds(codegen: str) -> No
 
 
 @pytest.mark.parametrize("codegen", ["cpp"], indirect=True)
-def test_cpu_convolution_inputs_are_channels_last(codegen: str) -> None:
+def test_cpu_convolution_inputs_are_channels_last(codegen: dict[str, Any]) -> None:
     """On the CPU, kernels feeding a convolution (or its backward) store channels-last, in
     inference and training graphs (oneDNN is faster on them), and an NCHW graph input a
     convolution reads is copied channels-last first (so the convolution answers channels-last
@@ -126,7 +125,7 @@ def test_cpu_convolution_inputs_are_channels_last(codegen: str) -> None:
         records: list[Any] = []
         listen(records, CompiledProgramRecord)
         try:
-            out = kiln.compile(model)(*args)
+            out = kiln.compile(model, options=codegen)(*args)
             torch.testing.assert_close(out, reference(*args), rtol=1e-4, atol=1e-4)
             if train:
                 out.square().mean().backward()

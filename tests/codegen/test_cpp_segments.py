@@ -18,7 +18,6 @@ from kiln.backends.kiln import CompiledProgramRecord
 from kiln.codegen.cpp import generate_cpp
 from kiln.codegen.cpp_segments import lane_segments
 from kiln.codegen.cpp_split import LaneSplit
-from kiln.config import config
 from kiln.ir.op import Op
 from kiln.recording import listen, unlisten
 from kiln.runtime import cpp_build
@@ -120,15 +119,13 @@ def test_split_backward_matches_eager() -> None:
         return (q.tanh() * k.sigmoid() + v.square()).sum(-1)
 
     x = torch.randn(4, 10, 32, requires_grad=True)
-    saved, records = config.codegen, []
-    config.codegen = "cpp"
+    records: list = []
     listen(records, CompiledProgramRecord)
     try:
-        compiled = kiln.compile(fn)
+        compiled = kiln.compile(fn, options={"codegen": "cpp"})
         mine = compiled(x)
         grads = torch.autograd.grad(mine.sum(), [x, linear.weight, linear.bias])
     finally:
-        config.codegen = saved
         unlisten(records)
         kiln.reset()
     expected = fn(x)

@@ -18,7 +18,6 @@ from torch import nn
 import kiln
 from kiln.backends.kiln import CompiledProgramRecord
 from kiln.codegen.cpp import cpp_library, generate_cpp
-from kiln.config import config
 from kiln.ir.op import Op
 from kiln.recording import listen, unlisten
 from kiln.runtime import cpp_build
@@ -291,11 +290,10 @@ def test_conv_batchnorm_training_matches_eager(channels_last: bool) -> None:
         eager = eager.to(memory_format=torch.channels_last)
         images = images.contiguous(memory_format=torch.channels_last)
     model = copy.deepcopy(eager)
-    saved, records = config.codegen, []
-    config.codegen = "cpp"
+    records: list = []
     listen(records, CompiledProgramRecord)
     try:
-        compiled = kiln.compile(model)
+        compiled = kiln.compile(model, options={"codegen": "cpp"})
         for _ in range(2):
             for net, run in ((eager, eager), (model, compiled)):
                 net.zero_grad()
@@ -308,7 +306,6 @@ def test_conv_batchnorm_training_matches_eager(channels_last: bool) -> None:
                 assert p.grad is not None and q.grad is not None, name
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     finally:
-        config.codegen = saved
         unlisten(records)
         kiln.reset()
     for mine, theirs in zip(model.buffers(), eager.buffers(), strict=True):

@@ -15,8 +15,8 @@ import kiln
 from kiln.backends.kiln import CompiledProgramRecord, KilnProgram
 from kiln.codegen.signatures import kernel_signature
 from kiln.codegen.triton import generate_triton
-from kiln.config import config
 from kiln.frontends.trace import graph_inputs
+from kiln.options import Options
 from kiln.passes import optimize
 from kiln.recording import listen, unlisten
 from kiln.schedule.loops import BufferKind, format_kernel
@@ -38,9 +38,7 @@ def matches_eager(
 ) -> None:
     """One compiled program through ``codegen``, called twice on fresh random inputs of
     ``shapes``; every output compared with ``fn`` run eagerly."""
-    monkeypatch.setattr(config, "codegen", codegen)
-    monkeypatch.setattr(config, "strict", True)
-    compiled = KilnProgram(graph)
+    compiled = KilnProgram(graph, Options(codegen=codegen, strict=True))
     for _ in range(2):
         args = [torch.randn(shape) for shape in shapes]
         got = compiled(graph_inputs(graph, fn, *args))
