@@ -3,6 +3,7 @@
 # table through compiled Triton kernels, then the reference models' inference step of a
 # baseline checkout (benchmarks/_baseline/kiln, untracked: `git archive <commit> kiln | tar -x
 # -C benchmarks/_baseline`) and of this checkout, interleaved model by model on one card.
+# One model takes 2-3 minutes: pass two per device command, e.g. `... resnet50,gpt2`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash benchmarks/gpu_check.sh -q 2>&1 | tail -2
@@ -12,6 +13,6 @@ for model in ${models//,/ }; do
     if [ "$tree" = baseline ]; then dir=benchmarks/_baseline; else dir=.; fi
     echo "== $model $tree"
     (cd "$dir" && PYTHONPATH=. python -m kiln.bench --models "$model" --mode "${MODE:-infer}" \
-      --compilers kiln --no-warm-start 2>&1 | grep -E "^\| $model")
+      --compilers kiln --no-warm-start --budget 2 2>&1 | grep -E "^\| $model")
   done
 done
