@@ -22,7 +22,7 @@ _LOCK = threading.Lock()
 
 def record(event: object) -> None:
     """Hand ``event`` to every listener that wants its kind."""
-    for kinds, events in _LISTENERS:
+    for kinds, events in tuple(_LISTENERS):  # (a snapshot: another thread may unlisten)
         if not kinds or isinstance(event, kinds):
             events.append(event)
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import kiln
@@ -11,11 +13,13 @@ from kiln.codegen.signatures import deduplicate, kernel_signature
 from kiln.recording import recording
 
 
-def _kernels(fn: object, *args: torch.Tensor) -> list:
+def _kernels(fn: Any, *args: torch.Tensor) -> list:
+    """The kernels ``fn`` compiles to (its result checked against eager's)."""
     kiln.reset()
     with recording(CompiledProgramRecord) as records:
-        kiln.compile(fn, options={"codegen": "cpp", "strict": True})(*args)
+        result = kiln.compile(fn, options={"codegen": "cpp", "strict": True})(*args)
     kiln.reset()
+    torch.testing.assert_close(result, fn(*args))
     return [k for record in records for k in record.program.kernels()]
 
 

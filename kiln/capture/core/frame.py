@@ -78,6 +78,11 @@ def handles(*opnames: str) -> Callable[[Handler], Handler]:
 _INSTRUCTIONS: dict[types.CodeType, tuple[list[dis.Instruction], dict[int, int]]] = {}
 
 
+def forget_instructions() -> None:
+    """Drop the decoded instructions of every code object (``kiln.reset``)."""
+    _INSTRUCTIONS.clear()
+
+
 def instructions(code: types.CodeType) -> tuple[list[dis.Instruction], dict[int, int]]:
     """The code's instructions (no caches) and the index of each offset, cached per code."""
     known = _INSTRUCTIONS.get(code)

@@ -128,8 +128,8 @@ def reset() -> None:
             cache.routed = None
         _WRAPPERS.clear()
         counters.reset()
-        frame._INSTRUCTIONS.clear()
-        resume._RESUME_CODES.clear()
+        frame.forget_instructions()
+        resume.forget_resume_codes()
 
 
 def cache_of(code: types.CodeType, compiler: GraphCompiler) -> CodeCache:

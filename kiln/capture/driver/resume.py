@@ -29,6 +29,13 @@ from kiln.capture.core.frame import NULL, PY, Frame
 from kiln.capture.driver.reconstruct import Reconstructor
 
 _RESUME_CODES: dict[tuple[Any, ...], types.CodeType] = {}
+
+
+def forget_resume_codes() -> None:
+    """Drop the resume functions built so far (``kiln.reset``)."""
+    _RESUME_CODES.clear()
+
+
 _BASE_NAMES: dict[int, str] = {}  # id(resume code) -> name of the function it continues
 
 
