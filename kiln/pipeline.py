@@ -22,7 +22,9 @@ it: the backend's compiled graph, or a forward/backward pair inside one ``autogr
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 from kiln.autodiff.partition import Partition, partition
 from kiln.autodiff.reverse import build_joint
@@ -30,11 +32,13 @@ from kiln.autodiff.runtime import TrainingGraph, needs_autodiff
 from kiln.backends import CompiledGraph, get_backend
 from kiln.config import logger
 from kiln.ir.graph import Graph
+from kiln.ir.specialize import specialize
 from kiln.ir.verify import verify
 from kiln.options import Options
 from kiln.passes import optimize
 
 _log_autodiff = logger("autodiff")
+_log_dynamic = logger("dynamic")
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,9 @@ class Pipeline:
 
     options: Options
 
-    def __call__(self, graph: Graph) -> tuple[Graph, CompiledGraph]:
+    def __call__(self, graph: Graph) -> tuple[Graph, Any]:
+        if graph.symbols:
+            return graph, PerSize(graph, self)
         training = needs_autodiff(graph)
         graph = run_passes(graph, differentiating=training)
         if not training:
@@ -75,3 +81,30 @@ def differentiate(graph: Graph) -> Partition:
     """The joint forward/backward graph of ``graph``, split into what the forward computes and
     saves and what the backward recomputes (raises NotImplementedError without a VJP)."""
     return partition(build_joint(graph), graph)
+
+
+class PerSize:
+    """A graph with symbolic sizes, run through the pipeline once per distinct binding of its
+    symbols: each call binds them from its inputs' sizes and runs the graph specialized to
+    them (compiled on the first call with those sizes). Capture, guards and the cache entry
+    are shared by every size; only the stages after capture run again for a new size."""
+
+    def __init__(self, graph: Graph, pipeline: Pipeline) -> None:
+        self.graph = graph
+        self.pipeline = pipeline
+        self.compiled: dict[tuple[int, ...], Any] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, inputs: list[Any], sizes: tuple[int, ...]) -> Any:
+        """Run on ``inputs``, the graph's symbols having the values ``sizes`` (in
+        ``graph.symbols`` order)."""
+        compiled = self.compiled.get(sizes)
+        if compiled is None:
+            with self._lock:
+                compiled = self.compiled.get(sizes)
+                if compiled is None:
+                    values = dict(zip(self.graph.symbols, sizes, strict=True))
+                    _log_dynamic.info("%s: compiling for sizes %s", self.graph.name, values)
+                    _, compiled = self.pipeline(specialize(self.graph, values))
+                    self.compiled[sizes] = compiled
+        return compiled(inputs)

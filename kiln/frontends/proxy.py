@@ -30,9 +30,11 @@ from kiln.errors import (
     op_error,
 )
 from kiln.frontends.source import user_location
+from kiln.ir import symbolic
 from kiln.ir.builder import active_builder, require_builder
 from kiln.ir.graph import Origin, Value
-from kiln.ir.types import concrete, concrete_shape
+from kiln.ir.symbolic import Sym
+from kiln.ir.types import concrete, hint_shape
 from kiln.ops import prims
 from kiln.ops.translations import (
     FallbackToExtern,
@@ -125,7 +127,7 @@ class ProxyTensor(torch.Tensor):
         kind = value.type
         proxy = torch.Tensor._make_wrapper_subclass(
             cls,
-            concrete_shape(kind.shape),
+            hint_shape(kind.shape),  # (metadata queries answer symbolic sizes: _symbolic_query)
             dtype=kind.dtype,
             device=kind.device,
             requires_grad=kind.requires_grad,
@@ -228,7 +230,10 @@ class TraceMode(torch.overrides.TorchFunctionMode):
                     f"{api_name(func)} of a tensor capture cannot read as a graph input",
                     user_location(),
                 )
-        if func in RANDOM_FACTORIES or any(_traced(leaf) for leaf in leaves):
+        symbolic = any(isinstance(leaf, Sym) for leaf in leaves)
+        if func in RANDOM_FACTORIES or symbolic or any(_traced(leaf) for leaf in leaves):
+            # (a factory with a symbolic size, ``torch.arange(x.size(1))``, is traced: its
+            # result's size follows the call's)
             target = args[0] if args else None
             if (
                 self.writable is not None
@@ -272,8 +277,62 @@ def _describe(proxy: ProxyTensor) -> str:
     return f"ProxyTensor({proxy._value.name}: {proxy._value.type})"
 
 
+class SymbolicShape(tuple):  # type: ignore[type-arg]
+    """``x.shape`` of a tensor with symbolic sizes (``torch.Size`` holds only ints)."""
+
+    def numel(self) -> Any:
+        count: Any = 1
+        for size in self:
+            count = count * size
+        return count
+
+    def __getitem__(self, index: Any) -> Any:
+        item = super().__getitem__(index)
+        return SymbolicShape(item) if isinstance(index, slice) else item
+
+    def __repr__(self) -> str:
+        return f"torch.Size([{', '.join(map(repr, self))}])"
+
+
+def _symbolic_query(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The answer to a size query on a proxy with symbolic sizes, or ``NotImplemented``."""
+    shape = args[0]._value.type.shape
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    if name == "shape" or (name == "size" and len(args) == 1 and "dim" not in kwargs):
+        return SymbolicShape(shape)
+    if name == "size":
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        return shape[dim]
+    if name in ("numel", "nelement"):
+        return SymbolicShape(shape).numel()
+    if name == "__len__":
+        return shape[0]  # (len() specializes it: Python needs an int)
+    if name == "stride":
+        strides: list[Any] = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        return tuple(strides) if dim is None else strides[dim]
+    return NotImplemented
+
+
+def _size_tensor(size: Sym) -> Any:
+    """A symbolic size as a 0-dim int64 graph value (for ``x * n``: see ``symbolic.as_tensor``)."""
+    return dispatch(torch.full, ((), size), {"dtype": torch.int64})
+
+
+symbolic.as_tensor = _size_tensor
+
+
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on proxies: answer metadata natively, translate everything else."""
+    symbolic = args and isinstance(args[0], ProxyTensor) and args[0]._value.type.is_symbolic
+    if symbolic and _native(func):
+        answer = _symbolic_query(func, args, kwargs)
+        if answer is not NotImplemented:
+            return answer
     if _native(func) or (func is torch.Tensor.type and len(args) == 1 and not kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -472,10 +531,13 @@ def _eager_identity(
     owners: dict[int, ProxyTensor] = {}
 
     def stand_in(item: Any, device: str) -> Any:
+        if isinstance(item, Sym):  # (whether eager aliases does not depend on the size)
+            return item.hint
         if not isinstance(item, ProxyTensor):
             return item
         if id(item) not in metas:
-            meta = torch.zeros(tuple(item.shape), dtype=item.dtype, device=device)
+            shape = hint_shape(item.current().type.shape)
+            meta = torch.zeros(shape, dtype=item.dtype, device=device)
             if item.requires_grad and torch.is_grad_enabled():
                 meta.requires_grad_()  # (eager's outputs say which are differentiable)
             metas[id(item)] = meta

@@ -2,7 +2,8 @@
 
 Input: nothing (this is the bottom of the pipeline). Output: the data structures.
 
-- :mod:`kiln.ir.types`: ``TensorType`` (shape, dtype, device, requires_grad), ``SymDim``.
+- :mod:`kiln.ir.types`: ``TensorType`` (shape, dtype, device, requires_grad).
+- :mod:`kiln.ir.symbolic`: ``Sym``, symbolic sizes decided by guards in a ``ShapeEnv``.
 - :mod:`kiln.ir.op`: the ``Op`` enum and the registry interface (rows live in ``kiln.ops``).
 - :mod:`kiln.ir.graph`: ``Graph``, ``Node``, ``Value`` (SSA), ``Origin``, ``InputKind``.
 - :mod:`kiln.ir.builder`: the active ``GraphBuilder`` that prims emit into.
@@ -20,6 +21,7 @@ from kiln.ir.hashing import graph_hash
 from kiln.ir.interpreter import interpret, run
 from kiln.ir.op import Op, OpDef, Sample, Tag, op_def, register, registered_ops
 from kiln.ir.printer import format_graph, load_printed
+from kiln.ir.symbolic import ShapeEnv, Sym
 from kiln.ir.types import Dim, Shape, SymDim, TensorType
 from kiln.ir.verify import verify
 
@@ -35,6 +37,8 @@ __all__ = [
     "Origin",
     "Sample",
     "Shape",
+    "ShapeEnv",
+    "Sym",
     "SymDim",
     "Tag",
     "TensorType",

@@ -97,6 +97,8 @@ class Graph:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     name: str = "graph"
     output_spec: Any = None  # how to rebuild the user's return structure from outputs
+    # The symbolic sizes the graph's types use, in the order a caller passes their values.
+    symbols: tuple[str, ...] = ()
     _names: set[str] = field(default_factory=set, repr=False)
     _counter: int = field(default=0, repr=False)
 

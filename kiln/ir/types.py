@@ -1,7 +1,8 @@
 """Tensor types of the IR: shape, dtype, device and whether the value requires grad.
 
-A shape entry is an ``int`` or a :class:`SymDim`. Kiln specializes every dim for now, but code
-that reads shapes goes through :data:`Dim` so symbolic dims can appear later without rewrites.
+A shape entry is an ``int`` or a :class:`~kiln.ir.symbolic.Sym`, a symbolic size (see
+:mod:`kiln.ir.symbolic`): arithmetic on dims works on both, and a question about a symbolic dim
+(``dim == 1``) is answered for every size or guarded.
 """
 
 from __future__ import annotations
@@ -10,18 +11,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kiln.ir.symbolic import Dim, Sym, hint
 
-@dataclass(frozen=True)
-class SymDim:
-    """A symbolic dimension, named like ``s0``; equal names are equal sizes."""
-
-    name: str
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-Dim = int | SymDim
+SymDim = Sym  # (the name earlier code used)
 Shape = tuple[Dim, ...]
 
 _DTYPE_ABBREVIATIONS = {
@@ -62,12 +54,14 @@ class TensorType:
 
     def numel(self) -> Dim:
         """Number of elements; an int when every dim is."""
-        count = 1
+        count: Dim = 1
         for dim in self.shape:
-            if not isinstance(dim, int):
-                return SymDim("numel(" + ",".join(map(repr, self.shape)) + ")")
-            count *= dim
+            count = count * dim
         return count
+
+    @property
+    def is_symbolic(self) -> bool:
+        return any(isinstance(dim, Sym) for dim in self.shape)
 
     def with_(self, **changes: object) -> TensorType:
         """A copy with some fields changed: ``t.with_(dtype=torch.float16)``."""
@@ -107,12 +101,16 @@ Scalar = bool | int | float
 
 
 def concrete(dim: Dim) -> int:
-    """``dim`` as an int; a symbolic dim raises (the caller needs a specialized shape)."""
-    if isinstance(dim, SymDim):
-        raise TypeError(f"symbolic dim {dim} where a concrete size is required")
-    return dim
+    """``dim`` as an int: a symbolic dim is specialized to its hint, guarded (the caller needs
+    one size; the code it builds holds for that size only)."""
+    return int(dim) if isinstance(dim, Sym) else dim
 
 
 def concrete_shape(shape: Shape) -> tuple[int, ...]:
     """``shape`` with every dim concrete (see :func:`concrete`)."""
     return tuple(concrete(dim) for dim in shape)
+
+
+def hint_shape(shape: Shape) -> tuple[int, ...]:
+    """``shape`` at the sizes of the call being captured (no guard: for stand-ins only)."""
+    return tuple(hint(dim) for dim in shape)

@@ -18,29 +18,30 @@ from typing import Any
 import torch
 
 from kiln.ir.op import Op
-from kiln.ir.types import FLOATING, TensorType, concrete_shape
+from kiln.ir.types import FLOATING, Shape, TensorType
 
-Shapes = tuple[tuple[int, ...], ...]
+Shapes = tuple[Shape, ...]
 
 
 def _static(*operands: Any) -> Shapes | None:
-    """The shapes of tensor operands that are all static and of one floating dtype and device."""
+    """The shapes of tensor operands of one floating dtype and device (symbolic sizes too: the
+    formulas compare them, which guards a symbolic size)."""
     tensors = [o for o in operands if isinstance(o, TensorType)]
-    if not tensors or any(not all(isinstance(s, int) for s in t.shape) for t in tensors):
+    if not tensors:
         return None
     first = tensors[0]
     if first.dtype not in FLOATING:
         return None
     if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
         return None
-    return tuple(concrete_shape(t.shape) for t in tensors)
+    return tuple(tuple(t.shape) for t in tensors)
 
 
-def _result(like: TensorType, shape: tuple[int, ...]) -> TensorType:
-    return TensorType(shape, like.dtype, like.device)
+def _result(like: TensorType, shape: Shape) -> TensorType:
+    return TensorType(tuple(shape), like.dtype, like.device)
 
 
-def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+def _broadcasts(shape: Shape, target: Shape) -> bool:
     if len(shape) > len(target):
         return False
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
@@ -67,7 +68,7 @@ def _with_bias(product: Callable[..., TensorType | None]) -> Callable[..., Tenso
         result = product(attrs, a, b)
         if result is None or not isinstance(bias, TensorType) or _static(bias, a) is None:
             return None
-        fits = _broadcasts(concrete_shape(bias.shape), concrete_shape(result.shape))
+        fits = _broadcasts(tuple(bias.shape), tuple(result.shape))
         return result if fits else None
 
     return meta
@@ -113,9 +114,7 @@ def _attention(attrs: Any, q: Any, k: Any, v: Any, mask: Any = None) -> TensorTy
             return None
         if mask.dtype not in (q.dtype, torch.bool):
             return None
-        if not all(isinstance(s, int) for s in mask.shape):
-            return None
-        if not _broadcasts(concrete_shape(mask.shape), scores):
+        if not _broadcasts(tuple(mask.shape), scores):
             return None
     return _result(q, (*q_shape[:-1], v_shape[-1]))
 

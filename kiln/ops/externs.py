@@ -23,6 +23,7 @@ module-level function of this file (:func:`convolution_backward`, :func:`sdpa_ba
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,9 +40,11 @@ from torch._subclasses.fake_tensor import (
 
 from kiln.errors import KilnError, TraceError
 from kiln.ir.builder import emit, require_builder
-from kiln.ir.graph import Value
+from kiln.ir.graph import Graph, Value
 from kiln.ir.op import ImplFn, MetaFn, Op, OpDef, Sample, SampleFn, Tag, register
-from kiln.ir.types import FLOATING, Shape, TensorType, carries_gradient
+from kiln.ir.specialize import substitute_deep
+from kiln.ir.symbolic import Sym, Symbol, substitute
+from kiln.ir.types import FLOATING, Shape, TensorType, carries_gradient, hint_shape
 from kiln.ops import prims
 from kiln.ops.attrs import (
     ConvolutionAttrs,
@@ -78,7 +81,7 @@ def _stand_in(operand: Any, device: str | None = None) -> Any:
         return operand
     sizes = [size for size in operand.shape if isinstance(size, int)]
     if len(sizes) != operand.rank:
-        raise NotImplementedError(f"externs take static shapes, not {operand}")
+        raise NotImplementedError(f"symbolic sizes reached an extern's stand-in: {operand}")
     return torch.empty(sizes, dtype=operand.dtype, device=device or operand.device)
 
 
@@ -127,6 +130,10 @@ def meta_by_running(op: Op, impl: ImplFn, *, fake: bool = False) -> MetaFn:
 
     def meta(attrs: Any, *operands: Any) -> TensorType | tuple[TensorType, ...]:
         device = _device_of(op, operands) if not fake else None
+        if any(isinstance(o, TensorType) and o.is_symbolic for o in operands) or any(
+            isinstance(size, Sym) for size in _sizes_in(attrs)
+        ):
+            return _symbolic_meta(impl, attrs, operands, device, fake)
         result = _run_abstractly(impl, attrs, operands, fake=fake)
         types = tuple(
             TensorType(tuple(t.shape), t.dtype, device or t.device)
@@ -135,6 +142,85 @@ def meta_by_running(op: Op, impl: ImplFn, *, fake: bool = False) -> MetaFn:
         return types if isinstance(result, tuple) else types[0]
 
     return meta
+
+
+def _sizes_in(value: Any) -> list[Any]:
+    """The sizes (ints and symbols) in an attrs value, through tuples and dataclass fields."""
+    if isinstance(value, Sym):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [size for item in value for size in _sizes_in(item)]
+    if type(value) is dict:
+        return [size for item in value.values() for size in _sizes_in(item)]
+    if isinstance(value, Graph | Value):  # (a Function's backward: typed by its own nodes)
+        return []
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [s for f in dataclasses.fields(value) for s in _sizes_in(getattr(value, f.name))]
+    return []
+
+
+def _hints(attrs: Any, types: Sequence[TensorType]) -> dict[str, int]:
+    sizes = [d for t in types for d in t.shape] + _sizes_in(attrs)
+    return {s.name: s.hint for size in sizes if isinstance(size, Sym) for s in size.symbols()}
+
+
+def _symbolic_meta(
+    impl: ImplFn, attrs: Any, operands: Sequence[Any], device: Any, fake: bool
+) -> TensorType | tuple[TensorType, ...]:
+    """The output types of an extern with symbolic sizes in, found by running it at two
+    bindings of the symbols: the captured sizes, and each size grown by a different amount.
+    An output size is the constant or the symbol (or product of two) that fits both runs; a
+    size nothing fits specializes the symbols (guarded), so the types are always right."""
+    sizes = [d for o in operands if isinstance(o, TensorType) for d in o.shape]
+    sizes += _sizes_in([o for o in operands if not isinstance(o, TensorType)]) + _sizes_in(attrs)
+    symbols: dict[str, Symbol] = {}
+    for size in sizes:
+        if isinstance(size, Sym):
+            symbols.update((symbol.name, symbol) for symbol in size.symbols())
+    first = {name: symbol.hint for name, symbol in symbols.items()}
+    second = {name: hint + 3 + 2 * i for i, (name, hint) in enumerate(sorted(first.items()))}
+
+    def run(binding: dict[str, int]) -> Any:
+        bound = [
+            o.with_(shape=tuple(substitute(d, binding) for d in o.shape))
+            if isinstance(o, TensorType)
+            else substitute_deep(o, binding)
+            for o in operands
+        ]
+        return _run_abstractly(impl, substitute_deep(attrs, binding), bound, fake=fake)
+
+    result = run(first)
+    at_hints = result if isinstance(result, tuple) else (result,)
+    try:
+        grown: Any = run(second)
+        grown = grown if isinstance(grown, tuple) else (grown,)
+    except Exception:  # (the grown sizes break a constraint of the call: specialize)
+        grown = None
+    candidates: list[Any] = [Sym.symbol(n, s.hint, s.low, s.high) for n, s in symbols.items()]
+    candidates += [a * b for a in candidates for b in candidates]
+    types = []
+    for index, tensor in enumerate(at_hints):
+        shape: list[Any] = []
+        for dim, size in enumerate(tensor.shape):
+            other = None if grown is None else grown[index].shape[dim]
+            if other == size:
+                shape.append(int(size))
+                continue
+            match = next(
+                (
+                    c
+                    for c in candidates
+                    if c.evaluate(first) == size and c.evaluate(second) == other
+                ),
+                None,
+            )
+            if match is None:
+                for symbol in symbols.values():  # nothing fits: these sizes only
+                    int(Sym.symbol(symbol.name, symbol.hint, symbol.low, symbol.high))
+                match = int(size)
+            shape.append(match)
+        types.append(TensorType(tuple(shape), tensor.dtype, device or tensor.device))
+    return tuple(types) if isinstance(result, tuple) else types[0]
 
 
 def check_floats(op: Op, *operands: torch.Tensor | None) -> None:
@@ -686,8 +772,11 @@ def extern_call(
     # gives the result's structure.
     types = [value.type for value in slots]
     result = extern_result_types(attrs, *types)
-    if result is None:
-        result = _run_abstractly(_call, attrs, types, fake=True)
+    if result is None:  # (only the structure is read: the captured sizes will do)
+        hinted = [t.with_(shape=hint_shape(t.shape)) for t in types]
+        result = _run_abstractly(
+            _call, substitute_deep(attrs, _hints(attrs, types)), hinted, fake=True
+        )
     leaves, structure = pytree.tree_flatten(result)
     if any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in leaves):
         raise TypeError(f"extern: {getattr(fn, '__name__', fn)} returns a sparse tensor")

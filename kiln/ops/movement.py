@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kiln.ir.graph import Value
 from kiln.ir.op import Op, OpDef, Sample, Tag, register
-from kiln.ir.types import Dim, Scalar, Shape, SymDim, TensorType
+from kiln.ir.types import Dim, Scalar, Shape, TensorType
 from kiln.ops import prims
 from kiln.ops.attrs import (
     BroadcastAttrs,
@@ -82,8 +82,8 @@ def check_dims(op: Op, dims: Sequence[int], rank: int, *, increasing: bool = Fal
 
 
 def sizes_differ(a: Dim, b: Dim) -> bool:
-    """Whether two sizes are known to differ; a symbolic size may equal anything until guarded."""
-    return isinstance(a, int) and isinstance(b, int) and a != b
+    """Whether two sizes differ (for symbolic sizes: at the captured sizes, guarded)."""
+    return bool(a != b)
 
 
 def shapes_differ(a: Sequence[Dim], b: Sequence[Dim]) -> bool:
@@ -91,11 +91,11 @@ def shapes_differ(a: Sequence[Dim], b: Sequence[Dim]) -> bool:
 
 
 def add_sizes(*sizes: Dim) -> Dim:
-    """The sum of sizes; symbolic (named by the expression) when any term is."""
-    ints = [size for size in sizes if isinstance(size, int)]
-    if len(ints) == len(sizes):
-        return sum(ints)
-    return SymDim("+".join(map(repr, sizes)))
+    """The sum of sizes; symbolic when any term is."""
+    total: Dim = 0
+    for size in sizes:
+        total = total + size
+    return total
 
 
 def result(x: TensorType, shape: Sequence[Dim]) -> TensorType:

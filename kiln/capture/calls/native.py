@@ -18,6 +18,8 @@ from kiln.capture.core.breaks import BreakReason, GraphBreak
 from kiln.capture.core.frame import Frame
 from kiln.capture.core.iteration import SymbolicIterator, items_of
 from kiln.capture.guards.sources import Item
+from kiln.frontends.proxy import dispatch as dispatch_traced
+from kiln.ir.symbolic import Sym
 from kiln.ops.translations import lookup
 
 # Modules whose C functions are pure enough to run natively on capture values.
@@ -99,8 +101,8 @@ def runs_natively(fn: types.FunctionType) -> bool:
     if lookup(fn) is not None:
         return True
     module = fn.__module__ or ""
-    if module.startswith("kiln.capture."):
-        return True  # capture's own stand-ins met by user code (a Function's ctx)
+    if module.startswith("kiln.capture.") or module in ("kiln.ir.symbolic", "kiln.frontends.proxy"):
+        return True  # capture's own stand-ins met by user code (a Function's ctx, sizes)
     if module.split(".")[0] in _NATIVE_PYTHON_MODULES:
         return True
     if module == "torch" or module.startswith("torch."):
@@ -133,7 +135,36 @@ def native(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
             raise GraphBreak(BreakReason.UNSUPPORTED_CALL, what)
     args = tuple(materialize(session, arg) for arg in args)
     kwargs = {key: materialize(session, value) for key, value in kwargs.items()}
+    if _has_symbolic_size((args, kwargs)):
+        traced = _traced_torch_call(fn, args, kwargs)
+        if traced is not None:
+            return traced()
     return fn(*args, **kwargs)
+
+
+def _has_symbolic_size(values: Any) -> bool:
+    if isinstance(values, Sym):
+        return True
+    if isinstance(values, tuple | list):
+        return any(_has_symbolic_size(item) for item in values)
+    if isinstance(values, dict):
+        return any(_has_symbolic_size(item) for item in values.values())
+    return False
+
+
+def _traced_torch_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A torch call given a symbolic size (``torch.arange(n)``, ``x.view(b, -1)``), which
+    torch's argument parser would refuse before any override sees it: it goes straight to the
+    proxies' dispatch (a translation keeps the size symbolic). None for other calls (a Python
+    function given a size: the size's int specializes it, guarded)."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.Tensor) and hasattr(torch.Tensor, getattr(fn, "__name__", "")):
+        method = getattr(torch.Tensor, fn.__name__)
+        return lambda: dispatch_traced(method, (owner, *args), kwargs)
+    module = getattr(fn, "__module__", None) or getattr(owner, "__name__", "") or ""
+    if module == "torch" or module.startswith("torch.") or owner is torch._C._VariableFunctions:
+        return lambda: dispatch_traced(fn, args, kwargs)
+    return None
 
 
 def materialize(session: Any, value: Any) -> Any:

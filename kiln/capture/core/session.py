@@ -36,11 +36,13 @@ from kiln.capture.guards.guards import (
     global_state,
     storages_separate,
 )
+from kiln.capture.guards.sizes import SizeGuard, SizePolicy
 from kiln.capture.guards.sources import Attr, Source
 from kiln.frontends.proxy import ProxyTensor
 from kiln.frontends.source import user_location
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, InputKind, Value
+from kiln.ir.symbolic import ShapeEnv
 from kiln.ir.types import TensorType
 
 try:  # NumPy scalars (a metric's float32) are values like Python numbers
@@ -126,9 +128,17 @@ class Session:
     """One capture of one frame (restarted from scratch at each graph break it discovers)."""
 
     def __init__(
-        self, name: str, break_at: int | None = None, router: Callable[[Any], Any] | None = None
+        self,
+        name: str,
+        break_at: int | None = None,
+        router: Callable[[Any], Any] | None = None,
+        sizes: SizePolicy | None = None,
     ) -> None:
         self.graph = Graph(name=name)
+        # Symbolic sizes: which input dims are symbolic (the code object's policy), and the
+        # symbols and the guards decided on them during this capture.
+        self.size_policy = sizes if sizes is not None else SizePolicy(dynamic=False)
+        self.shapes = ShapeEnv(location=_reason)
         self.builder = GraphBuilder(self.graph)
         self.guards: dict[Guard, None] = {}
         self.sources: dict[int, Source] = {}
@@ -201,6 +211,12 @@ class Session:
         self.remember(value, source)
         return value
 
+    def guard_sizes(self) -> None:
+        """Add the guard on symbolic sizes (when the capture has any): call once, last."""
+        guard = SizeGuard.of(self.shapes)
+        if guard is not None:
+            self.add_guard(guard)
+
     def guard_contents(self, value: Any) -> None:
         """The code reads what a list or dict argument holds: guard its length or keys (as
         they were when the call began, if the code has mutated it since)."""
@@ -231,13 +247,23 @@ class Session:
             if first != source:
                 self.add_guard(Aliasing(source, reason, first, same=True))
             return known
-        self.add_guard(TensorMatch.of(source, tensor, reason))
         kind = InputKind.PARAMETER if isinstance(tensor, torch.nn.Parameter) else InputKind.USER
         if kind is InputKind.USER and "_buffers" in str(source):
             kind = InputKind.BUFFER
-        value = self.graph.add_input(
-            TensorType.of(tensor), name=_input_name(source), kind=kind, source=str(source)
-        )
+        type_ = TensorType.of(tensor)
+        symbolic: dict[int, Any] = {}
+        if kind is InputKind.USER and tensor.is_contiguous():
+            # (a non-contiguous input stays static: its strides are not a function of sizes)
+            for dim, choice in self.size_policy.choose(str(source), tensor).items():
+                size = tensor.shape[dim]
+                symbolic[dim] = self.shapes.size(
+                    source, dim, size, choice.reason, choice.low, choice.high
+                )
+        if symbolic:
+            shape = tuple(symbolic.get(d, size) for d, size in enumerate(tensor.shape))
+            type_ = type_.with_(shape=shape)
+        self.add_guard(TensorMatch.of(source, tensor, reason, frozenset(symbolic)))
+        value = self.graph.add_input(type_, name=_input_name(source), kind=kind, source=str(source))
         proxy = ProxyTensor(value)
         proxy._input_type = type(tensor)  # type(x) answers this for the input itself
         if isinstance(tensor, torch.nn.Parameter):

@@ -35,6 +35,7 @@ from kiln.capture.driver import resume
 from kiln.capture.driver.convert import Capture, Skip, capture_frame, param_names
 from kiln.capture.guards import native_guards
 from kiln.capture.guards.guards import compile_guards, wants_native
+from kiln.capture.guards.sizes import SizePolicy
 from kiln.capture.guards.sources import safe_name
 from kiln.config import logger
 from kiln.ir.graph import Graph
@@ -102,6 +103,15 @@ class CodeCache:
     skip: BreakRecord | None = None
     routed: types.CodeType | None = None  # the original code with calls routed (for skips)
     warned: bool = False  # the recompile-limit warning was given
+    # Which input dims are symbolic, per module instance for methods (two Linear layers
+    # share forward's code: their inputs' sizes differ, but never change).
+    sizes: dict[int | None, SizePolicy] = field(default_factory=dict)
+
+    def size_policy(self, owner: int | None) -> SizePolicy:
+        policy = self.sizes.get(owner)
+        if policy is None:
+            policy = self.sizes[owner] = SizePolicy(dynamic=self.compiler.options.dynamic)
+        return policy
 
 
 # Keyed by the code object's identity (code objects compare equal by value) and the compiler.
@@ -125,6 +135,7 @@ def reset() -> None:
         for _, cache in _CACHES.values():  # emptied in place: live wrappers hold them
             cache.entries.clear()
             cache.skip = None
+            cache.sizes.clear()
             cache.routed = None
         _WRAPPERS.clear()
         counters.reset()
@@ -336,7 +347,12 @@ def _compile_entry(
     try:
         with preserved_random_state():
             capture = capture_frame(
-                fn, values, compiler, router(compiler), compiler.options.fullgraph
+                fn,
+                values,
+                compiler,
+                router(compiler),
+                compiler.options.fullgraph,
+                cache.size_policy(owner),
             )
     except Skip as skip:
         if compiler.options.strict and skip.reason is SkipReason.BACKEND_ERROR:

@@ -38,6 +38,7 @@ from kiln.capture.core.session import Session
 from kiln.capture.driver.reconstruct import Reconstructor, Unreconstructible
 from kiln.capture.driver.resume import OPERATIONS, OPERATORS, emit_break
 from kiln.capture.guards.guards import Guard, Identity
+from kiln.capture.guards.sizes import SizePolicy, size_expression
 from kiln.capture.guards.sources import Binder, FunctionAttr, Local, safe_name
 from kiln.errors import SourceLocation
 from kiln.frontends.proxy import TraceMode
@@ -45,6 +46,7 @@ from kiln.frontends.source import set_user_location
 from kiln.frontends.trace import _compiling
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.op import Op
+from kiln.ir.symbolic import ShapeEnv, active_env
 from kiln.ops import prims
 
 MAX_RESTARTS = 8
@@ -80,6 +82,9 @@ class Capture:
     saved: list[str] = field(default_factory=list)  # values kept for the backward, if any
     # The rest of the frame after a break that runs as original code (explain lists it).
     uncompiled: list[BreakRecord] = field(default_factory=list)
+    # Symbolic sizes: the symbols, where each was read and why it is symbolic, the guards
+    # decided on them and where capture specialized one.
+    shapes: ShapeEnv | None = None
 
 
 def arg_names(code: types.CodeType) -> tuple[str, ...]:
@@ -101,6 +106,7 @@ def capture_frame(
     compile_graph: Any,
     router: Callable[[Any], Any],
     fullgraph: bool = False,
+    sizes: SizePolicy | None = None,
 ) -> Capture:
     """Capture ``fn`` called with argument locals ``values``; raise :class:`Skip` when the
     frame must run uncompiled, :class:`FullGraphError` when ``fullgraph`` and a break is needed.
@@ -110,7 +116,7 @@ def capture_frame(
     first_break: GraphBreak | None = None
     for _ in range(MAX_RESTARTS):
         try:
-            return _capture_once(fn, values, break_at, first_break, compile_graph, router)
+            return _capture_once(fn, values, break_at, first_break, compile_graph, router, sizes)
         except Restart as restart:
             if fullgraph:
                 error = restart.error
@@ -136,6 +142,7 @@ def _capture_once(
     first_break: GraphBreak | None,
     compile_graph: Any,
     router: Callable[[Any], Any],
+    sizes: SizePolicy | None = None,
 ) -> Capture:
     code = fn.__code__
     if code.co_flags & (CO_GENERATOR | CO_ASYNC):
@@ -148,7 +155,7 @@ def _capture_once(
         if iterator is not None:
             detail = f"{name!r} is or holds a {type(iterator).__name__}"
             raise Skip(SkipReason.ITERATOR_ARGUMENT, detail)
-    session = Session(_graph_name(code), break_at, router)
+    session = Session(_graph_name(code), break_at, router, sizes)
     names = arg_names(code)
     binder = Binder()
     with _capturing(session):
@@ -180,6 +187,7 @@ def _capture_once(
                 if proxy._mutations:  # in-place updates of inputs, written back after the graph
                     session.graph.mutations.append((proxy._initial, proxy.current()))
             rebuild.outputs[:] = [_unaliased(session.graph, value) for value in rebuild.outputs]
+            session.guard_sizes()
         finally:
             session.undo()
             set_user_location(None)
@@ -189,13 +197,18 @@ def _capture_once(
     if not session.guard_distinct_mutated_inputs():
         raise Skip(SkipReason.ALIASED_MUTATION, "an input written in place shares memory")
     runner = None
+    graph.symbols = tuple(session.shapes.symbols)
     if graph.nodes or graph.outputs or graph.mutations:
         try:
             graph, compiled = compile_graph(graph)
         except Exception as error:  # (re-raised by the cache in strict mode)
             raise Skip(SkipReason.BACKEND_ERROR, f"{type(error).__name__}: {error}") from error
         runner = GraphRunner(graph, compiled)
-        call = f"___out = {binder.bind(runner, 'graph')}({_input_list(session, binder)})"
+        sizes = "".join(
+            f"{size_expression(symbol, session.shapes, lambda source: source.expr(binder))}, "
+            for symbol in session.shapes.symbols.values()
+        )
+        call = f"___out = {binder.bind(runner, 'graph')}({_input_list(session, binder)}, ({sizes}))"
         body = [call, *body]
     source = _head_source(param_names(code), body)
     scope = dict(binder.names)
@@ -210,6 +223,7 @@ def _capture_once(
         breaks=plan.breaks,
         resumes=plan.resumes,
         uncompiled=plan.uncompiled,
+        shapes=session.shapes if session.shapes.symbols else None,
     )
 
 
@@ -229,7 +243,7 @@ class _capturing:
                 id(tensor) in session.constant_tensors or id(tensor) in session.input_proxies
             ),
         )
-        for ctx in (self.session.builder, _compiling(), mode):
+        for ctx in (self.session.builder, _compiling(), mode, active_env(session.shapes)):
             ctx.__enter__()
             self.stack.append(ctx)
 
@@ -319,8 +333,9 @@ class GraphRunner:
         position = {value: i for i, value in enumerate(graph.inputs)}
         self.mutated = [position[target] for target, _ in graph.mutations]
 
-    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        results = self.compiled(inputs)
+    def __call__(self, inputs: list[torch.Tensor], sizes: tuple[int, ...]) -> list[torch.Tensor]:
+        # (``sizes``: the values of the graph's symbols, read off the frame by the head)
+        results = self.compiled(inputs, sizes) if sizes else self.compiled(inputs)
         if self.mutated:
             with torch.no_grad():
                 for index, new in zip(self.mutated, results[self.count :], strict=True):

@@ -25,9 +25,11 @@ from torch.utils import _pytree as pytree
 from kiln.capture.core.iteration import SymbolicIterator
 from kiln.capture.core.session import ABSENT, EffectKind, Session, is_constant
 from kiln.capture.guards.guards import Identity
+from kiln.capture.guards.sizes import size_expression
 from kiln.capture.guards.sources import Binder, Source
-from kiln.frontends.proxy import ProxyTensor
+from kiln.frontends.proxy import ProxyTensor, SymbolicShape
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import Sym
 
 
 class Unreconstructible(Exception):
@@ -58,6 +60,11 @@ class Reconstructor:
             return self._memo[key]
         if isinstance(obj, ProxyTensor):
             return self._tensor(obj)
+        if isinstance(obj, Sym):  # a symbolic size: recomputed from the inputs' sizes
+            return size_expression(obj, self.session.shapes, self._source)
+        if isinstance(obj, SymbolicShape):
+            sizes = "".join(f"{self.value(size)}, " for size in obj)
+            return f"{self.binder.bind(torch.Size, 'Size')}(({sizes}))"
         if _is_bound_method(obj):  # e.g. ``x.item`` of a proxy: re-read it off the new value
             return f"getattr({self.value(obj.__self__)}, {obj.__name__!r})"
         if is_constant(obj):

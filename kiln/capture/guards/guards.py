@@ -48,47 +48,65 @@ class Guard:
 
 @dataclass(frozen=True)
 class TensorMatch(Guard):
-    """Type, dtype, device, shape, strides and requires_grad of a tensor."""
+    """Type, dtype, device, shape, strides and requires_grad of a tensor. A symbolic dim is
+    ``None`` in ``shape`` (its size is checked by the capture's ``SizeGuard``); a tensor with
+    one has ``stride`` None, and must be contiguous."""
 
     kind: type = torch.Tensor
     dtype: torch.dtype = torch.float32
     device: torch.device = CPU
-    shape: tuple[int, ...] = ()
-    stride: tuple[int, ...] = ()
+    shape: tuple[int | None, ...] = ()
+    stride: tuple[int, ...] | None = ()
     requires_grad: bool = False
 
     rank = 3
 
     @staticmethod
-    def of(source: Source, tensor: torch.Tensor, reason: str = "") -> TensorMatch:
+    def of(
+        source: Source,
+        tensor: torch.Tensor,
+        reason: str = "",
+        symbolic: frozenset[int] = frozenset(),
+    ) -> TensorMatch:
+        shape = tuple(None if d in symbolic else size for d, size in enumerate(tensor.shape))
         return TensorMatch(
             source,
             reason,
             type(tensor),
             tensor.dtype,
             tensor.device,
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
+            shape,
+            None if symbolic else tuple(tensor.stride()),
             tensor.requires_grad,
         )
 
     def check(self, binder: Binder) -> str:
         assert self.source is not None
         v = binder.fresh("t")
+        if self.stride is None:
+            sizes = [
+                f"{v}.size({d}) == {size}" for d, size in enumerate(self.shape) if size is not None
+            ]
+            layout = " and ".join(
+                [f"{v}.dim() == {len(self.shape)}", *sizes, f"{v}.is_contiguous()"]
+            )
+        else:
+            layout = f"{v}.shape == {self.shape!r} and {v}.stride() == {self.stride!r}"
         return (
             f"type({v} := {self.source.expr(binder)}) is {binder.bind(self.kind, 'T')} "
             f"and {v}.dtype is {binder.bind(self.dtype, 'dtype')} "
             f"and {v}.device == {binder.bind(self.device, 'device')} "
-            f"and {v}.shape == {self.shape!r} and {v}.stride() == {self.stride!r} "
+            f"and {layout} "
             f"and {v}.requires_grad is {self.requires_grad}"
         )
 
     def describe(self) -> str:
         grad = ", requires_grad" if self.requires_grad else ""
         dtype = str(self.dtype).removeprefix("torch.")
+        shape = ["*" if size is None else size for size in self.shape]
+        stride = "contiguous" if self.stride is None else f"stride={list(self.stride)}"
         return (
-            f"{self.source}: {self.kind.__name__}[{dtype}, {list(self.shape)}, "
-            f"stride={list(self.stride)}, {self.device}{grad}]"
+            f"{self.source}: {self.kind.__name__}[{dtype}, {shape}, {stride}, {self.device}{grad}]"
         )
 
 
@@ -351,7 +369,12 @@ class NativeTensorCheck(Guard):
 
 
 def _tensor_guards(guards: Sequence[Guard]) -> list[TensorMatch]:
-    return [g for g in guards if type(g) is TensorMatch and g.source is not None]
+    """The tensor guards the native check can take (static sizes and strides)."""
+    return [
+        g
+        for g in guards
+        if type(g) is TensorMatch and g.source is not None and g.stride is not None
+    ]
 
 
 def wants_native(guards: Sequence[Guard]) -> bool:

@@ -13,7 +13,8 @@ import torch
 
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Value
-from kiln.ir.types import Shape, concrete_shape
+from kiln.ir.symbolic import Sym
+from kiln.ir.types import Shape, hint_shape
 from kiln.ops import prims
 
 Operand = Value | bool | int | float
@@ -40,10 +41,10 @@ def normalize_dims(dims: int | Sequence[int] | None, rank: int, op: str = "op") 
 
 
 def _meta(operand: Any) -> Any:
-    if isinstance(operand, Value):
-        return torch.empty(
-            concrete_shape(operand.type.shape), dtype=operand.type.dtype, device="meta"
-        )
+    if isinstance(operand, Value):  # (only the rank and dtype matter: sizes at their hints)
+        return torch.empty(hint_shape(operand.type.shape), dtype=operand.type.dtype, device="meta")
+    if isinstance(operand, Sym):
+        return operand.hint  # (an int, whatever its value)
     return operand
 
 

@@ -31,7 +31,7 @@ from kiln.ops import prims
 from kiln.ops.sampling import ALL, NUMERIC, make_tensor
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
-from kiln.ops.translations.table import Call, CallFn, FallbackToExtern, translation
+from kiln.ops.translations.table import Call, CallFn, translation
 
 Dims = int | Sequence[int] | None
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -75,10 +75,9 @@ def expand_back(reduced: Value, like: Value, dims: tuple[int, ...]) -> Value:
     return common.broadcast_to(keep(reduced, dims, True), like.type.shape)
 
 
-def static(size: Dim) -> int:
-    """A size as an int; a symbolic one is not expressed here (the call runs as PyTorch's)."""
-    if not isinstance(size, int):
-        raise FallbackToExtern
+def static(size: Dim) -> Dim:
+    """A size for a translation's arithmetic: an int, or a symbolic size (arithmetic on it
+    builds an expression, a comparison guards it, and ``int()`` specializes it)."""
     return size
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import Sym
 from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.sampling import ALL
@@ -36,15 +37,12 @@ from kiln.ops.translations.table import CallFn, FallbackToExtern, lookup, transl
 # helpers shared by the movement translations
 
 
-def shape_of(value: Value) -> tuple[int, ...]:
-    """The concrete shape of ``value``; a symbolic dim sends the call to an extern node."""
-    shape = tuple(size for size in value.type.shape if isinstance(size, int))
-    if len(shape) != value.type.rank:
-        raise FallbackToExtern
-    return shape
+def shape_of(value: Value) -> tuple[Dim, ...]:
+    """The shape of ``value`` (symbolic sizes included: see :mod:`kiln.ir.symbolic`)."""
+    return tuple(value.type.shape)
 
 
-def numel_of(value: Value) -> int:
+def numel_of(value: Value) -> Dim:
     return math.prod(shape_of(value))
 
 
@@ -58,7 +56,7 @@ def shape_args(args: Sequence[Any]) -> tuple[int, ...]:
     """A shape given as varargs (``view(2, 3)``) or as one sequence (``view((2, 3))``)."""
     if len(args) == 1 and isinstance(args[0], Sequence):
         args = args[0]
-    return tuple(operator.index(size) for size in args)
+    return tuple(size if isinstance(size, Sym) else operator.index(size) for size in args)
 
 
 def infer_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:

@@ -1,0 +1,125 @@
+"""Which input sizes a capture keeps symbolic, and the guard that checks symbolic sizes.
+
+The policy is torch.compile's *automatic dynamic shapes*: the first capture of a code object is
+static. When a later call of it has an input whose size changed in some dim, that dim is
+symbolic from the recapture on (the reason says which sizes made it so). ``dynamic=True`` makes
+every dim of every input tensor symbolic from the first call, ``dynamic=False`` none.
+``kiln.mark_dynamic(t, dim, min, max)`` and ``kiln.mark_static(t, dim)`` decide per tensor.
+Sizes 0 and 1 are always specialized; parameters and buffers are always static.
+
+:class:`SizeGuard` binds each symbol from the first input dim it was read from, checks every
+other dim it stands for against it, checks the range every symbol was assumed to be in, and
+then the relations capture decided on (``s0 - 1024 < 0``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.capture.guards.guards import Guard
+from kiln.capture.guards.sources import Binder, Source
+from kiln.ir.symbolic import Relation, ShapeEnv, Sym
+
+
+@dataclass(frozen=True)
+class DimChoice:
+    """Why one dim is symbolic, and the range the user declared for it."""
+
+    reason: str
+    low: int = 2
+    high: int | None = None
+
+
+@dataclass
+class SizePolicy:
+    """The automatic-dynamic state of one code object's cache."""
+
+    dynamic: bool | None = None
+    seen: dict[str, tuple[int, ...]] = field(default_factory=dict)  # sizes at first capture
+    automatic: dict[str, dict[int, str]] = field(default_factory=dict)
+
+    def choose(self, source: str, tensor: torch.Tensor) -> dict[int, DimChoice]:
+        """The dims of the input ``tensor`` read through ``source`` to keep symbolic."""
+        sizes = tuple(tensor.shape)
+        static = set(getattr(tensor, "_kiln_static", ()))
+        marked: dict[int, tuple[int | None, int | None]] = getattr(tensor, "_kiln_dynamic", {})
+        if self.dynamic is False:
+            return {}
+        chosen: dict[int, DimChoice] = {}
+        if self.dynamic:
+            for dim in range(len(sizes)):
+                chosen[dim] = DimChoice("dynamic=True")
+        previous = self.seen.setdefault(source, sizes)
+        if len(previous) == len(sizes):
+            changed = self.automatic.setdefault(source, {}) if previous != sizes else {}
+            for dim, (before, now) in enumerate(zip(previous, sizes, strict=True)):
+                if before != now and dim not in changed:
+                    changed[dim] = f"size changed from {before} to {now} (a recompile)"
+        for dim, reason in self.automatic.get(source, {}).items():
+            chosen.setdefault(dim, DimChoice(reason))
+        for dim, (low, high) in marked.items():
+            chosen[dim] = DimChoice("kiln.mark_dynamic", max(low or 2, 2), high)
+        return {
+            dim: choice
+            for dim, choice in chosen.items()
+            if dim not in static and dim < len(sizes) and sizes[dim] >= 2
+        }
+
+
+@dataclass(frozen=True)
+class SizeGuard(Guard):
+    """The symbolic sizes of one capture: bindings, ranges and decided relations."""
+
+    bindings: tuple[tuple[str, tuple[tuple[Source, int], ...], int, int | None], ...] = ()
+    relations: tuple[Relation, ...] = ()
+
+    rank = 4
+
+    @staticmethod
+    def of(env: ShapeEnv) -> SizeGuard | None:
+        if not env.symbols:
+            return None
+        bindings = []
+        for name, sym in env.symbols.items():
+            ((monomial, _),) = sym.terms
+            symbol = monomial[0]
+            places = tuple(dict.fromkeys(env.sources[name]))
+            bindings.append((name, places, symbol.low, symbol.high))  # type: ignore[union-attr]
+        return SizeGuard(None, "symbolic sizes", tuple(bindings), tuple(env.relations))
+
+    def check(self, binder: Binder) -> str:
+        names = {name: binder.fresh(name) for name, *_ in self.bindings}
+        parts: list[str] = []
+        for name, places, low, high in self.bindings:
+            (first, dim), *others = places
+            local = names[name]
+            parts.append(f"({local} := {first.expr(binder)}.size({dim})) >= {low}")
+            if high is not None:
+                parts.append(f"{local} <= {high}")
+            parts += [f"{source.expr(binder)}.size({d}) == {local}" for source, d in others]
+        for relation in self.relations:
+            parts.append(relation.text(lambda symbol: names[symbol.name]))
+        return " and ".join(parts) or "True"
+
+    def describe(self) -> str:
+        lines = []
+        for name, places, low, high in self.bindings:
+            where = " == ".join(f"{source}.size({dim})" for source, dim in places)
+            bound = f"{low} <= {name}" + (f" <= {high}" if high is not None else "")
+            lines.append(f"{name} = {where} ({bound})")
+        lines += [relation.text() for relation in self.relations]
+        return "sizes: " + "; ".join(lines)
+
+
+def size_expression(value: Sym, env: ShapeEnv, tensor_expression: Any) -> str:
+    """Python source computing ``value`` on a call: each symbol read off the input it was
+    bound from (``tensor_expression(source)`` gives that tensor's expression)."""
+
+    def name_of(symbol: Any) -> str:
+        source, dim = env.sources[symbol.name][0]
+        return f"{tensor_expression(source)}.size({dim})"
+
+    return f"({value.format(name_of)})"

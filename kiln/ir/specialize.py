@@ -1,0 +1,83 @@
+"""Graphs with symbolic sizes: which symbols they use, how to bind them from a call's inputs,
+and the same graph with every symbol replaced by its value.
+
+A captured graph's input types may have symbolic dims (``f32[s0, 768]``); so may its node
+attributes (``reshape(t0, shape=(s0, 12, 64))``) and scalar operands (``mul(t1, s0)``). Every
+symbol is a dim of some input, so the sizes of a call's inputs bind them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from kiln.ir.graph import Graph, Node, Value
+from kiln.ir.symbolic import Sym, substitute
+from kiln.ir.types import TensorType
+
+
+def specialize(graph: Graph, values: Mapping[str, int]) -> Graph:
+    """A copy of ``graph`` with every symbol replaced by its value in ``values``."""
+    result = Graph(name=graph.name, constants=dict(graph.constants), output_spec=graph.output_spec)
+    result.symbols = ()
+    renamed: dict[Value, Value] = {}
+
+    def typed(kind: TensorType) -> TensorType:
+        return kind.with_(shape=tuple(substitute(dim, values) for dim in kind.shape))
+
+    for value in graph.inputs:
+        copy = Value(value.name, typed(value.type), kind=value.kind, source=value.source)
+        renamed[value] = copy
+        result.inputs.append(copy)
+    for node in graph.nodes:
+        inputs = tuple(
+            renamed[item] if isinstance(item, Value) else substitute(item, values)
+            for item in node.inputs
+        )
+        copy = Node(
+            node.op, inputs, substitute_deep(node.attrs, values), (), node.origin, node.recompute
+        )
+        copy.outputs = tuple(Value(out.name, typed(out.type), copy) for out in node.outputs)
+        renamed.update(zip(node.outputs, copy.outputs, strict=True))
+        result.nodes.append(copy)
+    result.outputs = [renamed[value] for value in graph.outputs]
+    result.mutations = [(renamed[a], renamed[b]) for a, b in graph.mutations]
+    result._names = set(graph._names)
+    result._counter = graph._counter
+    return result
+
+
+def substitute_deep(value: Any, values: Mapping[str, int]) -> Any:
+    """``value`` with symbols replaced, through tuples, lists and dataclasses."""
+    if isinstance(value, Sym):
+        return substitute(value, values)
+    if isinstance(value, Graph):  # (an autograd.Function's backward, captured with the graph)
+        return specialize(value, values) if _mentions_symbols(value) else value
+    if type(value) in (tuple, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
+        items = [substitute_deep(item, values) for item in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return list(items) if type(value) is list else tuple(items)  # (a symbolic shape too)
+    if type(value) is dict:
+        changed = {key: substitute_deep(item, values) for key, item in value.items()}
+        return value if all(changed[k] is value[k] for k in value) else changed
+    if isinstance(value, Value | Node):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {}
+        for field in dataclasses.fields(value):
+            if not field.init:
+                continue
+            old = getattr(value, field.name)
+            new = substitute_deep(old, values)
+            if new is not old:
+                changes[field.name] = new
+        return dataclasses.replace(value, **changes) if changes else value
+    return value
+
+
+def _mentions_symbols(graph: Graph) -> bool:
+    return any(value.type.is_symbolic for value in graph.inputs) or any(
+        out.type.is_symbolic for node in graph.nodes for out in node.outputs
+    )
