@@ -22,6 +22,8 @@ from kiln.api import (
     counters,
     explain,
     graph_break,
+    mark_dynamic,
+    mark_static,
     reset,
 )
 from kiln.errors import KilnError, TraceError
@@ -42,6 +44,8 @@ __all__ = [
     "counters",
     "explain",
     "graph_break",
+    "mark_dynamic",
+    "mark_static",
     "reset",
     "run_traced",
     "trace",

@@ -19,8 +19,9 @@ from kiln.backends import get_backend
 from kiln.capture.calls.builtins import graph_break
 from kiln.capture.core.breaks import BreakReason, SkipReason
 from kiln.capture.driver.cache import compiled_function, counters, reset
-from kiln.capture.driver.explain import ExplainReport
+from kiln.capture.driver.explain import ExplainReport, compiled_so_far
 from kiln.capture.driver.explain import explain as _explain
+from kiln.capture.guards.sizes import mark_dynamic, mark_static
 from kiln.options import Options
 from kiln.pipeline import Pipeline
 from kiln.runtime.triton_build import start_workers
@@ -33,6 +34,8 @@ __all__ = [
     "counters",
     "explain",
     "graph_break",
+    "mark_dynamic",
+    "mark_static",
     "reset",
 ]
 
@@ -113,11 +116,16 @@ class CompiledModule(torch.nn.Module):
         return getattr(self._modules["_orig_mod"], name)
 
 
-def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExplainReport:
+def explain(fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> ExplainReport:
     """Run ``fn(*args, **kwargs)`` compiled, from fresh caches, and report what capture did:
     graphs, graph breaks (reason, file, line, source text), frames run uncompiled, externs
-    and guards, and the kernels each graph compiled to (the forward's; a backward compiles
-    when it first runs). ``fn`` may be plain or already compiled."""
+    and guards, symbolic sizes, and the kernels each graph compiled to (the forward's; a
+    backward compiles when it first runs). ``fn`` may be plain or already compiled.
+
+    ``kiln.explain()`` without arguments reports every capture this process has made so far
+    (a running program's recompiles, and which sizes they made symbolic, and why)."""
+    if fn is None:
+        return compiled_so_far()
     return _explain(lambda: compile(_original(fn)), *args, **kwargs)
 
 

@@ -569,12 +569,19 @@ class Relation:
         )
 
     def text(self, name_of: Callable[[Symbol], str] = repr) -> str:
-        expression = self.expression
-        # move the constant to the right: "s0 - 7 == 0" prints "s0 == 7"
+        """Python source of the check, written the way a person would (``s0 > 8``)."""
+        expression, relation = self.expression, self.relation
+        if all(coef < 0 for mono, coef in expression.terms if mono):
+            negated = -expression
+            assert isinstance(negated, Sym)
+            expression, relation = negated, _FLIPPED[relation]
         constant = expression.constant
         rest = expression - constant
         left = rest.format(name_of) if isinstance(rest, Sym) else str(rest)
-        return f"{left} {self.relation} {-constant}"
+        return f"{left} {relation} {-constant}"
+
+
+_FLIPPED = {"==": "==", "!=": "!=", "<": ">", ">=": "<="}
 
 
 @dataclass

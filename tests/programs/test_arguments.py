@@ -170,6 +170,11 @@ def eager_then_kiln(fn):
     return kiln.compile(fn, backend="kiln")
 
 
+def static_with_limit(limit):
+    """Compiled with every size static, so that each new shape is a recompile."""
+    return lambda fn: kiln.compile(fn, dynamic=False, options={"recompile_limit": limit})
+
+
 def two_limits(fn):
     """The same function under two recompile limits: the limit of 1 is used for the run."""
     kiln.compile(fn, options={"recompile_limit": 8})(torch.randn(3, 8))
@@ -234,7 +239,7 @@ PROGRAMS = [
         many_shapes,
         variants=(0, 1, 2, 3, 1),
         graphs=(1, 1, 0, 0, 0),
-        options={"recompile_limit": 2},
+        compile=static_with_limit(2),
         skips=(LIMIT,),
     ),
     Program(
@@ -253,7 +258,7 @@ PROGRAMS = [
         # past the limit the caller runs uncompiled and its callee, Sequential.forward,
         # compiles under its own limit
         graphs=(1, 1, 1, 1),
-        options={"recompile_limit": 3},
+        compile=static_with_limit(3),
         skips=(LIMIT,),
     ),
     Program(

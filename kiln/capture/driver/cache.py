@@ -47,6 +47,7 @@ _log_breaks = logger("graph_breaks")
 _log_recompiles = logger("recompiles")
 _log_guards = logger("guards")
 _log_graph = logger("graph")
+_log_dynamic = logger("dynamic")
 
 
 class GraphCompiler(Protocol):
@@ -386,6 +387,14 @@ def _install(
     for record in capture.uncompiled:
         counters.fallbacks.append(record)
         _log_breaks.info("running part of %s uncompiled: %s", record.function, record)
+    if capture.shapes is not None:
+        from kiln.capture.driver.explain import size_lines
+
+        _log_dynamic.info(
+            "symbolic sizes of %s:\n%s",
+            fn.__qualname__,
+            "\n".join(f"  {line}" for line in size_lines(capture.shapes)),
+        )
     if capture.graph is not None:
         from kiln.ir.printer import format_graph
 

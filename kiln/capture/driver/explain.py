@@ -14,6 +14,7 @@ from kiln.capture.driver.cache import Captured
 from kiln.capture.driver.convert import Capture
 from kiln.ir.graph import Graph
 from kiln.ir.op import Op
+from kiln.ir.symbolic import ShapeEnv
 from kiln.ops.autograd_function import function_outputs
 from kiln.ops.untracked import untracked_write
 from kiln.recording import recording as record_events
@@ -36,6 +37,9 @@ class ExplainReport:
     kernels: list[str] = field(
         default_factory=list
     )  # kernels and extern calls, with what they fuse
+    # Symbolic sizes: each symbol, where it is read and why it is symbolic; each place capture
+    # had to specialize one (``int(n)``); the guards on sizes are among ``guards``.
+    sizes: list[str] = field(default_factory=list)
 
     @property
     def graph_count(self) -> int:
@@ -64,6 +68,9 @@ class ExplainReport:
         if self.kernels:
             lines.append("kernels:")
             lines += [f"  {line}" for line in self.kernels]
+        if self.sizes:
+            lines.append("symbolic sizes:")
+            lines += [f"  {line}" for line in self.sizes]
         if self.externs:
             lines.append("externs (torch functions run as opaque calls):")
             lines += [f"  {name}" for name in self.externs]
@@ -130,4 +137,29 @@ def report_of(events: list[Any]) -> ExplainReport:
                     )
         report.guards += [f"[{name}] {guard}" for guard in item.guards]
         report.saved += [f"[{name}] {value}" for value in item.saved]
+        if item.shapes is not None:
+            report.sizes += [f"[{name}] {line}" for line in size_lines(item.shapes)]
     return report
+
+
+def size_lines(shapes: ShapeEnv) -> list[str]:
+    """What ``explain`` and ``KILN_LOG=dynamic`` say about one capture's symbolic sizes."""
+    lines = []
+    for name in shapes.symbols:
+        where = " == ".join(f"{source}.size({dim})" for source, dim in shapes.sources[name])
+        lines.append(f"{name} = {where}: {shapes.reasons[name]}")
+    for expression, why in dict.fromkeys(shapes.specializations):
+        lines.append(f"specialized {expression}: {why}")
+    return lines
+
+
+def compiled_so_far() -> ExplainReport:
+    """The report of every cache entry compiled so far in this process (the captures a
+    running program made, including the recompiles that made sizes symbolic)."""
+    events: list[Any] = []
+    for code, code_cache in list(cache._CACHES.values()):
+        for entry in reversed(code_cache.entries):
+            events.append(Captured(code.co_qualname, entry.capture))
+        if code_cache.skip is not None:
+            events.append(Captured(code_cache.skip.function, code_cache.skip))
+    return report_of(events)

@@ -103,11 +103,27 @@ class TensorMatch(Guard):
     def describe(self) -> str:
         grad = ", requires_grad" if self.requires_grad else ""
         dtype = str(self.dtype).removeprefix("torch.")
-        shape = ["*" if size is None else size for size in self.shape]
+        shape = ", ".join("*" if size is None else str(size) for size in self.shape)
         stride = "contiguous" if self.stride is None else f"stride={list(self.stride)}"
-        return (
-            f"{self.source}: {self.kind.__name__}[{dtype}, {shape}, {stride}, {self.device}{grad}]"
-        )
+        kind = self.kind.__name__
+        return f"{self.source}: {kind}[{dtype}, [{shape}], {stride}, {self.device}{grad}]"
+
+    def mismatch(self, tensor: Any) -> str:
+        """What differs in ``tensor`` (the first thing), naming the dim for a size."""
+        if type(tensor) is not self.kind:
+            return f"{self.source} is a {type(tensor).__name__}, not a {self.kind.__name__}"
+        for what in ("dtype", "device", "requires_grad"):
+            now, expected = getattr(tensor, what), getattr(self, what)
+            if now != expected:
+                return f"{self.source}.{what} is {now}, expected {expected}"
+        if tensor.dim() != len(self.shape):
+            return f"{self.source} has {tensor.dim()} dims, expected {len(self.shape)}"
+        for dim, (size, expected) in enumerate(zip(tensor.shape, self.shape, strict=True)):
+            if expected is not None and size != expected:
+                return f"{self.source}.size({dim}) is {size}, expected {expected}"
+        if self.stride is None:
+            return f"{self.source} is not contiguous"
+        return f"{self.source}.stride() is {tuple(tensor.stride())}, expected {self.stride}"
 
 
 @dataclass(frozen=True)
@@ -432,22 +448,27 @@ def compile_guards(
     exec(compile(source, "<kiln guard>", "exec"), scope)
     function = scope["___guard"]
 
-    singles: list[tuple[Guard, Callable[..., bool]]] = []
+    singles: list[tuple[Guard, Callable[..., bool], Callable[..., Any] | None]] = []
 
     def compile_singles() -> None:
-        # Only on a miss: one small function per guard, to name the first that fails.
+        # Only on a miss: one small function per guard, to name the first that fails (and,
+        # for a tensor, one reading it, to say what differs).
         for guard, check in zip(ordered, checks, strict=True):  # whole paths, no prelude
             code = f"def ___one({signature}):\n    return bool({check})\n"
+            if isinstance(guard, TensorMatch) and guard.source is not None:
+                code += f"def ___get({signature}):\n    return {guard.source.expr(binder)}\n"
             one_scope = dict(binder.names)
             exec(compile(code, "<kiln guard>", "exec"), one_scope)
-            singles.append((guard, one_scope["___one"]))
+            singles.append((guard, one_scope["___one"], one_scope.get("___get")))
 
     def first_failure(*args: Any) -> str | None:
         if not singles:
             compile_singles()
-        for guard, one in singles:
+        for guard, one, get in singles:
             try:
                 if not one(*args):
+                    if get is not None and isinstance(guard, TensorMatch):
+                        return guard.mismatch(get(*args))
                     return guard.describe()
             except Exception as error:
                 return f"{guard.describe()} ({type(error).__name__}: {error})"

@@ -14,6 +14,7 @@ then the relations capture decided on (``s0 - 1024 < 0``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,34 @@ import torch
 from kiln.capture.guards.guards import Guard
 from kiln.capture.guards.sources import Binder, Source
 from kiln.ir.symbolic import Relation, ShapeEnv, Sym
+
+
+def mark_dynamic(
+    tensor: torch.Tensor, dim: int | Sequence[int], min: int | None = None, max: int | None = None
+) -> None:
+    """Compile ``tensor``'s ``dim`` (or dims) as symbolic from its first call, for sizes in
+    ``[min, max]`` (a call outside the range recompiles). Sizes 0 and 1 stay specialized."""
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    if min is not None and max is not None and min > max:
+        raise ValueError(f"mark_dynamic: min={min} is above max={max}")
+    marked = dict(getattr(tensor, "_kiln_dynamic", {}))
+    for d in dims:
+        marked[_dim(tensor, d, "mark_dynamic")] = (min, max)
+    tensor._kiln_dynamic = marked  # type: ignore[attr-defined]
+
+
+def mark_static(tensor: torch.Tensor, dim: int | Sequence[int]) -> None:
+    """Keep ``tensor``'s ``dim`` (or dims) static, even with ``dynamic=True``."""
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    static = set(getattr(tensor, "_kiln_static", ()))
+    static.update(_dim(tensor, d, "mark_static") for d in dims)
+    tensor._kiln_static = static  # type: ignore[attr-defined]
+
+
+def _dim(tensor: torch.Tensor, dim: int, api: str) -> int:
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise IndexError(f"{api}: dim {dim} out of range for a tensor of {tensor.dim()} dims")
+    return dim % tensor.dim()
 
 
 @dataclass(frozen=True)
@@ -62,11 +91,17 @@ class SizePolicy:
             chosen.setdefault(dim, DimChoice(reason))
         for dim, (low, high) in marked.items():
             chosen[dim] = DimChoice("kiln.mark_dynamic", max(low or 2, 2), high)
+            if high is not None and not low_ok(sizes[dim], low, high):
+                chosen.pop(dim)  # (outside the declared range: this call is static there)
         return {
             dim: choice
             for dim, choice in chosen.items()
             if dim not in static and dim < len(sizes) and sizes[dim] >= 2
         }
+
+
+def low_ok(size: int, low: int | None, high: int | None) -> bool:
+    return (low is None or size >= low) and (high is None or size <= high)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,236 @@
+"""Dynamic shapes in capture: the automatic policy, explicit marks, size guards, sizes read and
+returned by Python code, and that no size change ever gives a stale result."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kiln
+
+SIZES = (3, 7, 13, 5, 28, 2, 9)
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> None:
+    kiln.reset()
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _symbols() -> list[str]:
+    return kiln.explain().sizes
+
+
+def test_a_size_change_makes_that_dim_symbolic() -> None:
+    model = _mlp()
+    compiled = kiln.compile(model)
+    with torch.no_grad():
+        for batch in SIZES:
+            x = torch.randn(batch, 6)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert kiln.counters.captures == 2  # static first, then symbolic batch
+    assert kiln.counters.recompiles == [("__call__", "L['args'][0].size(0) is 7, expected 3")]
+    assert kiln.counters.fallbacks == []
+    sizes = _symbols()
+    assert sizes == ["[__call__] s0 = L['args'][0].size(0): size changed from 3 to 7 (a recompile)"]
+
+
+def test_dynamic_true_is_symbolic_from_the_first_call() -> None:
+    model = _mlp()
+    compiled = kiln.compile(model, dynamic=True)
+    with torch.no_grad():
+        for batch in SIZES:
+            x = torch.randn(batch, 6)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert kiln.counters.captures == 1
+    assert "dynamic=True" in _symbols()[0]
+
+
+def test_dynamic_false_recompiles_per_size_and_warns_at_the_limit() -> None:
+    model = _mlp()
+    compiled = kiln.compile(model, dynamic=False, options={"recompile_limit": 3})
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for batch in SIZES:
+            x = torch.randn(batch, 6)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert kiln.counters.captures >= 3
+    assert [r.reason.name for r in kiln.counters.fallbacks][:1] == ["RECOMPILE_LIMIT"]
+    assert any("hit the recompile limit" in str(w.message) for w in caught)
+
+
+def test_mark_dynamic_and_its_range() -> None:
+    def f(x):
+        return torch.relu(x) * 2
+
+    compiled = kiln.compile(f)
+    for batch in (4, 9, 30):
+        x = torch.randn(batch, 3)
+        kiln.mark_dynamic(x, 0, min=2, max=16)
+        torch.testing.assert_close(compiled(x), f(x))
+    # 4 and 9 share one symbolic entry; 30 is above the declared maximum: a static entry
+    assert kiln.counters.captures == 2
+    assert "2 <= s0 <= 16" in " ".join(kiln.explain().guards)
+
+
+def test_mark_static_keeps_a_dim_static_under_dynamic_true() -> None:
+    def f(x):
+        return x.sum(1)
+
+    compiled = kiln.compile(f, dynamic=True)
+    for cols in (3, 5):
+        x = torch.randn(4, cols)
+        kiln.mark_static(x, 1)
+        torch.testing.assert_close(compiled(x), f(x))
+    assert kiln.counters.captures == 2  # the column count is static: 5 recompiles
+
+
+def test_sizes_zero_and_one_are_specialized() -> None:
+    compiled = kiln.compile(lambda x: x.softmax(-1), dynamic=True)
+    for batch in (4, 1, 6, 1):
+        x = torch.randn(batch, 5)
+        torch.testing.assert_close(compiled(x), x.softmax(-1))
+    assert kiln.counters.captures == 2  # batch 1 is its own (static) entry
+
+
+def test_view_with_sizes_read_in_python() -> None:
+    def f(x):
+        b, t, c = x.shape
+        heads = 2
+        q = x.view(b, t, heads, c // heads).transpose(1, 2)
+        return q.reshape(b * heads, t, -1).sum(-1) + x.size(1)
+
+    compiled = kiln.compile(f, dynamic=True)
+    for t in (3, 7, 11):
+        x = torch.randn(2, t, 8)
+        torch.testing.assert_close(compiled(x), f(x))
+    assert kiln.counters.captures == 1
+    assert kiln.counters.graph_breaks == []
+
+
+def test_a_branch_on_a_size_is_a_guarded_relation() -> None:
+    def f(x):
+        if x.shape[0] > 8:
+            return x * 2
+        return x - 1
+
+    compiled = kiln.compile(f, dynamic=True)
+    for batch in (3, 5, 12, 20, 4):
+        x = torch.randn(batch, 2)
+        torch.testing.assert_close(compiled(x), f(x))
+    assert kiln.counters.captures == 2  # one entry per side of the branch
+    guards = " ".join(kiln.explain().guards)
+    assert "s0 > 8" in guards and "s0 <= 8" in guards
+
+
+def test_range_over_a_size_specializes_it() -> None:
+    def f(x):
+        total = x[0]
+        for i in range(1, x.size(0)):
+            total = total + x[i]
+        return total
+
+    compiled = kiln.compile(f, dynamic=True)
+    for batch in (3, 4, 3):
+        x = torch.randn(batch, 5)
+        torch.testing.assert_close(compiled(x), f(x))
+    assert kiln.counters.captures == 2  # range() needs the number: one entry per size
+    assert any("specialized s0" in line for line in kiln.explain().sizes)
+
+
+def test_sizes_returned_and_stored_are_recomputed_per_call() -> None:
+    log: list[int] = []
+
+    def f(x):
+        n = x.shape[0] * 2 + 1
+        log.append(x.size(1))
+        return x.sum(0), n, x.shape
+
+    compiled = kiln.compile(f, dynamic=True)
+    for batch, cols in ((3, 4), (6, 5), (9, 7)):
+        x = torch.randn(batch, cols)
+        total, n, shape = compiled(x)
+        torch.testing.assert_close(total, x.sum(0))
+        assert (n, shape, log[-1]) == (batch * 2 + 1, torch.Size([batch, cols]), cols)
+        assert isinstance(n, int) and isinstance(shape, torch.Size)
+    assert kiln.counters.captures == 1
+
+
+def test_scalars_from_sizes_in_tensor_arithmetic() -> None:
+    def f(x, y):
+        n = x.shape[0]
+        y = y + n
+        return x * n + (x.shape[1] > x), y / n, torch.arange(n) * 2
+
+    compiled = kiln.compile(f, dynamic=True)
+    for batch in (3, 5, 8):
+        x, y = torch.randn(batch, 4), torch.randn(batch, 4)
+        for got, want in zip(compiled(x, y), f(x, y), strict=True):
+            torch.testing.assert_close(got, want)
+    assert kiln.counters.captures == 1
+
+
+def test_equal_sizes_share_a_symbol_and_a_mismatch_is_eager_error() -> None:
+    def f(x, y):
+        return x + y
+
+    compiled = kiln.compile(f, dynamic=True)
+    for batch in (3, 6):
+        x, y = torch.randn(batch, 4), torch.randn(batch, 4)
+        torch.testing.assert_close(compiled(x, y), f(x, y))
+    assert kiln.counters.captures == 1
+    with pytest.raises(RuntimeError):
+        compiled(torch.randn(3, 4), torch.randn(5, 4))
+
+
+def test_training_with_a_dynamic_batch_gives_every_gradient() -> None:
+    eager = _mlp()
+    mine = _mlp()
+    compiled = kiln.compile(mine)
+    for batch in SIZES:
+        x = torch.randn(batch, 6)
+        target = torch.randn(batch, 4)
+        F.mse_loss(eager(x), target).backward()
+        loss = F.mse_loss(compiled(x), target)
+        loss.backward()
+        for (name, p), q in zip(eager.named_parameters(), mine.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+            p.grad = q.grad = None
+    assert kiln.counters.captures == 2
+    assert kiln.counters.fallbacks == [] and kiln.counters.graph_breaks == []
+
+
+def test_a_module_with_a_graph_break_and_changing_sizes() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 8)
+            self.b = nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = self.a(x).relu()
+            kiln.graph_break()
+            return self.b(h) * h.shape[0]
+
+    torch.manual_seed(0)
+    model = Model()
+    compiled = kiln.compile(model)
+    captured = []
+    with torch.no_grad():
+        for batch in SIZES:
+            x = torch.randn(batch, 4)
+            torch.testing.assert_close(compiled(x), model(x))
+            captured.append(kiln.counters.captures)
+    assert kiln.counters.fallbacks == []
+    # every piece (the frame up to the break, the resume functions) is static on the first
+    # call and symbolic from the second: nothing compiles after that
+    assert captured[1:] == [captured[1]] * (len(SIZES) - 1)
+    assert all("size(0) is 7, expected 3" in reason for _, reason in kiln.counters.recompiles)
