@@ -114,8 +114,20 @@ def main() -> None:
         ]
         if native is not None:
             rows.insert(1, ("whole guard, native", compile_guards(entry.capture.guards, params)[0]))
+        # The same model compiled with symbolic sizes (batch, height, width): the input's
+        # sizes are checked by the size guard (bindings and relations) in Python.
+        kiln.reset()
+        dynamic = kiln.compile(model, dynamic=True)
+        dynamic(x)
+        call = dynamic._kiln_call
+        entry = call._kiln_cache.entries[0]
+        symbolic = (call.__wrapped__, model, (x,), {})
+        sizes = [g for g in entry.capture.guards if type(g).__name__ == "SizeGuard"]
+        print(f"dynamic=True: {sizes[0].describe() if sizes else 'no symbolic sizes'}")
         for name, guard in rows:
             print(f"{name:22s} {microseconds(guard, arguments):7.1f} us")
+        guard = compile_guards(entry.capture.guards, params)[0]
+        print(f"{'dynamic=True, whole':22s} {microseconds(guard, symbolic):7.1f} us")
 
 
 if __name__ == "__main__":

@@ -303,17 +303,20 @@ class Sym:
         return self.format(repr)
 
     def format(self, name_of: Callable[[Symbol], str]) -> str:
-        """Source text (Python, C and Triton read it alike for non-negative values)."""
-        parts: list[str] = []
+        """Python source computing the value (``name_of`` spells each symbol)."""
+        text = ""
         for mono, coef in self.terms:
             factors = [_format_atom(atom, name_of) for atom in mono]
+            magnitude = abs(coef)
             if not factors:
-                parts.append(str(coef))
-                continue
-            if coef != 1:
-                factors.insert(0, str(coef) if coef > 0 else f"({coef})")
-            parts.append("*".join(factors))
-        return " + ".join(parts) or "0"
+                term = str(magnitude)
+            else:
+                term = "*".join(([str(magnitude)] if magnitude != 1 else []) + factors)
+            if not text:
+                text = f"-{term}" if coef < 0 else term
+            else:
+                text += f" - {term}" if coef < 0 else f" + {term}"
+        return text or "0"
 
     def evaluate(self, values: Mapping[str, int]) -> int:
         total = 0

@@ -12,6 +12,7 @@ from kiln.capture.core.breaks import BreakRecord
 from kiln.capture.driver import cache
 from kiln.capture.driver.cache import Captured
 from kiln.capture.driver.convert import Capture
+from kiln.capture.guards.sizes import places_text
 from kiln.ir.graph import Graph
 from kiln.ir.op import Op
 from kiln.ir.symbolic import ShapeEnv
@@ -146,7 +147,7 @@ def size_lines(shapes: ShapeEnv) -> list[str]:
     """What ``explain`` and ``KILN_LOG=dynamic`` say about one capture's symbolic sizes."""
     lines = []
     for name in shapes.symbols:
-        where = " == ".join(f"{source}.size({dim})" for source, dim in shapes.sources[name])
+        where = places_text(shapes.sources[name])
         lines.append(f"{name} = {where}: {shapes.reasons[name]}")
     for expression, why in dict.fromkeys(shapes.specializations):
         lines.append(f"specialized {expression}: {why}")

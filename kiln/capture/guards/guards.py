@@ -431,6 +431,12 @@ def compile_guards(
     ordered = sorted(guards, key=lambda guard: guard.rank)
     binder = Binder()
     checks = [guard.check(binder) for guard in ordered]  # also counts each path's uses
+    # (whole paths, before hoisting: what a failing tensor guard reads, to say what differs)
+    getters = {
+        id(guard): guard.source.expr(binder)
+        for guard in ordered
+        if isinstance(guard, TensorMatch) and guard.source is not None
+    }
     combined = _natively_checked(ordered)
     prelude = _hoist(binder)
     hoisted_checks = [guard.check(binder) for guard in combined]
@@ -455,8 +461,8 @@ def compile_guards(
         # for a tensor, one reading it, to say what differs).
         for guard, check in zip(ordered, checks, strict=True):  # whole paths, no prelude
             code = f"def ___one({signature}):\n    return bool({check})\n"
-            if isinstance(guard, TensorMatch) and guard.source is not None:
-                code += f"def ___get({signature}):\n    return {guard.source.expr(binder)}\n"
+            if id(guard) in getters:
+                code += f"def ___get({signature}):\n    return {getters[id(guard)]}\n"
             one_scope = dict(binder.names)
             exec(compile(code, "<kiln guard>", "exec"), one_scope)
             singles.append((guard, one_scope["___one"], one_scope.get("___get")))

@@ -142,11 +142,18 @@ class SizeGuard(Guard):
     def describe(self) -> str:
         lines = []
         for name, places, low, high in self.bindings:
-            where = " == ".join(f"{source}.size({dim})" for source, dim in places)
+            where = places_text(places)
             bound = f"{low} <= {name}" + (f" <= {high}" if high is not None else "")
             lines.append(f"{name} = {where} ({bound})")
         lines += [relation.text() for relation in self.relations]
         return "sizes: " + "; ".join(lines)
+
+
+def places_text(places: Sequence[tuple[Any, int]]) -> str:
+    """Where a symbol is read: the first place, and how many others must equal it."""
+    (source, dim), *others = places
+    more = f" (== {len(others)} other dim{'s' * (len(others) > 1)})" if others else ""
+    return f"{source}.size({dim}){more}"
 
 
 def size_expression(value: Sym, env: ShapeEnv, tensor_expression: Any) -> str:
