@@ -48,7 +48,7 @@ def test_questions_decided_for_every_size_add_no_guard() -> None:
 def test_undecided_questions_are_guarded_from_the_hint() -> None:
     env, a, b = _env()
     with active_env(env):
-        assert a < b and not (a == b) and a * 2 > b
+        assert a < b and (a == b) is False and a * 2 > b
     texts = sorted(r.text() for r in env.relations)
     assert texts == ["-2*s0 + s1 < 0", "s0 - s1 != 0", "s0 - s1 < 0"]
 
