@@ -18,12 +18,13 @@ Usage::
         [--workloads mlp,cnn,block,generate] [--gpt2-size tiny|small] [--quick]
 
 Columns: captures (torch.compile: frames it compiled), graphs (torch.compile: unique graphs),
-recompiles (torch.compile: frame compiles beyond the first of each code object), fallbacks
-(frames run uncompiled; torch.compile: frames it failed to compile, the recompile limit
-included), backend compiles (programs Kiln's backend built), first pass (seconds over all
-sizes, compiles included), steady (the median of later passes over the same sizes; generate:
-one whole ``generate`` call after a warm-up one, and per token), check (the largest absolute
-difference from eager over every size; generate: whether the ids equal eager's).
+recompiles (torch.compile: compiles with a recompile reason), fallbacks (frames run
+uncompiled; torch.compile: frames it failed to compile, the recompile limit included), backend
+compiles (programs Kiln's backend built; ``4+1``: one more during the steady passes), first
+pass (seconds over all sizes, compiles included), steady (ms, the median of later passes over
+the same sizes; generate: of whole ``generate`` calls after the first, and per new token),
+check (the largest absolute difference from eager over every size; generate: whether the ids
+equal eager's). The recompile reasons and fallbacks are printed as each row finishes.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ class Row:
     per_token_ms: float = math.nan
     check: str = "-"
     error: str = ""
-    reasons: list[str] = field(default_factory=list)  # Kiln's recompile reasons
+    reasons: list[str] = field(default_factory=list)  # recompile reasons
+    programs: list[Any] = field(default_factory=list)  # Kiln's backend programs so far
+    programs_first: int = 0  # how many the first pass built
 
 
 @dataclass
@@ -156,6 +159,7 @@ def run_sized(
     with counting(row, compiler, settings), torch.no_grad():
         runner = compiled(compiler, model)
         outputs, row.first_s = timed(lambda: [runner(x) for x in inputs], device)
+        row.programs_first = len(row.programs)
         samples = [
             timed(lambda: [runner(x) for x in inputs], device)[1] for _ in range(settings.passes)
         ]
@@ -217,6 +221,7 @@ def run_generate(
     with counting(row, compiler, settings), torch.no_grad():
         model.forward = compiled(compiler, model.forward)
         ids_out, row.first_s = timed(lambda: model.generate(ids, **options), device)
+        row.programs_first = len(row.programs)
         samples = [
             timed(lambda: model.generate(ids, **options), device)[1] for _ in range(settings.passes)
         ]
@@ -257,38 +262,43 @@ def compiled(compiler: str, fn: Any) -> Any:
 def counting(row: Row, compiler: str, settings: Settings) -> Iterator[None]:
     """Run one compiler from empty caches and counters; fill ``row``'s counters after."""
     kiln.reset()
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # (which keeps Dynamo's counters and compilation metrics)
+    torch._dynamo.utils.counters.clear()
+    torch._dynamo.utils.clear_compilation_metrics()
     use_fresh_kiln_cache(settings.caches)
-    programs: list[Any] = []
-    listen(programs, CompiledProgramRecord)
+    listen(row.programs, CompiledProgramRecord)
     try:
         yield
     finally:
-        unlisten(programs)
+        unlisten(row.programs)
         if compiler.startswith("kiln"):
-            kiln_counters(row, len(programs))
+            kiln_counters(row)
         elif compiler == "torch.compile":
             torch_counters(row)
 
 
-def kiln_counters(row: Row, programs: int) -> None:
+def kiln_counters(row: Row) -> None:
     counters = kiln.counters
     row.captures, row.graphs = str(counters.captures), str(counters.graphs)
     row.recompiles, row.fallbacks = str(len(counters.recompiles)), str(len(counters.fallbacks))
-    row.backend_compiles = str(programs)
-    row.reasons = [f"{function}: {reason}"[:160] for function, reason in counters.recompiles]
+    later = len(row.programs) - row.programs_first  # built by the steady passes
+    row.backend_compiles = f"{row.programs_first}+{later}" if later else str(row.programs_first)
+    row.reasons = [
+        f"recompile {function}: {reason}"[:170] for function, reason in counters.recompiles
+    ]
+    row.reasons += [" ".join(f"fallback {record}".split())[:170] for record in counters.fallbacks]
 
 
 def torch_counters(row: Row) -> None:
-    from torch._dynamo import convert_frame
-    from torch._dynamo.utils import counters
+    from torch._dynamo import utils
 
-    frames = counters["frames"]
-    row.captures, row.graphs = str(frames["ok"]), str(counters["stats"]["unique_graphs"])
+    frames = utils.counters["frames"]
+    row.captures = str(frames["ok"])
+    row.graphs = str(utils.counters["stats"]["unique_graphs"])
     row.fallbacks = str(frames["total"] - frames["ok"])
-    codes = getattr(getattr(convert_frame, "input_codes", None), "seen_ids", None)
-    if codes is not None:
-        row.recompiles = str(frames["total"] - len(codes))
+    reasons = [m.recompile_reason for m in utils.get_compilation_metrics() if m.recompile_reason]
+    row.recompiles = str(len(reasons))
+    row.reasons = [" ".join(f"recompile {reason}".split())[:170] for reason in reasons]
 
 
 def use_fresh_kiln_cache(root: str) -> None:
@@ -371,7 +381,7 @@ def report(row: Row) -> Row:
         flush=True,
     )
     for reason in row.reasons:
-        print(f"    recompile {reason}", flush=True)
+        print(f"    {reason}", flush=True)
     return row
 
 
@@ -446,7 +456,7 @@ def main(arguments: Sequence[str] | None = None) -> int:
     settings = Settings(
         device=device,
         quick=args.quick,
-        passes=args.passes or (2 if args.quick else 5),
+        passes=args.passes or (3 if args.quick else 5),
         gpt2_size=args.gpt2_size or ("small" if gpu else "tiny"),
         batches=[int(b) for b in (args.batches or ("1,8" if gpu else "1")).split(",")],
         caches=use_fresh_compiler_caches(),
