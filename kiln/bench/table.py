@@ -147,4 +147,11 @@ def _notes(row: Row) -> list[str]:
             )
         elif not name.endswith("warm"):
             notes += [f"- {row.model} {row.mode}: {note}" for note in measurement.notes]
+    dynamic, static = row.measurements.get("kiln-dynamic"), row.measurements.get("kiln")
+    if dynamic is not None and dynamic.error is None:
+        notes.append(
+            f"- {row.model} {row.mode}: kiln.compile(dynamic=True) {_ms(dynamic)} ms, "
+            f"{_ratio(static, dynamic)} of static Kiln's speed, first call "
+            f"{_first_call(dynamic)} s, max rel err {_error(dynamic)}"
+        )
     return notes

@@ -42,8 +42,13 @@ from kiln.capture.guards import native_guards
 PHASE = "kiln-bench-phase "
 RESULT = "kiln-bench-result "
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COMPILERS = ("eager", "torch", "kiln")
-COMPILER_TITLES = {"eager": "eager", "torch": "torch.compile", "kiln": "kiln.compile"}
+COMPILERS = ("eager", "torch", "kiln", "kiln-dynamic")
+COMPILER_TITLES = {
+    "eager": "eager",
+    "torch": "torch.compile",
+    "kiln": "kiln.compile",
+    "kiln-dynamic": "kiln.compile(dynamic=True)",
+}
 
 
 @dataclass
@@ -139,8 +144,8 @@ def _measure(job: Job, report: Report, result: Measurement) -> None:
     if reference_run:
         report("float64 oracle")
         _save_oracle(job, model, inputs, device, result)
-    if job.compiler == "kiln":
-        result.notes += _kiln_notes()
+    if job.compiler in ("kiln", "kiln-dynamic"):
+        result.notes += _kiln_notes(job.compiler)
 
 
 def _input_set(
@@ -195,10 +200,11 @@ def _first_call(job: Job, model: nn.Module, step: Step, inputs: list[Any]) -> Ca
     runner: Callable[..., Any] = model
     if job.compiler == "torch":
         runner = torch.compile(model, mode=job.compile_mode)
-    elif job.compiler == "kiln":
+    elif job.compiler in ("kiln", "kiln-dynamic"):
         import kiln
 
-        runner = kiln.compile(model, mode=job.compile_mode)
+        dynamic = True if job.compiler == "kiln-dynamic" else None
+        runner = kiln.compile(model, mode=job.compile_mode, dynamic=dynamic)
     step(runner, inputs[0])
     return runner
 
@@ -320,7 +326,7 @@ def _spaced_sample(tensor: torch.Tensor, count: int = 2**20) -> torch.Tensor:
 def _compiler_context(compiler: str) -> Iterator[None]:
     """Fresh compiler state (for in-process runs); Kiln's fallback warnings are counted in
     ``kiln.counters`` and reported as notes instead of interleaving with the progress line."""
-    if compiler == "kiln":
+    if compiler in ("kiln", "kiln-dynamic"):
         import kiln
 
         kiln.reset()
@@ -331,13 +337,13 @@ def _compiler_context(compiler: str) -> Iterator[None]:
         yield
 
 
-def _kiln_notes() -> list[str]:
+def _kiln_notes(name: str) -> list[str]:
     """What Kiln made of the model: graphs, breaks, frames it ran uncompiled (and why)."""
     import kiln
 
     counters = kiln.counters
     notes = [
-        f"kiln: {counters.graphs} graph(s), {len(counters.graph_breaks)} break(s), "
+        f"{name}: {counters.graphs} graph(s), {len(counters.graph_breaks)} break(s), "
         f"{len(counters.fallbacks)} frame(s) uncompiled, {len(counters.recompiles)} recompile(s)"
     ]
     reasons = {f"{record.function}: {record.reason.value}" for record in counters.fallbacks}
