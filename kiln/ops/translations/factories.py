@@ -1,4 +1,5 @@
-"""Factories of the ``torch`` namespace: ``zeros``, ``ones``, ``empty``, ``full``, ``arange``.
+"""Factories of the ``torch`` namespace: ``zeros``, ``ones``, ``empty``, ``full``, ``arange``,
+``tensor``.
 
 With Python sizes they need no translation: they run while tracing and become constants. The
 tracer routes them here when a size is symbolic (``torch.ones(t, t)`` for a sequence of length
@@ -15,12 +16,15 @@ import math
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from kiln.ir.graph import Value
-from kiln.ir.symbolic import Sym
+from kiln.ir.symbolic import Sym, hint
 from kiln.ops import prims
 from kiln.ops.sampling import ALL, NUMERIC, make_tensor
-from kiln.ops.translations.creation import device_of, filled, sizes, unsupported
+from kiln.ops.translations import common
+from kiln.ops.translations.creation import device_of, fill_value, filled, sizes, unsupported
+from kiln.ops.translations.shape import reshape
 from kiln.ops.translations.table import Call, FallbackToExtern, translation
 
 Number = bool | int | float | Sym
@@ -121,3 +125,25 @@ for _name in ("zeros", "ones", "empty"):
         dtypes=ALL,
         random=_name == "empty",
     )(_filled_factory(0 if _name != "ones" else 1, _name))
+
+
+@translation(torch.tensor, samples=lambda dtype, device: _tensor_calls(dtype, device), dtypes=ALL)
+def tensor(data: Any, **options: Any) -> Value:
+    """``torch.tensor(n)`` or ``torch.tensor([n, 2])`` holding symbolic sizes: one ``full``
+    per element (the dtype and shape eager infers from the data do not depend on the sizes)."""
+    leaves = pytree.tree_leaves(data)
+    if options.get("requires_grad") or any(isinstance(leaf, Value) for leaf in leaves):
+        raise FallbackToExtern  # a copy of a traced tensor, or a new autograd leaf
+    dtype, device = _options(options, "tensor")
+    like = torch.tensor(pytree.tree_map(hint, data), dtype=dtype)
+    if like.dtype.is_complex:
+        raise FallbackToExtern
+    elements = [
+        common.full((1,), fill_value(leaf, like.dtype), like.dtype, device) for leaf in leaves
+    ]
+    whole = elements[0] if len(elements) == 1 else prims.cat(*elements, dim=0)
+    return reshape(whole, tuple(like.shape))
+
+
+def _tensor_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    return [Call(([1, 2],), {"dtype": dtype})]
