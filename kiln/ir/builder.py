@@ -18,6 +18,7 @@ import torch
 from kiln.errors import KilnError, SourceLocation, op_error
 from kiln.ir.graph import Graph, InputKind, Operand, Origin, Value
 from kiln.ir.op import Op, Tag, op_def
+from kiln.ir.symbolic import Dim
 from kiln.ir.types import TensorType, carries_gradient
 
 _active: contextvars.ContextVar[GraphBuilder | None] = contextvars.ContextVar(
@@ -36,7 +37,7 @@ class GraphBuilder:
         # Constants written in place by traced values: id -> their value now.
         self._rebound: dict[int, Value] = {}
         self._rng_seed: Value | None = None
-        self._rng_offset = 0
+        self._rng_offset: Dim = 0
         self.recompute = False  # nodes emitted now carry the partitioner's recompute hint
 
     def constant(self, tensor: torch.Tensor) -> Value:
@@ -66,10 +67,12 @@ class GraphBuilder:
             )
         return self._rng_seed
 
-    def rng_offset(self, count: int) -> int:
-        """Reserve ``count`` numbers of the graph's random stream; return where they start."""
+    def rng_offset(self, count: Dim) -> Dim:
+        """Reserve ``count`` numbers of the graph's random stream; return where they start (a
+        symbolic offset after a symbolic count: the stretches never overlap, whatever the
+        sizes)."""
         start = self._rng_offset
-        self._rng_offset += max(int(count), 1)
+        self._rng_offset = start + max(count, 1)
         return start
 
     def __enter__(self) -> GraphBuilder:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kiln.ir.symbolic import Dim, Sym
 from kiln.ir.types import Scalar, Shape
 
 
@@ -69,8 +70,8 @@ class SliceAttrs:
     """
 
     dim: int
-    start: int
-    stop: int
+    start: Dim
+    stop: Dim
     step: int = 1
 
 
@@ -97,8 +98,8 @@ class CatAttrs:
 class PadAttrs:
     """PAD with a constant: ``low[i]``/``high[i]`` elements before/after dim i (negative crops)."""
 
-    low: tuple[int, ...]
-    high: tuple[int, ...]
+    low: tuple[Dim, ...]
+    high: tuple[Dim, ...]
     value: Scalar = 0
 
 
@@ -143,8 +144,10 @@ class IndexPutAttrs:
 
 @dataclass(frozen=True)
 class FullAttrs:
+    """FULL: ``shape`` filled with ``value`` (a symbolic size too: ``torch.full((), n)``)."""
+
     shape: Shape
-    value: Scalar
+    value: Scalar | Sym
     dtype: torch.dtype
     device: torch.device
 
@@ -153,7 +156,7 @@ class FullAttrs:
 class IotaAttrs:
     """IOTA: ``start + step * arange(length)`` as a 1-d tensor."""
 
-    length: int
+    length: Dim
     start: Scalar
     step: Scalar
     dtype: torch.dtype
@@ -168,7 +171,7 @@ class RandomAttrs:
     shape: Shape
     dtype: torch.dtype
     device: torch.device
-    offset: int = 0
+    offset: Dim = 0
 
 
 @dataclass(frozen=True)

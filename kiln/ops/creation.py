@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from kiln.ir.op import Op, OpDef, Sample, Tag, register
+from kiln.ir.symbolic import Sym
 from kiln.ir.types import FLOATING, Scalar, Shape, TensorType
 from kiln.ops.attrs import FullAttrs, IotaAttrs, RandomAttrs
 from kiln.ops.sampling import ALL, FLOATS, NUMERIC, make_tensor
@@ -35,7 +36,9 @@ def _name(dtype: torch.dtype) -> str:
 
 def _check_shape(op: Op, shape: Shape) -> None:
     for size in shape:
-        if isinstance(size, int) and size < 0:
+        if not isinstance(size, int | Sym) or isinstance(size, bool):
+            raise TypeError(f"{op.printed_name}: size {size!r} in {list(shape)} is not an int")
+        if size < 0:
             raise RuntimeError(f"{op.printed_name}: negative dimension {size} in {list(shape)}")
 
 
@@ -47,9 +50,10 @@ def _sizes(shape: Shape) -> tuple[int, ...]:
     return sizes
 
 
-def _check_scalar(op: Op, value: Scalar, dtype: torch.dtype) -> None:
-    """A float value needs a floating dtype (prims never truncate silently)."""
-    if not isinstance(value, bool | int | float):
+def _check_scalar(op: Op, value: Scalar | Sym, dtype: torch.dtype) -> None:
+    """A float value needs a floating dtype (prims never truncate silently); a symbolic size
+    counts as an int."""
+    if not isinstance(value, bool | int | float | Sym):
         raise TypeError(f"{op.printed_name}: {value!r} is not a Python scalar")
     if isinstance(value, float) and not dtype.is_floating_point:
         raise TypeError(f"{op.printed_name}: float value {value!r} for a {_name(dtype)} tensor")
@@ -124,8 +128,9 @@ _creation(
 
 
 def _iota_meta(attrs: IotaAttrs) -> TensorType:
-    if not isinstance(attrs.length, int) or attrs.length < 0:
-        raise RuntimeError(f"iota: length must be a non-negative int, got {attrs.length!r}")
+    length = attrs.length
+    if not isinstance(length, int | Sym) or isinstance(length, bool) or length < 0:
+        raise RuntimeError(f"iota: length must be a non-negative size, got {length!r}")
     if attrs.dtype not in NUMERIC | FLOATING:
         raise TypeError(f"iota: {_name(attrs.dtype)} is not supported (takes numbers)")
     _check_scalar(Op.IOTA, attrs.start, attrs.dtype)

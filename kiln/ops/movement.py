@@ -15,7 +15,6 @@ a symbolic dim passes here and is left to a guard. The shared checks are public 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -187,7 +186,7 @@ def _unbroadcast(g: Value, x: TensorType, dims: Sequence[int]) -> Value:
 
 def _reshape_meta(attrs: ReshapeAttrs, x: TensorType) -> TensorType:
     x = tensor_operand(Op.RESHAPE, x)
-    if any(isinstance(size, int) and size < 0 for size in attrs.shape):
+    if any(size < 0 for size in attrs.shape):
         raise ValueError(f"reshape: sizes must be non-negative, got {shape_text(attrs.shape)}")
     old, new = x.numel(), result(x, attrs.shape).numel()
     if sizes_differ(old, new):
@@ -360,14 +359,13 @@ def _slice_meta(attrs: SliceAttrs, x: TensorType) -> TensorType:
     x = tensor_operand(Op.SLICE, x)
     check_dim(Op.SLICE, attrs.dim, x.rank)
     size = x.shape[attrs.dim]
-    stop_fits = not isinstance(size, int) or attrs.stop <= size
-    if attrs.step < 1 or not 0 <= attrs.start <= attrs.stop or not stop_fits:
+    if attrs.step < 1 or not 0 <= attrs.start <= attrs.stop <= size:
         raise ValueError(
-            f"slice: {attrs.start}:{attrs.stop}:{attrs.step} of a dim of size {size} is not "
-            "normalized (needs 0 <= start <= stop <= size and step >= 1)"
+            f"slice: {attrs.start!r}:{attrs.stop!r}:{attrs.step} of a dim of size {size!r} is "
+            "not normalized (needs 0 <= start <= stop <= size and step >= 1)"
         )
     shape = list(x.shape)
-    shape[attrs.dim] = math.ceil((attrs.stop - attrs.start) / attrs.step)
+    shape[attrs.dim] = (attrs.stop - attrs.start + attrs.step - 1) // attrs.step
     return result(x, shape)
 
 
@@ -381,7 +379,7 @@ def _slice_vjp(attrs: SliceAttrs, inputs: Sequence[Any], outputs: Any, grads: Co
     (x,) = inputs
     (g,) = grads
     dim, step, rank = attrs.dim, attrs.step, x.type.rank
-    size, count = concrete(x.type.shape)[dim], concrete(g.type.shape)[dim]
+    size, count = x.type.shape[dim], g.type.shape[dim]
     spread = g
     if step > 1:
         # [.., n, ..] -> [.., n, 1, ..] -> [.., n, step, ..] -> [.., n * step, ..]
@@ -576,7 +574,7 @@ def _pad_meta(attrs: PadAttrs, x: TensorType) -> TensorType:
     _check_pad_value(attrs.value, x.dtype)
     shape = [add_sizes(lo, s, hi) for lo, s, hi in zip(attrs.low, x.shape, attrs.high, strict=True)]
     for dim, size in enumerate(shape):
-        if isinstance(size, int) and size < 0:
+        if size < 0:
             raise RuntimeError(f"pad: dim {dim} of size {x.shape[dim]} crops to {size} elements")
     return result(x, shape)
 

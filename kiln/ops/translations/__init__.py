@@ -15,6 +15,7 @@ from kiln.ops.translations import (  # noqa: F401
     convolution,
     creation,
     einsum,
+    factories,
     gathering,
     indexing,
     joining,

@@ -17,7 +17,7 @@ from kiln.ir.symbolic import Sym
 from kiln.ir.types import Shape, hint_shape
 from kiln.ops import prims
 
-Operand = Value | bool | int | float
+Operand = Value | bool | int | float | Sym
 
 
 def normalize_dim(dim: int, rank: int, op: str = "op") -> int:
@@ -71,12 +71,15 @@ def float_dtype(dtype: torch.dtype) -> torch.dtype:
 @overload
 def convert(value: Value, dtype: torch.dtype) -> Value: ...
 @overload
-def convert(value: bool | int | float, dtype: torch.dtype) -> bool | int | float: ...
+def convert(value: bool | int | float | Sym, dtype: torch.dtype) -> bool | int | float | Sym: ...
 def convert(value: Operand, dtype: torch.dtype) -> Operand:
-    """``value`` as ``dtype``; a no-op when it already is; Python scalars pass through."""
+    """``value`` as ``dtype``; a no-op when it already is; Python scalars pass through. A
+    symbolic size stays one (an int scalar, which prims take for a float tensor too)."""
     if not isinstance(value, Value):
         if dtype == torch.bool:
             return bool(value)
+        if isinstance(value, Sym):
+            return value
         if not dtype.is_floating_point and isinstance(value, bool):
             return int(value)
         if dtype.is_floating_point and not isinstance(value, float):
@@ -85,6 +88,12 @@ def convert(value: Operand, dtype: torch.dtype) -> Operand:
     if value.type.dtype == dtype:
         return value
     return prims.convert(value, dtype=dtype)
+
+
+def size_scalar(size: int | float | Sym) -> float | Sym:
+    """A size (an element count) as a float operand (``div(total, 12.0)``); a symbolic size
+    stays symbolic, an int scalar whose value each call's sizes give."""
+    return size if isinstance(size, Sym) else float(size)
 
 
 def broadcast_shapes(*shapes: Shape) -> Shape:

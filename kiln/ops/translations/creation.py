@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Value
-from kiln.ir.types import Shape, concrete_shape
+from kiln.ir.symbolic import Sym
+from kiln.ir.types import Shape
 from kiln.ops import prims
 from kiln.ops.sampling import ALL, FLOATS, NUMERIC, make_tensor
 from kiln.ops.translations import common
@@ -47,22 +48,27 @@ def device_of(device: DeviceLike, default: torch.device) -> torch.device:
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
-def fill_value(value: Scalar, dtype: torch.dtype) -> Scalar:
-    """``value`` cast as eager casts a fill value: truncated for integers, nonzero-ness for bool."""
+def fill_value(value: Scalar | Sym, dtype: torch.dtype) -> Scalar | Sym:
+    """``value`` cast as eager casts a fill value: truncated for integers, nonzero-ness for bool.
+    A symbolic size stays symbolic (an int for every dtype but bool)."""
     if dtype == torch.bool:
         return bool(value)
+    if isinstance(value, Sym):
+        return value
     if dtype.is_floating_point:
         return float(value)
     return int(value)
 
 
-def sizes(args: Sequence[Any], op: str) -> tuple[int, ...]:
-    """A size given as varargs ``(2, 3)`` or one sequence ``((2, 3),)``; static ints only."""
+def sizes(args: Sequence[Any], op: str) -> Shape:
+    """A size given as varargs ``(2, 3)`` or one sequence ``((2, 3),)``; ints or symbolic
+    sizes."""
     size = tuple(args[0]) if len(args) == 1 and isinstance(args[0], Sequence) else tuple(args)
-    if not all(isinstance(s, int) and not isinstance(s, bool) for s in size):
+    if not all(isinstance(s, int | Sym) and not isinstance(s, bool) for s in size):
         raise FallbackToExtern  # a size computed from traced values
-    if any(s < 0 for s in size):
-        raise RuntimeError(f"{op}: Trying to create tensor with negative dimension {min(size)}")
+    for s in size:
+        if s < 0:
+            raise RuntimeError(f"{op}: Trying to create tensor with negative dimension {s}")
     return size
 
 
@@ -78,7 +84,7 @@ def filled(shape: Shape, value: Scalar | Value, dtype: torch.dtype, device: torc
 def random(kind: str, shape: Shape, dtype: torch.dtype, device: torch.device) -> Value:
     """Fresh ``uniform`` [0, 1) or ``normal`` numbers from the graph's random stream."""
     builder = require_builder()
-    count = math.prod(concrete_shape(shape))
+    count = math.prod(shape)
     prim = prims.random_uniform if kind == "uniform" else prims.random_normal
     result = prim(
         builder.rng_seed(),
@@ -91,7 +97,7 @@ def random(kind: str, shape: Shape, dtype: torch.dtype, device: torch.device) ->
     return result
 
 
-def _unsupported(options: dict[str, Any], op: str) -> None:
+def unsupported(options: dict[str, Any], op: str) -> None:
     """Keyword arguments kiln cannot honour send the call to PyTorch."""
     if options.get("out") is not None or options.get("generator") is not None:
         raise FallbackToExtern
@@ -104,7 +110,7 @@ def _unsupported(options: dict[str, Any], op: str) -> None:
 
 
 def _like(input: Value, value: Scalar | Value, options: dict[str, Any], op: str) -> Value:
-    _unsupported(options, op)
+    unsupported(options, op)
     dtype = options.get("dtype") or input.type.dtype
     device = device_of(options.get("device"), input.type.device)
     return filled(input.type.shape, value, dtype, device)
@@ -128,7 +134,7 @@ def full_like(input: Value, fill_value: Scalar | Value, **options: Any) -> Value
 
 
 def _new(self: Value, size: Sequence[Any], value: Scalar | Value, options: dict[str, Any]) -> Value:
-    _unsupported(options, "new_*")
+    unsupported(options, "new_*")
     dtype = options.get("dtype") or self.type.dtype
     device = device_of(options.get("device"), self.type.device)
     return filled(sizes(size, "new_full"), value, dtype, device)
@@ -152,7 +158,7 @@ def new_full(self: Value, size: Sequence[int], fill_value: Scalar | Value, **opt
 
 def new_tensor(self: Value, data: Any, **options: Any) -> Value:
     """Python data becomes a graph constant of ``self``'s dtype and device by default."""
-    _unsupported(options, "new_tensor")
+    unsupported(options, "new_tensor")
     if any(isinstance(leaf, Value) for leaf in torch.utils._pytree.tree_leaves(data)):
         raise FallbackToExtern  # copies a traced tensor: rare, and PyTorch warns against it
     dtype = options.get("dtype") or self.type.dtype
@@ -269,7 +275,7 @@ translation(torch.Tensor.zero_, torch.zero_, samples=_zero_calls, dtypes=ALL, in
 
 
 def _random_options(options: dict[str, Any], op: str) -> tuple[torch.dtype, torch.device]:
-    _unsupported(options, op)
+    unsupported(options, op)
     dtype = options.get("dtype") or torch.get_default_dtype()
     return dtype, device_of(options.get("device"), torch.get_default_device())
 
@@ -285,7 +291,7 @@ def randn(*size: Any, **options: Any) -> Value:
 
 
 def rand_like(input: Value, **options: Any) -> Value:
-    _unsupported(options, "rand_like")
+    unsupported(options, "rand_like")
     dtype = options.get("dtype") or input.type.dtype
     return random(
         "uniform", input.type.shape, dtype, device_of(options.get("device"), input.type.device)
@@ -293,7 +299,7 @@ def rand_like(input: Value, **options: Any) -> Value:
 
 
 def randn_like(input: Value, **options: Any) -> Value:
-    _unsupported(options, "randn_like")
+    unsupported(options, "randn_like")
     dtype = options.get("dtype") or input.type.dtype
     return random(
         "normal", input.type.shape, dtype, device_of(options.get("device"), input.type.device)
@@ -314,7 +320,7 @@ def _integers(low: int, high: int, shape: Shape, dtype: torch.dtype, device: tor
 
 def randint(*args: Any, **options: Any) -> Value:
     """``randint(high, size)`` or ``randint(low, high, size)``; int64 unless ``dtype`` says."""
-    _unsupported(options, "randint")
+    unsupported(options, "randint")
     bounds = [options.pop(name) for name in ("low", "high") if name in options]
     values = [*args[:-1], *bounds] if "size" not in options else [*args, *bounds]
     size = options.pop("size", None) or args[-1]
@@ -325,7 +331,7 @@ def randint(*args: Any, **options: Any) -> Value:
 
 
 def randint_like(input: Value, *bounds: int, **options: Any) -> Value:
-    _unsupported(options, "randint_like")
+    unsupported(options, "randint_like")
     low, high = (0, bounds[0]) if len(bounds) == 1 else bounds
     dtype = options.get("dtype") or input.type.dtype
     device = device_of(options.get("device"), input.type.device)
@@ -334,7 +340,7 @@ def randint_like(input: Value, *bounds: int, **options: Any) -> Value:
 
 def bernoulli(input: Value, p: float | None = None, **options: Any) -> Value:
     """1 with probability ``input`` (or ``p``), else 0, in ``input``'s dtype."""
-    _unsupported(options, "bernoulli")
+    unsupported(options, "bernoulli")
     u = random("uniform", input.type.shape, torch.float32, input.type.device)
     chance = p if p is not None else common.convert(input, torch.float32)
     drawn = prims.convert(prims.lt(u, chance), dtype=input.type.dtype)
@@ -345,7 +351,7 @@ def bernoulli(input: Value, p: float | None = None, **options: Any) -> Value:
 def bernoulli_(self: Value, p: float | Value = 0.5, **options: Any) -> Value:
     """``x.bernoulli_(p)``: x filled with 1 with probability ``p`` (a float or a tensor
     broadcast to x), else 0; stochastic depth draws its per-sample noise this way."""
-    _unsupported(options, "bernoulli_")
+    unsupported(options, "bernoulli_")
     u = random("uniform", self.type.shape, torch.float32, self.type.device)
     if isinstance(p, Value):
         p = common.broadcast_to(common.convert(p, torch.float32), self.type.shape)

@@ -27,12 +27,20 @@ import torch
 
 from kiln.errors import TraceError
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import Sym
 from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.sampling import ALL, scalar_for
 from kiln.ops.translations.cases import T, case_calls, materialize
 from kiln.ops.translations.common import broadcast_shapes, broadcast_to, constant, convert, full
-from kiln.ops.translations.shape import numel_of, reshape, shape_of, take_slice, unsqueeze_dim
+from kiln.ops.translations.shape import (
+    numel_of,
+    reshape,
+    shape_of,
+    slice_bound,
+    take_slice,
+    unsqueeze_dim,
+)
 from kiln.ops.translations.slicing import fill_scalar, select_index
 from kiln.ops.translations.table import Call, translation
 
@@ -68,7 +76,7 @@ class Indices:
     extremes: tuple[tuple[int, int], ...] = ()
 
 
-Item = int | slice | None | EllipsisType | Mask | BoolScalar | Indices
+Item = int | Sym | slice | None | EllipsisType | Mask | BoolScalar | Indices
 
 
 def _sequence_as_tuple(key: Sequence[Any]) -> bool:
@@ -106,6 +114,8 @@ def _item(item: Any) -> Item:
         return BoolScalar(item)
     if isinstance(item, list | tuple):
         return _constant_index(item)
+    if isinstance(item, Sym):
+        return item
     try:
         return operator.index(item)
     except TypeError:
@@ -146,20 +156,21 @@ def _ellipsis_dims(items: Sequence[Item], rank: int) -> int:
 # applying a key
 
 
-def _slice_bounds(item: slice, size: int) -> tuple[int, int, int]:
+def _slice_bounds(item: slice, size: Dim) -> tuple[Dim, Dim, int]:
     for bound in (item.start, item.stop, item.step):
         if isinstance(bound, Value):
             raise TraceError(
                 "slicing with tensor bounds needs the bounds' values, which symbolic tracing "
                 "does not have; use Python ints"
             )
-    if item.step is not None and operator.index(item.step) <= 0:
+    step = 1 if item.step is None else operator.index(item.step)
+    if step <= 0:
         raise ValueError("step must be greater than zero")
-    start, stop, step = item.indices(size)
-    return start, max(start, stop), step
+    start = slice_bound(item.start, size, 0)
+    return start, max(start, slice_bound(item.stop, size, size)), step
 
 
-def _check_index(index: int, size: int, dim: int) -> None:
+def _check_index(index: Dim, size: Dim, dim: int) -> None:
     if not -size <= index < size:
         raise IndexError(f"index {index} is out of bounds for dimension {dim} with size {size}")
 
@@ -192,7 +203,7 @@ def apply_basic(x: Value, items: Sequence[Item]) -> Applied:
             applied.value, dim = unsqueeze_dim(applied.value, dim), dim + 1
         elif item is Ellipsis:
             dim, ellipsis_dims = dim + ellipsis_dims, 0
-        elif isinstance(item, int):
+        elif isinstance(item, int | Sym):
             _check_index(item, shape_of(applied.value)[dim], dim)
             applied.value = select_index(applied.value, dim, item)
         elif isinstance(item, slice):

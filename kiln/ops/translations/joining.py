@@ -14,21 +14,23 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import Dim, Sym
 from kiln.ops import prims
 from kiln.ops.sampling import ALL
 from kiln.ops.translations.cases import T, case_calls
 from kiln.ops.translations.common import autocast, normalize_dim
 from kiln.ops.translations.shape import (
     case,
+    piece_count,
     reshape,
     shape_of,
+    slice_bound,
     squeeze_dims,
     take_slice,
     tensor_calls,
@@ -221,12 +223,12 @@ def pieces(value: Value, dim: int, bounds: Sequence[tuple[int, int]]) -> tuple[V
     return tuple(take_slice(value, dim, start, stop) for start, stop in bounds)
 
 
-def _consecutive(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+def _consecutive(lengths: Sequence[Dim]) -> list[tuple[Dim, Dim]]:
+    ends = list(itertools.accumulate(lengths))
     return [(end - length, end) for end, length in zip(ends, lengths, strict=True)]
 
 
-def split_by_lengths(value: Value, lengths: Sequence[int], dim: int) -> tuple[Value, ...]:
+def split_by_lengths(value: Value, lengths: Sequence[Dim], dim: int) -> tuple[Value, ...]:
     shape = shape_of(value)
     dim = normalize_dim(dim, len(shape), "split_with_sizes")
     if any(length < 0 for length in lengths) or sum(lengths) != shape[dim]:
@@ -237,7 +239,7 @@ def split_by_lengths(value: Value, lengths: Sequence[int], dim: int) -> tuple[Va
     return pieces(value, dim, _consecutive(lengths))
 
 
-def split_every(value: Value, size: int, dim: int) -> tuple[Value, ...]:
+def split_every(value: Value, size: Dim, dim: int) -> tuple[Value, ...]:
     """Pieces of ``size`` along ``dim``, the last one smaller (``Tensor.split(int)``)."""
     shape = shape_of(value)
     dim = normalize_dim(dim, len(shape), "split")
@@ -246,8 +248,9 @@ def split_every(value: Value, size: int, dim: int) -> tuple[Value, ...]:
         raise RuntimeError(
             f"split_size can only be 0 if dimension size is 0, but got dimension size of {total}"
         )
-    count = max(math.ceil(total / size), 1) if size else 1
-    return pieces(value, dim, [(i * size, min((i + 1) * size, total)) for i in range(count)])
+    count = max(piece_count(total, size), 1) if size else 1
+    whole = [(i * size, (i + 1) * size) for i in range(count - 1)]
+    return pieces(value, dim, [*whole, ((count - 1) * size, total)])
 
 
 _SPLIT_CASES = [
@@ -266,10 +269,14 @@ _SPLIT_CASES = [
     dtypes=ALL,
     view=True,
 )
-def split(tensor: Value, split_size: int | Sequence[int], dim: int = 0) -> tuple[Value, ...]:
+def split(tensor: Value, split_size: Dim | Sequence[Dim], dim: int = 0) -> tuple[Value, ...]:
     if isinstance(split_size, Sequence):
-        return split_by_lengths(tensor, [int(s) for s in split_size], dim)
-    return split_every(tensor, int(split_size), dim)
+        return split_by_lengths(tensor, [_size(s) for s in split_size], dim)
+    return split_every(tensor, _size(split_size), dim)
+
+
+def _size(size: Any) -> Dim:
+    return size if isinstance(size, Sym) else int(size)
 
 
 @translation(
@@ -302,7 +309,7 @@ def chunk(input: Value, chunks: int, dim: int = 0) -> tuple[Value, ...]:
         raise RuntimeError(f"chunk expects `chunks` to be greater than 0, got: {chunks}")
     shape = shape_of(input)
     dim = normalize_dim(dim, len(shape), "chunk")
-    size = math.ceil(shape[dim] / chunks)
+    size = (shape[dim] + chunks - 1) // chunks
     if size == 0:
         return split_by_lengths(input, [0] * chunks, dim)
     return split_every(input, size, dim)
@@ -344,7 +351,10 @@ def tensor_split(
         lengths = [total // sections + (i < total % sections) for i in range(sections)]
         return pieces(input, dim, _consecutive(lengths))
     cuts = [0, *indices_or_sections, total]
-    bounds = [slice(a, b).indices(total)[:2] for a, b in itertools.pairwise(cuts)]
+    bounds = [
+        (slice_bound(a, total, 0), slice_bound(b, total, total))
+        for a, b in itertools.pairwise(cuts)
+    ]
     return pieces(input, dim, bounds)
 
 

@@ -61,7 +61,9 @@ def reduce_loss(loss: Value, reduction: str) -> Value:
     if reduction == "sum":
         return total
     return common.convert(
-        prims.div(common.convert(total, compute_dtype(loss.type.dtype)), float(numel(loss))),
+        prims.div(
+            common.convert(total, compute_dtype(loss.type.dtype)), common.size_scalar(numel(loss))
+        ),
         loss.type.dtype,
     )
 
@@ -457,7 +459,7 @@ def _soft_targets(
     if reduction == "sum":
         return total
     samples = numel(terms) // classes if classes else 0
-    return prims.div(total, float(samples))
+    return prims.div(total, common.size_scalar(samples))
 
 
 def _probabilities(*shape: int) -> T:

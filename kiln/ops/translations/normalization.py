@@ -160,7 +160,7 @@ def _affine(x: Value, weight: Value | None, bias: Value | None, dims: Sequence[i
 def _standardize(x: Value, dims: tuple[int, ...], eps: float) -> Value:
     """``(x - mean) / sqrt(var + eps)`` over ``dims`` with the biased variance."""
     mean, squares = moments(x, dims)
-    variance = prims.div(squares, float(reduced_count(x, dims)))
+    variance = prims.div(squares, common.size_scalar(reduced_count(x, dims)))
     inverse = prims.rsqrt(prims.add(variance, eps))
     centered = prims.sub(x, common.broadcast_to(mean, x.type.shape))
     return prims.mul(centered, common.broadcast_to(inverse, x.type.shape))
@@ -227,7 +227,7 @@ def rms_norm(
     if eps is None:  # eager uses the epsilon of the type it computes in (float32 for bf16)
         eps = torch.finfo(wide.type.dtype).eps
     squares = reduce(prims.sum, prims.mul(wide, wide), dims, True)
-    mean_square = prims.div(squares, float(reduced_count(wide, dims)))
+    mean_square = prims.div(squares, common.size_scalar(reduced_count(wide, dims)))
     inverse = prims.rsqrt(prims.add(mean_square, eps))
     result = prims.mul(wide, common.broadcast_to(inverse, wide.type.shape))
     return common.convert(_affine(result, weight, None, dims), input.type.dtype)
@@ -328,8 +328,8 @@ def _batch_normalizers(
     if running_mean is not None:
         _update_running(running_mean, mean, momentum)
     if running_var is not None:
-        _update_running(running_var, prims.div(squares, float(count - 1)), momentum)
-    inverse = prims.rsqrt(prims.add(prims.div(squares, float(count)), eps))
+        _update_running(running_var, prims.div(squares, common.size_scalar(count - 1)), momentum)
+    inverse = prims.rsqrt(prims.add(prims.div(squares, common.size_scalar(count)), eps))
     return rounded(mean), rounded(inverse)
 
 
@@ -452,18 +452,18 @@ def instance_norm(
     dims = tuple(range(2, wide.type.rank))
     mean, squares = moments(wide, dims)
     count = reduced_count(wide, dims)
-    inverse = prims.rsqrt(prims.add(prims.div(squares, float(count)), eps))
+    inverse = prims.rsqrt(prims.add(prims.div(squares, common.size_scalar(count)), eps))
     centered = prims.sub(wide, common.broadcast_to(mean, wide.type.shape))
     normalized = prims.mul(centered, common.broadcast_to(inverse, wide.type.shape))
 
     def across_batch(value: Value) -> Value:
         per_instance = prims.reshape(value, shape=(batch, channels))
-        return prims.div(prims.sum(per_instance, dims=(0,)), float(batch))
+        return prims.div(prims.sum(per_instance, dims=(0,)), common.size_scalar(batch))
 
     if running_mean is not None:
         _update_running(running_mean, across_batch(mean), momentum)
     if running_var is not None:
-        unbiased = prims.div(squares, float(count - 1))
+        unbiased = prims.div(squares, common.size_scalar(count - 1))
         _update_running(running_var, across_batch(unbiased), momentum)
     return common.convert(_affine(normalized, weight, bias, (1,)), input.type.dtype)
 

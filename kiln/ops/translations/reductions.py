@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import Sym
 from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.sampling import ALL, NUMERIC, make_tensor
@@ -81,11 +82,11 @@ def static(size: Dim) -> Dim:
     return size
 
 
-def numel(x: Value) -> int:
+def numel(x: Value) -> Dim:
     return static(x.type.numel())
 
 
-def reduced_count(x: Value, dims: tuple[int, ...]) -> int:
+def reduced_count(x: Value, dims: tuple[int, ...]) -> Dim:
     return math.prod(static(x.type.shape[d]) for d in dims)
 
 
@@ -103,7 +104,9 @@ def sum_of(x: Value, dims: tuple[int, ...], keepdim: bool = False) -> Value:
 def mean_of(x: Value, dims: tuple[int, ...], keepdim: bool = False) -> Value:
     """The mean of floating ``x`` in its dtype (float32 inside for float16/bfloat16)."""
     wide = common.convert(x, compute_dtype(x.type.dtype))
-    mean = prims.div(reduce(prims.sum, wide, dims, keepdim), float(reduced_count(x, dims)))
+    mean = prims.div(
+        reduce(prims.sum, wide, dims, keepdim), common.size_scalar(reduced_count(x, dims))
+    )
     return common.convert(mean, x.type.dtype)
 
 
@@ -111,7 +114,11 @@ def moments(x: Value, dims: tuple[int, ...]) -> tuple[Value, Value]:
     """(mean, sum of squared deviations) of floating ``x`` over ``dims``, both keeping the
     reduced dims, computed in ``x``'s dtype (two passes: the mean, then the deviations)."""
     count = reduced_count(x, dims)
-    mean = keep(prims.div(reduce(prims.sum, x, dims), float(count)), dims, True) if dims else x
+    mean = (
+        keep(prims.div(reduce(prims.sum, x, dims), common.size_scalar(count)), dims, True)
+        if dims
+        else x
+    )
     deviation = prims.sub(x, common.broadcast_to(mean, x.type.shape))
     return mean, reduce(prims.sum, prims.mul(deviation, deviation), dims, True)
 
@@ -124,7 +131,10 @@ def variance_of(
     in eager."""
     wide = common.convert(x, compute_dtype(x.type.dtype))
     mean, squares = moments(wide, dims)
-    variance = prims.div(squares, float(max(reduced_count(x, dims) - correction, 0)))
+    count = reduced_count(x, dims)
+    if isinstance(count, Sym) and float(correction).is_integer():
+        correction = int(correction)  # (N - 1 stays a symbolic size)
+    variance = prims.div(squares, common.size_scalar(max(count - correction, 0)))
     if not keepdim and dims:
         variance, mean = (prims.squeeze(v, dims=dims) for v in (variance, mean))
     return common.convert(variance, x.type.dtype), common.convert(mean, x.type.dtype)

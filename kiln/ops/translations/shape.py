@@ -93,7 +93,26 @@ def reorder(value: Value, dims: Sequence[int]) -> Value:
     return prims.permute(value, dims=tuple(dims))
 
 
-def take_slice(value: Value, dim: int, start: int, stop: int, step: int = 1) -> Value:
+def slice_bound(bound: Any, size: Dim, default: Dim) -> Dim:
+    """A slice bound in ``[0, size]``, counted from the end when negative, as
+    ``slice.indices`` computes it (which needs an int size); ``default`` for ``None``."""
+    if bound is None:
+        return default
+    if not isinstance(bound, Sym):
+        bound = operator.index(bound)
+    if bound < 0:
+        bound = bound + size
+        return 0 if bound < 0 else bound
+    return size if bound >= size else bound
+
+
+def piece_count(total: Dim, size: Dim) -> int:
+    """``ceil(total / size)``, the number of pieces of ``size`` that cover ``total`` (a Python
+    int: a symbolic count specializes, guarded, as the number of results depends on it)."""
+    return int((total + size - 1) // size)
+
+
+def take_slice(value: Value, dim: int, start: Dim, stop: Dim, step: int = 1) -> Value:
     """``value[..., start:stop:step, ...]`` along ``dim`` (normalized bounds)."""
     size = shape_of(value)[dim]
     stop = max(start, min(stop, size))

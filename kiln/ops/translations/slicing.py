@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import Dim, Sym
 from kiln.ops import prims
 from kiln.ops.sampling import ALL
 from kiln.ops.translations.cases import Case, T, case_calls
@@ -61,7 +62,7 @@ def narrow(input: Value, dim: int, start: int | Value, length: int) -> Value:
         raise IndexError(
             f"start out of range (expected to be in range of [{-size}, {size}], but got {start})"
         )
-    start = start % size if start < 0 else start
+    start = start + size if start < 0 else start
     if length < 0:
         raise RuntimeError("narrow(): length must be non-negative.")
     if start + length > size:
@@ -69,7 +70,7 @@ def narrow(input: Value, dim: int, start: int | Value, length: int) -> Value:
     return take_slice(input, dim, start, start + length)
 
 
-def select_index(value: Value, dim: int, index: int, op: str = "select") -> Value:
+def select_index(value: Value, dim: int, index: Dim, op: str = "select") -> Value:
     """``value`` indexed by ``index`` along ``dim``, which disappears (negative index wraps)."""
     shape = shape_of(value)
     dim = normalize_dim(dim, len(shape), op)
@@ -81,7 +82,8 @@ def select_index(value: Value, dim: int, index: int, op: str = "select") -> Valu
             f"{op}(): index {index} out of range for tensor of size {list(shape)} at dimension "
             f"{dim}"
         )
-    index %= size
+    if index < 0:
+        index = index + size
     return squeeze_dims(take_slice(value, dim, index, index + 1), (dim,))
 
 
@@ -94,8 +96,8 @@ def select_index(value: Value, dim: int, index: int, op: str = "select") -> Valu
     dtypes=ALL,
     view=True,
 )
-def select(input: Value, dim: int, index: int) -> Value:
-    return select_index(input, dim, int(index))
+def select(input: Value, dim: int, index: Dim) -> Value:
+    return select_index(input, dim, index if isinstance(index, Sym) else int(index))
 
 
 def diagonal_of(value: Value, offset: int, dim1: int, dim2: int) -> Value:

@@ -1,0 +1,149 @@
+"""Factories of the ``torch`` namespace: ``zeros``, ``ones``, ``empty``, ``full``, ``arange``,
+``tensor``.
+
+With Python sizes they need no translation: they run while tracing and become constants. The
+tracer routes them here when a size is symbolic (``torch.ones(t, t)`` for a sequence of length
+``t``) or an argument is traced (``torch.full((2, 3), x.max())``), and the result keeps the
+symbolic size::
+
+    torch.arange(x.size(1))        # x: f32[4, s0]
+    t0 = iota(length=s0, start=0, step=1, dtype=torch.int64, device=device(type='cpu'))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from kiln.ir.graph import Value
+from kiln.ir.symbolic import Sym, hint
+from kiln.ops import prims
+from kiln.ops.sampling import ALL, NUMERIC, make_tensor
+from kiln.ops.translations import common
+from kiln.ops.translations.creation import device_of, fill_value, filled, sizes, unsupported
+from kiln.ops.translations.shape import reshape
+from kiln.ops.translations.table import Call, FallbackToExtern, translation
+
+Number = bool | int | float | Sym
+
+
+def _options(options: dict[str, Any], op: str) -> tuple[torch.dtype | None, torch.device]:
+    unsupported(options, op)
+    if options.get("requires_grad"):
+        raise FallbackToExtern  # a new autograd leaf: eager must make it
+    return options.get("dtype"), device_of(options.get("device"), torch.get_default_device())
+
+
+def _filled_factory(value: int, op: str) -> Any:
+    def translate(*size: Any, **options: Any) -> Value:
+        dtype, device = _options(options, op)
+        shape = sizes(options.pop("size", None) or size, op)
+        return filled(shape, value, dtype or torch.get_default_dtype(), device)
+
+    translate.__name__ = translate.__qualname__ = op
+    return translate
+
+
+def _fill_dtype(value: Number | Value) -> torch.dtype:
+    """The dtype ``torch.full`` infers from its fill value (a 0-d tensor is read as a Python
+    number, whatever its own dtype)."""
+    if isinstance(value, Value):
+        dtype = value.type.dtype
+        if dtype == torch.bool or dtype.is_floating_point:
+            return dtype if dtype == torch.bool else torch.get_default_dtype()
+        return torch.int64
+    if isinstance(value, bool):
+        return torch.bool
+    if isinstance(value, int | Sym):
+        return torch.int64
+    return torch.get_default_dtype()
+
+
+@translation(torch.full, samples=lambda dtype, device: _full_calls(dtype, device), dtypes=ALL)
+def full(size: Any, fill_value: Number | Value, **options: Any) -> Value:
+    dtype, device = _options(options, "full")
+    if isinstance(fill_value, Value):
+        if fill_value.type.rank:
+            raise RuntimeError("full: fill_value must be a 0-d tensor or a number")
+        kind = fill_value.type
+        if kind.device != device or kind.dtype.is_complex or kind.requires_grad:
+            raise FallbackToExtern  # eager reads the number out of the tensor (no gradient)
+    return filled(sizes((size,), "full"), fill_value, dtype or _fill_dtype(fill_value), device)
+
+
+def _full_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    value = make_tensor((), dtype, device)
+    return [Call(((2, 3), value)), Call(((4,), value), {"dtype": dtype}, note="dtype")]
+
+
+def _length(start: Number, end: Number, step: Number) -> Any:
+    """The number of values of ``arange(start, end, step)``: a formula of ints and symbolic
+    sizes, else eager's ``ceil((end - start) / step)`` (a float bound specializes a symbolic
+    one, guarded)."""
+    if step == 0:
+        raise RuntimeError("arange: step must be nonzero")
+    if (end - start < 0) if step > 0 else (start - end < 0):
+        raise RuntimeError("arange: upper bound and larger bound inconsistent with step sign")
+    if all(isinstance(v, int | Sym) for v in (start, end, step)):
+        stride = abs(step)
+        return (abs(end - start) + stride - 1) // stride
+    return math.ceil((float(end) - float(start)) / float(step))
+
+
+@translation(
+    torch.arange, samples=lambda dtype, device: _arange_calls(dtype, device), dtypes=NUMERIC
+)
+def arange(*bounds: Number, **options: Any) -> Value:
+    """``arange(end)``, ``arange(start, end)`` or ``arange(start, end, step)``: an iota."""
+    dtype, device = _options(options, "arange")
+    bounds = (*bounds, *(options.pop(name) for name in ("start", "end", "step") if name in options))
+    if any(isinstance(bound, Value) for bound in bounds):
+        raise FallbackToExtern  # bounds held by tensors
+    start, end, step = (0, bounds[0], 1) if len(bounds) == 1 else (*bounds, 1)[:3]
+    integral = all(isinstance(v, int | Sym) for v in (start, end, step))
+    dtype = dtype or (torch.int64 if integral else torch.get_default_dtype())
+    if not integral and not dtype.is_floating_point:
+        raise FallbackToExtern  # float bounds, integer values: eager's rounding
+    result = prims.iota(
+        length=_length(start, end, step), start=start, step=step, dtype=dtype, device=device
+    )
+    assert isinstance(result, Value)
+    return result
+
+
+def _arange_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    return [Call((5,), {"dtype": dtype}), Call((1, 9, 3), {"dtype": dtype}, note="step")]
+
+
+for _name in ("zeros", "ones", "empty"):
+    translation(
+        getattr(torch, _name),
+        samples=lambda dtype, device: [Call((2, 3), {"dtype": dtype})],
+        dtypes=ALL,
+        random=_name == "empty",
+    )(_filled_factory(0 if _name != "ones" else 1, _name))
+
+
+@translation(torch.tensor, samples=lambda dtype, device: _tensor_calls(dtype, device), dtypes=ALL)
+def tensor(data: Any, **options: Any) -> Value:
+    """``torch.tensor(n)`` or ``torch.tensor([n, 2])`` holding symbolic sizes: one ``full``
+    per element (the dtype and shape eager infers from the data do not depend on the sizes)."""
+    leaves = pytree.tree_leaves(data)
+    if options.get("requires_grad") or any(isinstance(leaf, Value) for leaf in leaves):
+        raise FallbackToExtern  # a copy of a traced tensor, or a new autograd leaf
+    dtype, device = _options(options, "tensor")
+    like = torch.tensor(pytree.tree_map(hint, data), dtype=dtype)
+    if like.dtype.is_complex:
+        raise FallbackToExtern
+    elements = [
+        common.full((1,), fill_value(leaf, like.dtype), like.dtype, device) for leaf in leaves
+    ]
+    whole = elements[0] if len(elements) == 1 else prims.cat(*elements, dim=0)
+    return reshape(whole, tuple(like.shape))
+
+
+def _tensor_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    return [Call(([1, 2],), {"dtype": dtype})]
