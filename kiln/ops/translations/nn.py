@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import Sym
+from kiln.ir.types import hint_shape
 from kiln.ops import prims
 from kiln.ops.sampling import ALL, FLOATS
 from kiln.ops.translations import common
@@ -192,17 +194,38 @@ def _source_index(size: int, dim: int, mode: str, arguments: dict[str, Any]) -> 
     return [int(i) for i in result.reshape(-1).tolist()]
 
 
+def _repeats(index: list[int], size: int) -> int:
+    """``k`` when ``index`` repeats each source position ``k`` times in order, else 0."""
+    repeats = len(index) // size if size else 0
+    return repeats if repeats and index == [i // repeats for i in range(len(index))] else 0
+
+
+def _repeat_dim(x: Value, dim: int, repeats: int) -> Value:
+    """Each element of ``x`` along ``dim`` ``repeats`` times in a row, as movement."""
+    shape = x.type.shape
+    grown = (*shape[: dim + 1], repeats, *shape[dim + 1 :])
+    widened = common.broadcast_to(prims.unsqueeze(x, dims=(dim + 1,)), grown)
+    return reshape(widened, (*shape[:dim], shape[dim] * repeats, *shape[dim + 1 :]))
+
+
+def _integral_scale(dim: int, mode: str, arguments: dict[str, Any]) -> int:
+    """The scale factor of ``dim`` when nearest mode repeats each element that many times for
+    every input size (an integral factor, not recomputed from an output size), else 0."""
+    factor = _per_dim(arguments["scale_factor"], dim)
+    fixed = arguments["size"] is None and not arguments["recompute_scale_factor"]
+    if mode != "nearest" or not fixed or not isinstance(factor, int | float):
+        return 0
+    return int(factor) if float(factor).is_integer() and factor >= 1 else 0
+
+
 def _gather_dim(x: Value, dim: int, index: list[int]) -> Value:
     """``x`` with ``x[..., index, ...]`` along ``dim``, as movement when the index allows."""
-    size = static(x.type.shape[dim])
+    size = x.type.shape[dim]
     if index == list(range(size)):
         return x
-    repeats = len(index) // size if size else 0
-    if repeats and index == [i // repeats for i in range(len(index))]:
-        shape = x.type.shape
-        grown = (*shape[: dim + 1], repeats, *shape[dim + 1 :])
-        widened = common.broadcast_to(prims.unsqueeze(x, dims=(dim + 1,)), grown)
-        return reshape(widened, (*shape[:dim], size * repeats, *shape[dim + 1 :]))
+    repeats = _repeats(index, size)
+    if repeats:
+        return _repeat_dim(x, dim, repeats)
     positions = common.constant(torch.tensor(index, dtype=torch.int64, device=x.type.device))
     result = prims.index(x, positions, dims=(dim,))
     assert isinstance(result, Value)
@@ -237,11 +260,16 @@ def interpolate(
         "align_corners": align_corners,
         "recompute_scale_factor": recompute_scale_factor,
     }
-    # Eager's own argument checks and output shape, on a meta tensor.
-    meta = torch.empty(static_shape(input), dtype=input.type.dtype, device="meta")
+    # Eager's own argument checks, on a meta tensor (of the captured sizes: they decide none).
+    meta = torch.empty(hint_shape(input.type.shape), dtype=input.type.dtype, device="meta")
     F.interpolate(meta, mode=mode, **arguments)
     result = input
     for dim in range(input.type.rank - 2):
-        index = _source_index(static(input.type.shape[dim + 2]), dim, mode, arguments)
-        result = _gather_dim(result, dim + 2, index)
+        size = input.type.shape[dim + 2]
+        repeats = _integral_scale(dim, mode, arguments) if isinstance(size, Sym) else 0
+        if repeats and _repeats(_source_index(size.hint, dim, mode, arguments), size.hint):
+            result = _repeat_dim(result, dim + 2, repeats)
+        else:  # (a symbolic size specializes: the source index is eager's float arithmetic)
+            index = _source_index(int(size), dim, mode, arguments)
+            result = _gather_dim(result, dim + 2, index)
     return result
