@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.graph import Value
+from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.sampling import FLOATS
 from kiln.ops.translations import common
@@ -51,9 +52,9 @@ def _adaptive_sizes(op: str, input: Value, spatial: int, output_size: object) ->
     return outs
 
 
-def adaptive_bounds(size: int, out: int) -> list[tuple[int, int]]:
+def adaptive_bounds(size: Dim, out: int) -> list[tuple[Dim, Dim]]:
     """Each output cell's window ``[floor(i*size/out), ceil((i+1)*size/out))``."""
-    return [((i * size) // out, -((-(i + 1) * size) // out)) for i in range(out)]
+    return [((i * size) // out, ((i + 1) * size + out - 1) // out) for i in range(out)]
 
 
 def adaptive_dim(x: Value, dim: int, out: int, reduce: Reduce) -> Value:
