@@ -43,7 +43,7 @@ from kiln.ir.builder import emit, require_builder
 from kiln.ir.graph import Graph, Value
 from kiln.ir.op import ImplFn, MetaFn, Op, OpDef, Sample, SampleFn, Tag, register
 from kiln.ir.specialize import substitute_deep
-from kiln.ir.symbolic import Sym, Symbol, substitute
+from kiln.ir.symbolic import Dim, Sym, Symbol, substitute
 from kiln.ir.types import FLOATING, Shape, TensorType, carries_gradient, hint_shape
 from kiln.ops import prims
 from kiln.ops.attrs import (
@@ -167,10 +167,11 @@ def _hints(attrs: Any, types: Sequence[TensorType]) -> dict[str, int]:
 def _symbolic_meta(
     impl: ImplFn, attrs: Any, operands: Sequence[Any], device: Any, fake: bool
 ) -> TensorType | tuple[TensorType, ...]:
-    """The output types of an extern with symbolic sizes in, found by running it at two
-    bindings of the symbols: the captured sizes, and each size grown by a different amount.
-    An output size is the constant or the symbol (or product of two) that fits both runs; a
-    size nothing fits specializes the symbols (guarded), so the types are always right."""
+    """The output types of an extern with symbolic sizes in, found by running it at bindings
+    of the symbols: the captured sizes, and each size grown by a different amount. An output
+    size is the constant or the symbol (or product of two) that fits two runs, else
+    ``a * term + b`` for such a term that also fits a third run; a size nothing fits
+    specializes the symbols (guarded), so the types are always right."""
     sizes = [d for o in operands if isinstance(o, TensorType) for d in o.shape]
     sizes += _sizes_in([o for o in operands if not isinstance(o, TensorType)]) + _sizes_in(attrs)
     symbols: dict[str, Symbol] = {}
@@ -178,7 +179,10 @@ def _symbolic_meta(
         if isinstance(size, Sym):
             symbols.update((symbol.name, symbol) for symbol in size.symbols())
     first = {name: symbol.hint for name, symbol in symbols.items()}
-    second = {name: hint + 3 + 2 * i for i, (name, hint) in enumerate(sorted(first.items()))}
+    bindings = [first] + [
+        {name: hint + grow + step * i for i, (name, hint) in enumerate(sorted(first.items()))}
+        for grow, step in ((3, 2), (8, 5))
+    ]
 
     def run(binding: dict[str, int]) -> Any:
         bound = [
@@ -190,30 +194,21 @@ def _symbolic_meta(
         return _run_abstractly(impl, substitute_deep(attrs, binding), bound, fake=fake)
 
     result = run(first)
-    at_hints = result if isinstance(result, tuple) else (result,)
-    try:
-        grown: Any = run(second)
-        grown = grown if isinstance(grown, tuple) else (grown,)
-    except Exception:  # (the grown sizes break a constraint of the call: specialize)
-        grown = None
-    candidates: list[Any] = [Sym.symbol(n, s.hint, s.low, s.high) for n, s in symbols.items()]
-    candidates += [a * b for a in candidates for b in candidates]
+    runs: list[Any] = [result if isinstance(result, tuple) else (result,)]
+    for binding in bindings[1:]:
+        try:
+            grown = run(binding)
+            runs.append(grown if isinstance(grown, tuple) else (grown,))
+        except Exception:  # (the grown sizes break a constraint of the call: specialize)
+            runs.append(None)
+    terms: list[Any] = [Sym.symbol(n, s.hint, s.low, s.high) for n, s in symbols.items()]
+    terms += [a * b for a in terms for b in terms]
     types = []
-    for index, tensor in enumerate(at_hints):
+    for index, tensor in enumerate(runs[0]):
         shape: list[Any] = []
         for dim, size in enumerate(tensor.shape):
-            other = None if grown is None else grown[index].shape[dim]
-            if other == size:
-                shape.append(int(size))
-                continue
-            match = next(
-                (
-                    c
-                    for c in candidates
-                    if c.evaluate(first) == size and c.evaluate(second) == other
-                ),
-                None,
-            )
+            values = [None if r is None else int(r[index].shape[dim]) for r in runs]
+            match = _fitting(terms, bindings, values)
             if match is None:
                 for symbol in symbols.values():  # nothing fits: these sizes only
                     int(Sym.symbol(symbol.name, symbol.hint, symbol.low, symbol.high))
@@ -221,6 +216,32 @@ def _symbolic_meta(
             shape.append(match)
         types.append(TensorType(tuple(shape), tensor.dtype, device or tensor.device))
     return tuple(types) if isinstance(result, tuple) else types[0]
+
+
+def _fitting(
+    terms: Sequence[Sym], bindings: Sequence[dict[str, int]], values: Sequence[int | None]
+) -> Dim | None:
+    """The size that takes ``values[i]`` at ``bindings[i]``: a constant or a term fitting the
+    first two, else ``a * term + b`` (integers ``a``, ``b``) fitting all three; None if none."""
+    size, grown, third = values
+    if grown is None:
+        return None
+    if grown == size:
+        return size
+    for term in terms:
+        if term.evaluate(bindings[0]) == size and term.evaluate(bindings[1]) == grown:
+            return term
+    if third is None:
+        return None
+    for term in terms:
+        at = [term.evaluate(binding) for binding in bindings]
+        slope, rest = divmod(grown - size, at[1] - at[0])
+        if rest or not slope:
+            continue
+        offset = size - slope * at[0]
+        if slope * at[2] + offset == third:
+            return term * slope + offset
+    return None
 
 
 def check_floats(op: Op, *operands: torch.Tensor | None) -> None:
