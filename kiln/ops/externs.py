@@ -168,10 +168,10 @@ def _symbolic_meta(
     impl: ImplFn, attrs: Any, operands: Sequence[Any], device: Any, fake: bool
 ) -> TensorType | tuple[TensorType, ...]:
     """The output types of an extern with symbolic sizes in, found by running it at bindings
-    of the symbols: the captured sizes, and each size grown by a different amount. An output
-    size is the constant or the symbol (or product of two) that fits two runs, else
-    ``a * term + b`` for such a term that also fits a third run; a size nothing fits
-    specializes the symbols (guarded), so the types are always right."""
+    of the symbols: the captured sizes, and each size scaled twice by a factor of its own. An
+    output size is the constant or the symbol (or product of two) that fits the runs, else
+    ``a * term + b`` for such a term fitting three runs; a size nothing fits specializes the
+    symbols (guarded), so the types are always right."""
     sizes = [d for o in operands if isinstance(o, TensorType) for d in o.shape]
     sizes += _sizes_in([o for o in operands if not isinstance(o, TensorType)]) + _sizes_in(attrs)
     symbols: dict[str, Symbol] = {}
@@ -179,9 +179,13 @@ def _symbolic_meta(
         if isinstance(size, Sym):
             symbols.update((symbol.name, symbol) for symbol in size.symbols())
     first = {name: symbol.hint for name, symbol in symbols.items()}
+    # Symbol i scaled by the i-th prime p, then by p * p: a size keeps every divisor it had
+    # (glu's halving, a split into heads), and no two terms (symbols and products of two)
+    # grow alike, so a size that fits one term fits no other.
+    factors = _primes(len(first))
     bindings = [first] + [
-        {name: hint + grow + step * i for i, (name, hint) in enumerate(sorted(first.items()))}
-        for grow, step in ((3, 2), (8, 5))
+        {name: hint * factors[i] ** power for i, (name, hint) in enumerate(sorted(first.items()))}
+        for power in (1, 2)
     ]
 
     def run(binding: dict[str, int]) -> Any:
@@ -218,29 +222,44 @@ def _symbolic_meta(
     return tuple(types) if isinstance(result, tuple) else types[0]
 
 
+def _primes(count: int) -> list[int]:
+    found: list[int] = []
+    candidate = 2
+    while len(found) < count:
+        if all(candidate % p for p in found):
+            found.append(candidate)
+        candidate += 1
+    return found
+
+
 def _fitting(
     terms: Sequence[Sym], bindings: Sequence[dict[str, int]], values: Sequence[int | None]
 ) -> Dim | None:
-    """The size that takes ``values[i]`` at ``bindings[i]``: a constant or a term fitting the
-    first two, else ``a * term + b`` (integers ``a``, ``b``) fitting all three; None if none."""
-    size, grown, third = values
-    if grown is None:
+    """The size that takes ``values[i]`` at ``bindings[i]`` (None: that run failed): a constant
+    or a term fitting every run, else ``a * term + b`` (integers ``a``, ``b``) or
+    ``term // d`` (glu's halving) fitting three; None if none does."""
+    known = [(binding, value) for binding, value in zip(bindings, values, strict=True)]
+    known = [(binding, value) for binding, value in known if value is not None]
+    if len(known) < 2:
         return None
-    if grown == size:
+    size = known[0][1]
+    if all(value == size for _, value in known):
         return size
     for term in terms:
-        if term.evaluate(bindings[0]) == size and term.evaluate(bindings[1]) == grown:
+        if all(term.evaluate(binding) == value for binding, value in known):
             return term
-    if third is None:
+    if len(known) < 3:
         return None
+    wanted = [value for _, value in known]
     for term in terms:
-        at = [term.evaluate(binding) for binding in bindings]
-        slope, rest = divmod(grown - size, at[1] - at[0])
-        if rest or not slope:
-            continue
+        at = [term.evaluate(binding) for binding, _ in known]
+        slope, rest = divmod(wanted[1] - size, at[1] - at[0])
         offset = size - slope * at[0]
-        if slope * at[2] + offset == third:
+        if slope and not rest and [slope * a + offset for a in at] == wanted:
             return term * slope + offset
+        divisor = next((d for d in range(2, 9) if [a // d for a in at] == wanted), None)
+        if divisor is not None:
+            return term // divisor
     return None
 
 
