@@ -13,7 +13,7 @@ import torch
 
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Value
-from kiln.ir.symbolic import Sym
+from kiln.ir.symbolic import Dim, Sym, statically
 from kiln.ir.types import Shape, hint_shape
 from kiln.ops import prims
 
@@ -90,6 +90,17 @@ def convert(value: Operand, dtype: torch.dtype) -> Operand:
     return prims.convert(value, dtype=dtype)
 
 
+def same_size(a: Dim, b: Dim) -> bool:
+    """Whether two sizes are equal for every binding of the symbols (no guard: False when
+    that depends on the sizes)."""
+    return statically(a - b, "==") is True
+
+
+def same_shape(a: Shape, b: Shape) -> bool:
+    """Whether two shapes are equal for every binding of the symbols (no guard)."""
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b, strict=True))
+
+
 def size_scalar(size: int | float | Sym) -> float | Sym:
     """A size (an element count) as a float operand (``div(total, 12.0)``); a symbolic size
     stays symbolic, an int scalar whose value each call's sizes give."""
@@ -101,11 +112,12 @@ def broadcast_shapes(*shapes: Shape) -> Shape:
     rank = max((len(s) for s in shapes), default=0)
     result: list[Any] = []
     for axis in range(-rank, 0):
+        dims = [shape[axis] for shape in shapes if -axis <= len(shape)]
+        if all(same_size(dim, dims[0]) for dim in dims[1:]):
+            result.append(dims[0])  # (no question asked of a symbolic size: no guard)
+            continue
         size: Any = 1
-        for shape in shapes:
-            if -axis > len(shape):
-                continue
-            dim = shape[axis]
+        for dim in dims:
             if dim == 1:
                 continue
             if size not in (1, dim):
@@ -121,7 +133,7 @@ def broadcast_shapes(*shapes: Shape) -> Shape:
 def broadcast_to(value: Value, shape: Shape) -> Value:
     """``value`` broadcast to ``shape`` (new leading dims, size-1 dims expanded)."""
     source = value.type.shape
-    if source == tuple(shape):
+    if same_shape(source, shape):
         return value
     offset = len(shape) - len(source)
     dims = tuple(range(offset, len(shape)))

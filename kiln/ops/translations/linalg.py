@@ -62,7 +62,7 @@ def static_shape(value: Value) -> tuple[int, ...]:
 
 def reshape(value: Value, shape: Shape) -> Value:
     """``value`` reshaped, skipping the node when the shape already is ``shape``."""
-    if tuple(value.type.shape) == tuple(shape):
+    if common.same_shape(value.type.shape, shape):
         return value
     result = prims.reshape(value, shape=tuple(shape))
     assert isinstance(result, Value)
