@@ -29,8 +29,8 @@ from kiln.ops import prims
 from kiln.ops.sampling import ALL, FLOATS
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
-from kiln.ops.translations.linalg import reshape, static_shape
-from kiln.ops.translations.reductions import static
+from kiln.ops.translations.linalg import reshape
+from kiln.ops.translations.shape import shape_of
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -79,7 +79,7 @@ def embedding(
 ) -> Value:
     if max_norm is not None or scale_grad_by_freq:
         raise FallbackToExtern  # renormalizes rows in place / scales gradients by frequency
-    rows = static(weight.type.shape[0])
+    rows = weight.type.shape[0]
     if padding_idx is not None and not -rows <= padding_idx < rows:
         raise AssertionError("Padding_idx must be within num_embeddings")
     return _without_padding_gradient(_lookup(weight, input), input, padding_idx, rows)
@@ -115,7 +115,7 @@ def embedding_weight_first(
 ) -> Value:
     if scale_grad_by_freq:
         raise FallbackToExtern
-    rows = static(weight.type.shape[0])
+    rows = weight.type.shape[0]
     padding = padding_idx if padding_idx >= 0 else None
     return _without_padding_gradient(_lookup(weight, indices), indices, padding, rows)
 
@@ -145,7 +145,7 @@ def _check_factor(op: str, input: Value, factor: int, what: str) -> None:
 )
 def pixel_shuffle(input: Value, upscale_factor: int) -> Value:
     _check_factor("pixel_shuffle", input, upscale_factor, "upscale_factor")
-    *lead, channels, height, width = static_shape(input)
+    *lead, channels, height, width = shape_of(input)
     r = upscale_factor
     if channels % (r * r):
         raise RuntimeError(
@@ -165,7 +165,7 @@ def pixel_shuffle(input: Value, upscale_factor: int) -> Value:
 )
 def pixel_unshuffle(input: Value, downscale_factor: int) -> Value:
     _check_factor("pixel_unshuffle", input, downscale_factor, "downscale_factor")
-    *lead, channels, height, width = static_shape(input)
+    *lead, channels, height, width = shape_of(input)
     r = downscale_factor
     if height % r or width % r:
         raise RuntimeError(

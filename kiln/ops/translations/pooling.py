@@ -33,8 +33,9 @@ from kiln.ops import prims
 from kiln.ops.sampling import FLOATS, NUMERIC
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import Case, T, case_calls
-from kiln.ops.translations.linalg import reshape, static_shape
-from kiln.ops.translations.reductions import compute_dtype, static
+from kiln.ops.translations.linalg import reshape
+from kiln.ops.translations.reductions import compute_dtype
+from kiln.ops.translations.shape import shape_of
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 IntArg = int | Sequence[int]
@@ -116,7 +117,7 @@ def check_input(op: str, input: Value, spatial: int) -> None:
 
 
 def _output_sizes(op: str, input: Value, wins: Sequence[Window]) -> list[int]:
-    sizes = list(static_shape(input)[-len(wins) :])
+    sizes = list(shape_of(input)[-len(wins) :])
     outs = [w.output_size(s) for w, s in zip(wins, sizes, strict=True)]
     if any(out <= 0 for out in outs):
         raise RuntimeError(
@@ -149,7 +150,7 @@ def pool_dim(
     combine: Callable[[Value, Value], Value],
 ) -> Value:
     """Combine the ``window.kernel`` elements of each of ``out`` windows along ``dim``."""
-    size = static(x.type.shape[dim])
+    size = x.type.shape[dim]
     last = (out - 1) * window.stride + 1  # the extent of one slice
     span = last + window.dilation * (window.kernel - 1)
     padded = _pad_dim(x, dim, window.padding, span - size - window.padding, fill)
@@ -322,7 +323,7 @@ def avg_pool(
     first = input.type.rank - spatial
     counts = []
     for offset, (window, out) in enumerate(zip(wins, outs, strict=True)):
-        size = static(input.type.shape[first + offset])
+        size = input.type.shape[first + offset]
         total = pool_dim(total, first + offset, window, out, 0, prims.add)
         counts.append(_window_counts(window, size, out, count_include_pad))
     if divisor_override is not None:
