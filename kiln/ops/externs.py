@@ -44,7 +44,7 @@ from kiln.ir.graph import Graph, Value
 from kiln.ir.op import ImplFn, MetaFn, Op, OpDef, Sample, SampleFn, Tag, register
 from kiln.ir.specialize import substitute_deep
 from kiln.ir.symbolic import Dim, Sym, Symbol, substitute
-from kiln.ir.types import FLOATING, Shape, TensorType, carries_gradient, hint_shape
+from kiln.ir.types import FLOATING, Shape, TensorType, carries_gradient, hint_shape, same_shape
 from kiln.ops import prims
 from kiln.ops.attrs import (
     ConvolutionAttrs,
@@ -351,7 +351,7 @@ def _sum_to(grad: Value, shape: Shape) -> Value:
     sizes = grad.type.shape
     dims = (*range(lead), *(lead + i for i, n in enumerate(shape) if n == 1 != sizes[lead + i]))
     summed = prims.sum(grad, dims=dims) if dims else grad
-    return summed if summed.type.shape == tuple(shape) else prims.reshape(summed, shape=shape)
+    return summed if same_shape(summed.type.shape, shape) else prims.reshape(summed, shape=shape)
 
 
 def _zeros(like: Value) -> Value:

@@ -13,8 +13,8 @@ import torch
 
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Value
-from kiln.ir.symbolic import Dim, Sym, statically
-from kiln.ir.types import Shape, hint_shape
+from kiln.ir.symbolic import Sym
+from kiln.ir.types import Shape, hint_shape, same_shape, same_size
 from kiln.ops import prims
 
 Operand = Value | bool | int | float | Sym
@@ -88,17 +88,6 @@ def convert(value: Operand, dtype: torch.dtype) -> Operand:
     if value.type.dtype == dtype:
         return value
     return prims.convert(value, dtype=dtype)
-
-
-def same_size(a: Dim, b: Dim) -> bool:
-    """Whether two sizes are equal for every binding of the symbols (no guard: False when
-    that depends on the sizes)."""
-    return statically(a - b, "==") is True
-
-
-def same_shape(a: Shape, b: Shape) -> bool:
-    """Whether two shapes are equal for every binding of the symbols (no guard)."""
-    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b, strict=True))
 
 
 def size_scalar(size: int | float | Sym) -> float | Sym:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from kiln.ir.graph import Value
-from kiln.ir.types import Shape
+from kiln.ir.types import Shape, same_shape
 from kiln.ops import prims
 from kiln.ops.sampling import NUMERIC
 from kiln.ops.translations import common
@@ -57,7 +57,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def reshape(value: Value, shape: Shape) -> Value:
     """``value`` reshaped, skipping the node when the shape already is ``shape``."""
-    if common.same_shape(value.type.shape, shape):
+    if same_shape(value.type.shape, shape):
         return value
     result = prims.reshape(value, shape=tuple(shape))
     assert isinstance(result, Value)

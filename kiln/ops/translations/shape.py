@@ -26,17 +26,11 @@ import torch
 
 from kiln.ir.graph import Value
 from kiln.ir.symbolic import Sym, statically
-from kiln.ir.types import Dim
+from kiln.ir.types import Dim, same_shape, same_size
 from kiln.ops import prims
 from kiln.ops.sampling import ALL
 from kiln.ops.translations.cases import Case, T, case_calls
-from kiln.ops.translations.common import (
-    broadcast_to,
-    normalize_dim,
-    normalize_dims,
-    same_shape,
-    same_size,
-)
+from kiln.ops.translations.common import broadcast_to, normalize_dim, normalize_dims
 from kiln.ops.translations.table import CallFn, FallbackToExtern, lookup, translation
 
 # ---------------------------------------------------------------------------------------------
