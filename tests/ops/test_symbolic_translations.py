@@ -196,6 +196,12 @@ CREATION = [
     case("zeros-long", lambda x: torch.zeros(2, _size(x), dtype=torch.long) + x.argmax(-1)),
     case("zeros-like", lambda x: torch.zeros_like(x) + x),
     case("tensor-of-size", lambda x: x * torch.tensor(_size(x))),
+    case("eye", lambda x: torch.eye(_size(x)) + x[0, :, :1]),
+    case(
+        "lengths-mask",
+        lambda x, lengths: x.masked_fill(torch.arange(_size(x)) >= lengths[:, None], 0.0),
+        lambda n: (_randn(2, n), torch.randint(1, n, (2,))),
+    ),
 ]
 
 ARITHMETIC = [
@@ -232,6 +238,7 @@ REDUCTIONS = [
     case("norm", lambda x: x.norm(dim=1)),
     case("cumsum", lambda x: x.cumsum(1)),
     case("topk", lambda x: x.topk(2, dim=1).values),
+    case("topk-half", lambda x: x.topk(_size(x) // 2, dim=1).values),
     case("sort", lambda x: x.sort(1).values),
     case(
         "cross-entropy",

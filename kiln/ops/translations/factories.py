@@ -1,5 +1,5 @@
 """Factories of the ``torch`` namespace: ``zeros``, ``ones``, ``empty``, ``full``, ``arange``,
-``tensor``.
+``eye``, ``tensor``.
 
 With Python sizes they need no translation: they run while tracing and become constants. The
 tracer routes them here when a size is symbolic (``torch.ones(t, t)`` for a sequence of length
@@ -125,6 +125,21 @@ for _name in ("zeros", "ones", "empty"):
         dtypes=ALL,
         random=_name == "empty",
     )(_filled_factory(0 if _name != "ones" else 1, _name))
+
+
+@translation(torch.eye, samples=lambda dtype, device: [Call((3, 4), {"dtype": dtype})], dtypes=ALL)
+def eye(n: Number, m: Number | None = None, **options: Any) -> Value:
+    """Ones where the row index equals the column index: two iotas compared."""
+    dtype, device = _options(options, "eye")
+    shape = sizes((n, n if m is None else m), "eye")
+    rows, columns = (
+        prims.iota(length=size, start=0, step=1, dtype=torch.int64, device=device) for size in shape
+    )
+    diagonal = prims.eq(
+        prims.broadcast(rows, shape=shape, dims=(0,)),
+        prims.broadcast(columns, shape=shape, dims=(1,)),
+    )
+    return common.convert(diagonal, dtype or torch.get_default_dtype())
 
 
 @translation(torch.tensor, samples=lambda dtype, device: _tensor_calls(dtype, device), dtypes=ALL)
