@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kiln.ir.graph import Value
 from kiln.ir.symbolic import Sym
-from kiln.ir.types import hint_shape
+from kiln.ir.types import Dim, hint_shape
 from kiln.ops import prims
 from kiln.ops.sampling import ALL, FLOATS
 from kiln.ops.translations import common
@@ -86,13 +86,13 @@ def embedding(
 
 
 def _without_padding_gradient(
-    result: Value, indices: Value, padding_idx: int | None, rows: int
+    result: Value, indices: Value, padding_idx: int | None, rows: Dim
 ) -> Value:
     """The looked-up rows, with no gradient flowing back into the padding row (as eager's
     embedding backward): where an index is the padding index, a detached copy is used."""
     if padding_idx is None or not result.type.requires_grad:
         return result
-    hit = prims.eq(indices, padding_idx % rows)
+    hit = prims.eq(indices, padding_idx + rows if padding_idx < 0 else padding_idx)
     hit = common.broadcast_to(prims.reshape(hit, shape=(*hit.type.shape, 1)), result.type.shape)
     with torch.no_grad():
         frozen = prims.convert(result, dtype=result.type.dtype)
