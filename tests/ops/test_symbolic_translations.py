@@ -195,7 +195,6 @@ CREATION = [
     case("ones", lambda x: torch.ones(_size(x)) + x[0, :, 0]),
     case("zeros-long", lambda x: torch.zeros(2, _size(x), dtype=torch.long) + x.argmax(-1)),
     case("zeros-like", lambda x: torch.zeros_like(x) + x),
-    case("tensor-of-size", lambda x: x * torch.tensor(_size(x))),
     case("eye", lambda x: torch.eye(_size(x)) + x[0, :, :1]),
     case(
         "lengths-mask",
@@ -359,6 +358,22 @@ def test_dropout_draws_at_every_size() -> None:
         kept = y != 0
         torch.testing.assert_close(y[kept], 2 * x[kept])
     assert_captured_once()
+
+
+def test_tensor_of_a_size_specializes() -> None:
+    """``torch.tensor(n)`` is data whose uses may need its value as a Python number (a slice
+    bound): the size specializes, one capture per size, each right."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x[:, : 16 - torch.tensor(_size(x))] * torch.tensor(_size(x))
+
+    kiln.reset()
+    compiled = kiln.compile(fn, dynamic=True, options={"strict": True})
+    for n in SIZES:
+        x = _randn(2, n + 8, 8)
+        torch.testing.assert_close(compiled(x), fn(x))
+    assert kiln.counters.captures == len(SIZES)
+    assert kiln.counters.graph_breaks == []
 
 
 # ---------------------------------------------------------------------------------------------
