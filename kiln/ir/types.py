@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kiln.ir.symbolic import Dim, Sym, hint
+from kiln.ir.symbolic import Dim, Sym, hint, statically
 
 SymDim = Sym  # (the name earlier code used)
 Shape = tuple[Dim, ...]
@@ -114,3 +114,14 @@ def concrete_shape(shape: Shape) -> tuple[int, ...]:
 def hint_shape(shape: Shape) -> tuple[int, ...]:
     """``shape`` at the sizes of the call being captured (no guard: for stand-ins only)."""
     return tuple(hint(dim) for dim in shape)
+
+
+def same_size(a: Dim, b: Dim) -> bool:
+    """Whether two sizes are equal for every binding of the symbols (no guard: False when that
+    depends on the sizes). For a test that only saves work, such as skipping a no-op node."""
+    return statically(a - b, "==") is True
+
+
+def same_shape(a: Shape, b: Shape) -> bool:
+    """Whether two shapes are equal for every binding of the symbols (no guard)."""
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b, strict=True))

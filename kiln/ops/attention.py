@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.op import Op, Sample
-from kiln.ir.types import FLOATING, TensorType
+from kiln.ir.types import FLOATING, TensorType, same_shape, same_size
 from kiln.ops import prims
 from kiln.ops.attrs import ExternAttrs, SdpaAttrs, Slot
 from kiln.ops.extern_shapes import EXTERN_FORMULAS
@@ -151,8 +151,9 @@ EXTERN_VJPS[sdpa_cpu_forward] = _sdpa_cpu_vjp
 
 
 def _flash_operands(attrs: ExternAttrs, operands: Sequence[Any]) -> list[TensorType] | None:
-    """q, k and v of a CPU flash call when their types are regular (4-D, static, one dtype
-    and device, one head size; k and v of one length), else None (the meta runs PyTorch)."""
+    """q, k and v of a CPU flash call when their types are regular (4-D, one dtype and
+    device, one head size; k and v of one length, for every size), else None (the meta runs
+    PyTorch)."""
     slots = attrs.args[:3]
     if len(slots) < 3 or not all(isinstance(s, Slot) and s.index < len(operands) for s in slots):
         return None
@@ -160,13 +161,11 @@ def _flash_operands(attrs: ExternAttrs, operands: Sequence[Any]) -> list[TensorT
     types = [q, k, v]
     if not all(isinstance(t, TensorType) and t.rank == 4 for t in types):
         return None
-    if any(not all(isinstance(d, int) for d in t.shape) for t in types):
-        return None
     if len({(t.dtype, t.device) for t in types}) != 1 or q.dtype not in FLOATING:
         return None
-    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+    if not same_shape(q.shape[:2], k.shape[:2]) or not same_shape(k.shape[:3], v.shape[:3]):
         return None
-    if len({t.shape[3] for t in types}) != 1:  # PyTorch's flash kernel wants one head size
+    if not all(same_size(t.shape[3], q.shape[3]) for t in types):  # (flash: one head size)
         return None
     return types
 

@@ -28,6 +28,7 @@ import torch
 
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Graph, InputKind, Value
+from kiln.ir.types import same_shape
 from kiln.ops import prims
 from kiln.ops.attrs import ExternAttrs, Slot
 from kiln.ops.externs import EXTERN_VJPS, Grads, extern_call
@@ -125,7 +126,7 @@ def fit_gradient(grad: Value, operand: Value) -> Value:
     """``grad`` summed to ``operand``'s shape and cast to its dtype, as eager autograd does
     with what a custom backward returns."""
     shape = operand.type.shape
-    if grad.type.shape != shape:
+    if not same_shape(grad.type.shape, shape):
         lead = grad.type.rank - len(shape)
         sizes = grad.type.shape
         dims = tuple(range(lead)) + tuple(
@@ -133,7 +134,7 @@ def fit_gradient(grad: Value, operand: Value) -> Value:
         )
         if dims:
             grad = prims.sum(grad, dims=dims)
-        if grad.type.shape != shape:
+        if not same_shape(grad.type.shape, shape):
             grad = prims.reshape(grad, shape=shape)
     if grad.type.dtype != operand.type.dtype:
         grad = prims.convert(grad, dtype=operand.type.dtype)

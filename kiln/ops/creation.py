@@ -43,7 +43,7 @@ def _check_shape(op: Op, shape: Shape) -> None:
 
 
 def _sizes(shape: Shape) -> tuple[int, ...]:
-    """The sizes of a shape that must be concrete to run (every dim is specialized for now)."""
+    """The sizes of a shape, ints by the time it runs (the pipeline specializes a graph first)."""
     sizes = tuple(size for size in shape if isinstance(size, int))
     if len(sizes) != len(shape):
         raise NotImplementedError(f"a creation op of symbolic shape {shape} cannot run")

@@ -43,8 +43,8 @@ from kiln.ir.builder import emit, require_builder
 from kiln.ir.graph import Graph, Value
 from kiln.ir.op import ImplFn, MetaFn, Op, OpDef, Sample, SampleFn, Tag, register
 from kiln.ir.specialize import substitute_deep
-from kiln.ir.symbolic import Sym, Symbol, substitute
-from kiln.ir.types import FLOATING, Shape, TensorType, carries_gradient, hint_shape
+from kiln.ir.symbolic import Dim, Sym, Symbol, substitute
+from kiln.ir.types import FLOATING, Shape, TensorType, carries_gradient, hint_shape, same_shape
 from kiln.ops import prims
 from kiln.ops.attrs import (
     ConvolutionAttrs,
@@ -167,10 +167,11 @@ def _hints(attrs: Any, types: Sequence[TensorType]) -> dict[str, int]:
 def _symbolic_meta(
     impl: ImplFn, attrs: Any, operands: Sequence[Any], device: Any, fake: bool
 ) -> TensorType | tuple[TensorType, ...]:
-    """The output types of an extern with symbolic sizes in, found by running it at two
-    bindings of the symbols: the captured sizes, and each size grown by a different amount.
-    An output size is the constant or the symbol (or product of two) that fits both runs; a
-    size nothing fits specializes the symbols (guarded), so the types are always right."""
+    """The output types of an extern with symbolic sizes in, found by running it at bindings
+    of the symbols: the captured sizes, and each size scaled twice by a factor of its own. An
+    output size is the constant or the symbol (or product of two) that fits the runs, else
+    ``a * term + b`` for such a term fitting three runs; a size nothing fits specializes the
+    symbols (guarded), so the types are always right."""
     sizes = [d for o in operands if isinstance(o, TensorType) for d in o.shape]
     sizes += _sizes_in([o for o in operands if not isinstance(o, TensorType)]) + _sizes_in(attrs)
     symbols: dict[str, Symbol] = {}
@@ -178,7 +179,14 @@ def _symbolic_meta(
         if isinstance(size, Sym):
             symbols.update((symbol.name, symbol) for symbol in size.symbols())
     first = {name: symbol.hint for name, symbol in symbols.items()}
-    second = {name: hint + 3 + 2 * i for i, (name, hint) in enumerate(sorted(first.items()))}
+    # Symbol i scaled by the i-th prime p, then by p * p: a size keeps every divisor it had
+    # (glu's halving, a split into heads), and no two terms (symbols and products of two)
+    # grow alike, so a size that fits one term fits no other.
+    factors = _primes(len(first))
+    bindings = [first] + [
+        {name: hint * factors[i] ** power for i, (name, hint) in enumerate(sorted(first.items()))}
+        for power in (1, 2)
+    ]
 
     def run(binding: dict[str, int]) -> Any:
         bound = [
@@ -190,30 +198,21 @@ def _symbolic_meta(
         return _run_abstractly(impl, substitute_deep(attrs, binding), bound, fake=fake)
 
     result = run(first)
-    at_hints = result if isinstance(result, tuple) else (result,)
-    try:
-        grown: Any = run(second)
-        grown = grown if isinstance(grown, tuple) else (grown,)
-    except Exception:  # (the grown sizes break a constraint of the call: specialize)
-        grown = None
-    candidates: list[Any] = [Sym.symbol(n, s.hint, s.low, s.high) for n, s in symbols.items()]
-    candidates += [a * b for a in candidates for b in candidates]
+    runs: list[Any] = [result if isinstance(result, tuple) else (result,)]
+    for binding in bindings[1:]:
+        try:
+            grown = run(binding)
+            runs.append(grown if isinstance(grown, tuple) else (grown,))
+        except Exception:  # (the grown sizes break a constraint of the call: specialize)
+            runs.append(None)
+    terms: list[Any] = [Sym.symbol(n, s.hint, s.low, s.high) for n, s in symbols.items()]
+    terms += [a * b for a in terms for b in terms]
     types = []
-    for index, tensor in enumerate(at_hints):
+    for index, tensor in enumerate(runs[0]):
         shape: list[Any] = []
         for dim, size in enumerate(tensor.shape):
-            other = None if grown is None else grown[index].shape[dim]
-            if other == size:
-                shape.append(int(size))
-                continue
-            match = next(
-                (
-                    c
-                    for c in candidates
-                    if c.evaluate(first) == size and c.evaluate(second) == other
-                ),
-                None,
-            )
+            values = [None if r is None else int(r[index].shape[dim]) for r in runs]
+            match = _fitting(terms, bindings, values)
             if match is None:
                 for symbol in symbols.values():  # nothing fits: these sizes only
                     int(Sym.symbol(symbol.name, symbol.hint, symbol.low, symbol.high))
@@ -221,6 +220,47 @@ def _symbolic_meta(
             shape.append(match)
         types.append(TensorType(tuple(shape), tensor.dtype, device or tensor.device))
     return tuple(types) if isinstance(result, tuple) else types[0]
+
+
+def _primes(count: int) -> list[int]:
+    found: list[int] = []
+    candidate = 2
+    while len(found) < count:
+        if all(candidate % p for p in found):
+            found.append(candidate)
+        candidate += 1
+    return found
+
+
+def _fitting(
+    terms: Sequence[Sym], bindings: Sequence[dict[str, int]], values: Sequence[int | None]
+) -> Dim | None:
+    """The size that takes ``values[i]`` at ``bindings[i]`` (None: that run failed): a constant
+    or a term fitting every run, else ``a * term + b`` (integers ``a``, ``b``) or
+    ``term // d`` (glu's halving) fitting three; None if none does."""
+    known = [(binding, value) for binding, value in zip(bindings, values, strict=True)]
+    known = [(binding, value) for binding, value in known if value is not None]
+    if len(known) < 2:
+        return None
+    size = known[0][1]
+    if all(value == size for _, value in known):
+        return size
+    for term in terms:
+        if all(term.evaluate(binding) == value for binding, value in known):
+            return term
+    if len(known) < 3:
+        return None
+    wanted = [value for _, value in known]
+    for term in terms:
+        at = [term.evaluate(binding) for binding, _ in known]
+        slope, rest = divmod(wanted[1] - size, at[1] - at[0])
+        offset = size - slope * at[0]
+        if slope and not rest and [slope * a + offset for a in at] == wanted:
+            return term * slope + offset
+        divisor = next((d for d in range(2, 9) if [a // d for a in at] == wanted), None)
+        if divisor is not None:
+            return term // divisor
+    return None
 
 
 def check_floats(op: Op, *operands: torch.Tensor | None) -> None:
@@ -311,7 +351,7 @@ def _sum_to(grad: Value, shape: Shape) -> Value:
     sizes = grad.type.shape
     dims = (*range(lead), *(lead + i for i, n in enumerate(shape) if n == 1 != sizes[lead + i]))
     summed = prims.sum(grad, dims=dims) if dims else grad
-    return summed if summed.type.shape == tuple(shape) else prims.reshape(summed, shape=shape)
+    return summed if same_shape(summed.type.shape, shape) else prims.reshape(summed, shape=shape)
 
 
 def _zeros(like: Value) -> Value:

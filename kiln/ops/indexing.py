@@ -23,7 +23,7 @@ import torch
 from kiln.errors import IndexOutOfBounds
 from kiln.ir.graph import Value
 from kiln.ir.op import Op, Sample, Tag
-from kiln.ir.types import Shape, TensorType
+from kiln.ir.types import Shape, TensorType, same_shape
 from kiln.ops import prims
 from kiln.ops.attrs import GatherAttrs, IndexAttrs, IndexPutAttrs, ScatterAttrs
 from kiln.ops.movement import (
@@ -215,10 +215,10 @@ def _src_grad(g: Value, index: Value, src: Value, dim: int) -> Value:
     """``g`` read back at the scattered positions; ``src`` elements past ``index``'s extent were
     never read, so they get zeros."""
     picked = prims.gather(g, index, dim=dim)
-    if picked.type.shape == src.type.shape:
+    if same_shape(picked.type.shape, src.type.shape):
         return picked
     zeros = (0,) * src.type.rank
-    sizes = zip(concrete(src.type.shape), concrete(index.type.shape), strict=True)
+    sizes = zip(src.type.shape, index.type.shape, strict=True)
     high = tuple(size - extent for size, extent in sizes)
     return prims.pad(picked, low=zeros, high=high, value=0)
 

@@ -23,13 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.graph import Value
+from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.sampling import FLOATS
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import Case, T, case_calls
-from kiln.ops.translations.linalg import reshape, static_shape
+from kiln.ops.translations.linalg import reshape
 from kiln.ops.translations.pooling import check_input, divide_by_counts
-from kiln.ops.translations.reductions import compute_dtype, static
+from kiln.ops.translations.reductions import compute_dtype
+from kiln.ops.translations.shape import shape_of
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 Reduce = Callable[[Value, int], Value]  # reduce a value over one dim, removing it
@@ -39,7 +41,7 @@ MAX_ADAPTIVE_CELLS = 64  # wider adaptive outputs (without an even split) become
 def _adaptive_sizes(op: str, input: Value, spatial: int, output_size: object) -> list[int]:
     """Output sizes per spatial dim (None keeps the input's size)."""
     check_input(op, input, spatial)
-    sizes = list(static_shape(input)[-spatial:])
+    sizes = list(shape_of(input)[-spatial:])
     wanted = [output_size] * spatial if not isinstance(output_size, Sequence) else output_size
     if len(wanted) == 1 and spatial > 1:
         wanted = list(wanted) * spatial
@@ -51,16 +53,16 @@ def _adaptive_sizes(op: str, input: Value, spatial: int, output_size: object) ->
     return outs
 
 
-def adaptive_bounds(size: int, out: int) -> list[tuple[int, int]]:
+def adaptive_bounds(size: Dim, out: int) -> list[tuple[Dim, Dim]]:
     """Each output cell's window ``[floor(i*size/out), ceil((i+1)*size/out))``."""
-    return [((i * size) // out, -((-(i + 1) * size) // out)) for i in range(out)]
+    return [((i * size) // out, ((i + 1) * size + out - 1) // out) for i in range(out)]
 
 
 def adaptive_dim(x: Value, dim: int, out: int, reduce: Reduce) -> Value:
     """Reduce each adaptive window along ``dim``: one reshape when ``out`` divides the size,
     else one slice per output cell, concatenated."""
     shape = x.type.shape
-    size = static(shape[dim])
+    size = shape[dim]
     if out and size % out == 0:
         split = reshape(x, (*shape[:dim], out, size // out, *shape[dim + 1 :]))
         return reduce(split, dim + 1)
@@ -100,7 +102,7 @@ def adaptive_avg_pool(input: Value, spatial: int, output_size: object) -> Value:
     first = input.type.rank - spatial
     counts = []
     for offset, out in enumerate(outs):
-        size = static(input.type.shape[first + offset])
+        size = input.type.shape[first + offset]
         total = adaptive_dim(total, first + offset, out, _sum_dim)
         counts.append([stop - start for start, stop in adaptive_bounds(size, out)])
     result = common.convert(divide_by_counts(total, counts), dtype)

@@ -37,11 +37,11 @@ from kiln.ops.translations.linalg import (
     bmm,
     linear,
     reshape,
-    static_shape,
     transpose_last,
 )
 from kiln.ops.translations.normalization import softmax_of
-from kiln.ops.translations.reductions import compute_dtype, static
+from kiln.ops.translations.reductions import compute_dtype
+from kiln.ops.translations.shape import shape_of
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 
@@ -55,7 +55,7 @@ def dropout(x: Value, p: float) -> Value:
         return result
     builder = require_builder()
     shape = x.type.shape
-    offset = builder.rng_offset(static(x.type.numel()))
+    offset = builder.rng_offset(x.type.numel())
     uniform = prims.random_uniform(
         builder.rng_seed(), shape=shape, dtype=torch.float32, device=x.type.device, offset=offset
     )
@@ -84,7 +84,7 @@ def _repeat_heads(x: Value, groups: int) -> Value:
     """Each head of ``x`` (..., heads, seq, dim) repeated ``groups`` times in place."""
     if groups == 1:
         return x
-    *lead, heads, seq, dim = static_shape(x)
+    *lead, heads, seq, dim = shape_of(x)
     rank = x.type.rank
     grown = common.broadcast_to(
         prims.unsqueeze(x, dims=(rank - 2,)), (*lead, heads, groups, seq, dim)
@@ -128,12 +128,12 @@ def attention_math(
 ) -> Value:
     """Scaled dot-product attention in prims, with dropout: eager's math kernel."""
     if enable_gqa:
-        groups = static(q.type.shape[-3]) // static(k.type.shape[-3])
+        groups = q.type.shape[-3] // k.type.shape[-3]
         k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
-    factor = scale if scale is not None else 1.0 / math.sqrt(static(q.type.shape[-1]))
+    factor = scale if scale is not None else 1.0 / math.sqrt(q.type.shape[-1])
     scores = prims.mul(batched_matmul(q, transpose_last(k)), factor)
     if is_causal:
-        length, source = static(q.type.shape[-2]), static(k.type.shape[-2])
+        length, source = q.type.shape[-2], k.type.shape[-2]
         scores = _apply_mask(scores, _causal_mask(length, source, q.type.device))
     if mask is not None:
         scores = _apply_mask(scores, mask)
@@ -201,13 +201,13 @@ def _float_mask(mask: Value | None, dtype: torch.dtype, name: str) -> Value | No
 
 def _split_rows(x: Value, parts: int) -> list[Value]:
     """``x.chunk(parts)`` along dim 0 (sizes divisible)."""
-    size = static(x.type.shape[0]) // parts
+    size = x.type.shape[0] // parts
     return [_rows(x, i * size, (i + 1) * size) for i in range(parts)]
 
 
 def _split_last(x: Value, parts: int) -> list[Value]:
     """``x.unflatten(-1, (parts, E))`` split into its ``parts``."""
-    size = static(x.type.shape[-1]) // parts
+    size = x.type.shape[-1] // parts
     dim = x.type.rank - 1
     return [prims.slice(x, dim=dim, start=i * size, stop=(i + 1) * size) for i in range(parts)]
 
@@ -222,7 +222,7 @@ def _in_projection(
     query: Value, key: Value, value: Value, weight: Value, bias: Value | None
 ) -> list[Value]:
     """``_in_projection_packed``: self-attention runs one linear, encoder-decoder two."""
-    embed = static(query.type.shape[-1])
+    embed = query.type.shape[-1]
     if key is value and query is key:
         return _split_last(linear(query, weight, bias), 3)
     if key is value:
@@ -248,7 +248,7 @@ def _separate_projection(
 
 def _heads(x: Value, batch: int, heads: int) -> Value:
     """(seq, batch, embed) -> (batch * heads, seq, head_dim)."""
-    seq, _, embed = static_shape(x)
+    seq, _, embed = shape_of(x)
     split = reshape(x, (seq, batch * heads, embed // heads))
     result = prims.permute(split, dims=(1, 0, 2))
     assert isinstance(result, Value)
@@ -312,7 +312,7 @@ def _with_weights(
     q: Value, k: Value, v: Value, mask: Value | None, dropout_p: float
 ) -> tuple[Value, Value]:
     """Attention with explicit scores: output (batch * heads, tgt, head_dim) and weights."""
-    scaled = prims.mul(q, math.sqrt(1.0 / float(static(q.type.shape[-1]))))
+    scaled = prims.mul(q, math.sqrt(1.0 / float(q.type.shape[-1])))
     keys = transpose_last(k)
     scores = bmm(scaled, keys) if mask is None else baddbmm(mask, scaled, keys)
     weights = dropout(softmax_of(scores, -1, None, False, "softmax"), dropout_p)
@@ -404,8 +404,8 @@ def multi_head_attention_forward(
         query, key, value = (prims.unsqueeze(x, dims=(1,)) for x in (query, key, value))
         if key_padding_mask is not None:
             key_padding_mask = prims.unsqueeze(key_padding_mask, dims=(0,))
-    tgt, batch, embed = static_shape(query)
-    src = static(key.type.shape[0])
+    tgt, batch, embed = shape_of(query)
+    src = key.type.shape[0]
     key_padding_mask = _float_mask(key_padding_mask, query.type.dtype, "key_padding_mask")
     if is_causal and attn_mask is None:
         raise RuntimeError("Need attn_mask if specifying the is_causal hint.")
@@ -433,8 +433,8 @@ def multi_head_attention_forward(
         out = prims.permute(out, dims=(1, 0, 2))
     else:
         if mask is not None:
-            rows = static(mask.type.shape[0])
-            queries = static(mask.type.shape[1])  # tgt, or 1 for a key padding mask alone
+            rows = mask.type.shape[0]
+            queries = mask.type.shape[1]  # tgt, or 1 for a key padding mask alone
             split = (1, 1, queries, src) if rows == 1 else (batch, num_heads, queries, src)
             mask = reshape(mask, split)
         heads = [reshape(x, (batch, num_heads, *x.type.shape[1:])) for x in (q, k, v)]
@@ -442,7 +442,7 @@ def multi_head_attention_forward(
         out = prims.permute(out, dims=(2, 0, 1, 3))
         result_weights = None
     out = linear(reshape(out, (tgt * batch, embed)), out_proj_weight, out_proj_bias)
-    out = reshape(out, (tgt, batch, static(out.type.shape[-1])))
+    out = reshape(out, (tgt, batch, out.type.shape[-1]))
     if not batched:
         out = prims.squeeze(out, dims=(1,))
         if result_weights is not None:

@@ -14,7 +14,7 @@ import torch
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Value
 from kiln.ir.symbolic import Sym
-from kiln.ir.types import Shape, hint_shape
+from kiln.ir.types import Shape, hint_shape, same_shape, same_size
 from kiln.ops import prims
 
 Operand = Value | bool | int | float | Sym
@@ -101,11 +101,12 @@ def broadcast_shapes(*shapes: Shape) -> Shape:
     rank = max((len(s) for s in shapes), default=0)
     result: list[Any] = []
     for axis in range(-rank, 0):
+        dims = [shape[axis] for shape in shapes if -axis <= len(shape)]
+        if all(same_size(dim, dims[0]) for dim in dims[1:]):
+            result.append(dims[0])  # (no question asked of a symbolic size: no guard)
+            continue
         size: Any = 1
-        for shape in shapes:
-            if -axis > len(shape):
-                continue
-            dim = shape[axis]
+        for dim in dims:
             if dim == 1:
                 continue
             if size not in (1, dim):
@@ -121,7 +122,7 @@ def broadcast_shapes(*shapes: Shape) -> Shape:
 def broadcast_to(value: Value, shape: Shape) -> Value:
     """``value`` broadcast to ``shape`` (new leading dims, size-1 dims expanded)."""
     source = value.type.shape
-    if source == tuple(shape):
+    if same_shape(source, shape):
         return value
     offset = len(shape) - len(source)
     dims = tuple(range(offset, len(shape)))

@@ -24,7 +24,7 @@ from kiln.ir.graph import Value
 from kiln.ops import prims
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import Case, T, case_calls
-from kiln.ops.translations.linalg import static_shape
+from kiln.ops.translations.shape import shape_of
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 IntArg = int | Sequence[int]
@@ -69,7 +69,7 @@ def _same_padding(
     if any(s != 1 for s in stride):
         raise RuntimeError("padding='same' is not supported for strided convolutions")
     spatial = len(stride)
-    kernel = static_shape(weight)[-spatial:]
+    kernel = shape_of(weight)[-spatial:]
     totals = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
     low = tuple(total // 2 for total in totals)
     extra = [total - 2 * left for total, left in zip(totals, low, strict=True)]

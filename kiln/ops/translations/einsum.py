@@ -26,8 +26,8 @@ from kiln.ops import prims
 from kiln.ops.sampling import NUMERIC
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
-from kiln.ops.translations.linalg import check_same_dtype, product, reshape, static_shape
-from kiln.ops.translations.reductions import static
+from kiln.ops.translations.linalg import check_same_dtype, product, reshape
+from kiln.ops.translations.shape import shape_of
 from kiln.ops.translations.table import Call, FallbackToExtern, translation
 
 # A label is a letter's code point; ellipsis dims are -1 (last), -2, ... (right-aligned).
@@ -42,7 +42,7 @@ class Term:
     labels: list[Label]
 
     def size(self, label: Label) -> int:
-        return static(self.value.type.shape[self.labels.index(label)])
+        return self.value.type.shape[self.labels.index(label)]
 
 
 def _parse_term(text: str, rank: int | None, where: str) -> list[Label]:
@@ -111,7 +111,7 @@ def _diagonal(term: Term, label: Label) -> Term:
     """``term`` with the first repeated ``label`` pair merged into its diagonal (last dim)."""
     first = term.labels.index(label)
     second = term.labels.index(label, first + 1)
-    size, other = term.size(label), static(term.value.type.shape[second])
+    size, other = term.size(label), term.value.type.shape[second]
     if size != other:
         raise RuntimeError(
             f"einsum(): subscript {chr(label)} is repeated for operand but the sizes don't "
@@ -119,7 +119,7 @@ def _diagonal(term: Term, label: Label) -> Term:
         )
     keep = [d for d in range(len(term.labels)) if d not in (first, second)]
     moved = _permute_dims(term.value, (*keep, first, second))
-    lead = static_shape(moved)[: len(keep)]
+    lead = shape_of(moved)[: len(keep)]
     flat = reshape(moved, (*lead, size * size))
     diagonal = prims.slice(flat, dim=len(keep), start=0, stop=size * size, step=size + 1)
     return Term(diagonal, [term.labels[d] for d in keep] + [label])

@@ -1,5 +1,5 @@
 """Factories of the ``torch`` namespace: ``zeros``, ``ones``, ``empty``, ``full``, ``arange``,
-``tensor``.
+``eye``, ``tensor``.
 
 With Python sizes they need no translation: they run while tracing and become constants. The
 tracer routes them here when a size is symbolic (``torch.ones(t, t)`` for a sequence of length
@@ -19,12 +19,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kiln.ir.graph import Value
-from kiln.ir.symbolic import Sym, hint
+from kiln.ir.symbolic import Sym
 from kiln.ops import prims
 from kiln.ops.sampling import ALL, NUMERIC, make_tensor
 from kiln.ops.translations import common
-from kiln.ops.translations.creation import device_of, fill_value, filled, sizes, unsupported
-from kiln.ops.translations.shape import reshape
+from kiln.ops.translations.creation import device_of, filled, sizes, unsupported
 from kiln.ops.translations.table import Call, FallbackToExtern, translation
 
 Number = bool | int | float | Sym
@@ -127,22 +126,33 @@ for _name in ("zeros", "ones", "empty"):
     )(_filled_factory(0 if _name != "ones" else 1, _name))
 
 
+@translation(torch.eye, samples=lambda dtype, device: [Call((3, 4), {"dtype": dtype})], dtypes=ALL)
+def eye(n: Number, m: Number | None = None, **options: Any) -> Value:
+    """Ones where the row index equals the column index: two iotas compared."""
+    dtype, device = _options(options, "eye")
+    shape = sizes((n, n if m is None else m), "eye")
+    rows, columns = (
+        prims.iota(length=size, start=0, step=1, dtype=torch.int64, device=device) for size in shape
+    )
+    diagonal = prims.eq(
+        prims.broadcast(rows, shape=shape, dims=(0,)),
+        prims.broadcast(columns, shape=shape, dims=(1,)),
+    )
+    return common.convert(diagonal, dtype or torch.get_default_dtype())
+
+
 @translation(torch.tensor, samples=lambda dtype, device: _tensor_calls(dtype, device), dtypes=ALL)
-def tensor(data: Any, **options: Any) -> Value:
-    """``torch.tensor(n)`` or ``torch.tensor([n, 2])`` holding symbolic sizes: one ``full``
-    per element (the dtype and shape eager infers from the data do not depend on the sizes)."""
-    leaves = pytree.tree_leaves(data)
-    if options.get("requires_grad") or any(isinstance(leaf, Value) for leaf in leaves):
+def tensor(data: Any, **options: Any) -> torch.Tensor:
+    """``torch.tensor(n)`` of a symbolic size: the size specializes (guarded) and the result is
+    a constant, as for an int. It is data, and its uses often need its value as a Python number
+    (``x[: 512 - span]`` reads ``span.__index__()``), which a graph value would break at."""
+    if options.get("requires_grad") or any(
+        isinstance(leaf, Value) for leaf in pytree.tree_leaves(data)
+    ):
         raise FallbackToExtern  # a copy of a traced tensor, or a new autograd leaf
+    values = pytree.tree_map(lambda leaf: int(leaf) if isinstance(leaf, Sym) else leaf, data)
     dtype, device = _options(options, "tensor")
-    like = torch.tensor(pytree.tree_map(hint, data), dtype=dtype)
-    if like.dtype.is_complex:
-        raise FallbackToExtern
-    elements = [
-        common.full((1,), fill_value(leaf, like.dtype), like.dtype, device) for leaf in leaves
-    ]
-    whole = elements[0] if len(elements) == 1 else prims.cat(*elements, dim=0)
-    return reshape(whole, tuple(like.shape))
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def _tensor_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:

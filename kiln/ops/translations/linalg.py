@@ -22,12 +22,12 @@ from collections.abc import Sequence
 import torch
 
 from kiln.ir.graph import Value
-from kiln.ir.types import Shape
+from kiln.ir.types import Shape, same_shape
 from kiln.ops import prims
 from kiln.ops.sampling import NUMERIC
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
-from kiln.ops.translations.reductions import static
+from kiln.ops.translations.shape import shape_of
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 Scalar = bool | int | float
@@ -55,14 +55,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def static_shape(value: Value) -> tuple[int, ...]:
-    """``value``'s shape as ints; a symbolic dim makes the call an extern (``static``)."""
-    return tuple(static(size) for size in value.type.shape)
-
-
 def reshape(value: Value, shape: Shape) -> Value:
     """``value`` reshaped, skipping the node when the shape already is ``shape``."""
-    if tuple(value.type.shape) == tuple(shape):
+    if same_shape(value.type.shape, shape):
         return value
     result = prims.reshape(value, shape=tuple(shape))
     assert isinstance(result, Value)
@@ -134,12 +129,12 @@ def _check_rank(op: str, value: Value, rank: int, name: str) -> None:
 
 def batched_matmul(a: Value, b: Value) -> Value:
     """``a @ b`` for ``a`` (..., n, k) and ``b`` (..., k, m) of at least 2 dims each."""
-    _check_inner("matmul", static_shape(a), static_shape(b))
-    (*a_batch, n, k), (*b_batch, _, m) = static_shape(a), static_shape(b)
+    _check_inner("matmul", shape_of(a), shape_of(b))
+    (*a_batch, n, k), (*b_batch, _, m) = shape_of(a), shape_of(b)
     if b.type.rank == 2:  # fold the batch of a into its rows: one mm
         rows = reshape(a, (math.prod(a_batch) * n, k))
         return reshape(product(rows, b), (*a_batch, n, m))
-    batch = tuple(static(s) for s in common.broadcast_shapes(tuple(a_batch), tuple(b_batch)))
+    batch = common.broadcast_shapes(tuple(a_batch), tuple(b_batch))
     count = math.prod(batch)
     left = reshape(common.broadcast_to(a, (*batch, n, k)), (count, n, k))
     right = reshape(common.broadcast_to(b, (*batch, k, m)), (count, k, m))
@@ -212,7 +207,7 @@ def mm(input: Value, mat2: Value) -> Value:
     check_same_dtype("mm", input, mat2)
     _check_rank("mm", input, 2, "self")
     _check_rank("mm", mat2, 2, "mat2")
-    _check_inner("mm", static_shape(input), static_shape(mat2))
+    _check_inner("mm", shape_of(input), shape_of(mat2))
     return product(input, mat2)
 
 
@@ -328,7 +323,7 @@ def addmm(input: Value, mat1: Value, mat2: Value, *, beta: Scalar = 1, alpha: Sc
     check_same_dtype("addmm", input, mat1, mat2)
     _check_rank("addmm", mat1, 2, "mat1")
     _check_rank("addmm", mat2, 2, "mat2")
-    _check_inner("addmm", static_shape(mat1), static_shape(mat2))
+    _check_inner("addmm", shape_of(mat1), shape_of(mat2))
     return gemm(input, mat1, mat2, beta, alpha)
 
 
@@ -409,9 +404,9 @@ def linear(input: Value, weight: Value, bias: Value | None = None) -> Value:
     if weight.type.rank == 1 and bias is None:  # a vector weight: a plain matmul
         return matmul(input, weight)
     _check_rank("linear", weight, 2, "weight")
-    *lead, inner = static_shape(input)
-    features = static(weight.type.shape[0])
-    _check_inner("linear", static_shape(input), static_shape(weight)[::-1])
+    *lead, inner = shape_of(input)
+    features = weight.type.shape[0]
+    _check_inner("linear", shape_of(input), shape_of(weight)[::-1])
     rows = reshape(input, (math.prod(lead), inner))
     weight_t = prims.permute(weight, dims=(1, 0))
     out = product(rows, weight_t) if bias is None else gemm(bias, rows, weight_t)
@@ -461,11 +456,11 @@ def tensordot(
         size_a, size_b = a.type.shape[da], b.type.shape[db]
         if size_a == 1 and size_b != 1:  # (eager broadcasts a contracted dim of size 1)
             a = common.broadcast_to(
-                a, tuple(size_b if d == da else s for d, s in enumerate(static_shape(a)))
+                a, tuple(size_b if d == da else s for d, s in enumerate(shape_of(a)))
             )
         elif size_b == 1 and size_a != 1:
             b = common.broadcast_to(
-                b, tuple(size_a if d == db else s for d, s in enumerate(static_shape(b)))
+                b, tuple(size_a if d == db else s for d, s in enumerate(shape_of(b)))
             )
         elif size_a != size_b:
             raise RuntimeError(
@@ -474,7 +469,7 @@ def tensordot(
             )
     free_a = [d for d in range(a.type.rank) if d not in summed_a]
     free_b = [d for d in range(b.type.rank) if d not in summed_b]
-    shape_a, shape_b = static_shape(a), static_shape(b)
+    shape_a, shape_b = shape_of(a), shape_of(b)
     sizes_a = [shape_a[d] for d in free_a]
     sizes_b = [shape_b[d] for d in free_b]
     inner = math.prod(shape_a[d] for d in summed_a)

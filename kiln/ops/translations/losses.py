@@ -33,7 +33,6 @@ from kiln.ops.translations.reductions import (
     numel,
     reduce,
     scalar_type_name,
-    static,
     sum_of,
 )
 from kiln.ops.translations.table import translation
@@ -69,7 +68,7 @@ def reduce_loss(loss: Value, reduction: str) -> Value:
 
 
 def _size(value: Value) -> torch.Size:
-    return torch.Size([static(size) for size in value.type.shape])
+    return torch.Size(value.type.shape)
 
 
 def _promoted(*operands: Value) -> tuple[list[Value], torch.dtype]:
@@ -421,7 +420,7 @@ def _smoothed(
     """Eager's label smoothing of class-index targets: ``(1 - s) * nll + s / C * smooth``,
     where ``smooth`` is the (weighted) negative sum of all log-probabilities per target."""
     dim = _class_dim(logp)
-    classes = static(logp.type.shape[dim])
+    classes = logp.type.shape[dim]
     nll = _nll(logp, target, weight, reduction, ignore_index)
     terms = logp
     if weight is not None:
@@ -445,7 +444,7 @@ def _soft_targets(
 ) -> Value:
     """Class-probability targets: ``-sum(logp * target * weight)`` per sample."""
     dim = _class_dim(logp)
-    classes = static(logp.type.shape[dim])
+    classes = logp.type.shape[dim]
     (logp, probabilities), _ = _promoted(logp, target)
     if smoothing > 0:
         probabilities = prims.add(prims.mul(probabilities, 1.0 - smoothing), smoothing / classes)

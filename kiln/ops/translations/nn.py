@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import Sym
+from kiln.ir.types import Dim, hint_shape
 from kiln.ops import prims
 from kiln.ops.sampling import ALL, FLOATS
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
-from kiln.ops.translations.linalg import reshape, static_shape
-from kiln.ops.translations.reductions import static
+from kiln.ops.translations.linalg import reshape
+from kiln.ops.translations.shape import shape_of
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -77,20 +79,20 @@ def embedding(
 ) -> Value:
     if max_norm is not None or scale_grad_by_freq:
         raise FallbackToExtern  # renormalizes rows in place / scales gradients by frequency
-    rows = static(weight.type.shape[0])
+    rows = weight.type.shape[0]
     if padding_idx is not None and not -rows <= padding_idx < rows:
         raise AssertionError("Padding_idx must be within num_embeddings")
     return _without_padding_gradient(_lookup(weight, input), input, padding_idx, rows)
 
 
 def _without_padding_gradient(
-    result: Value, indices: Value, padding_idx: int | None, rows: int
+    result: Value, indices: Value, padding_idx: int | None, rows: Dim
 ) -> Value:
     """The looked-up rows, with no gradient flowing back into the padding row (as eager's
     embedding backward): where an index is the padding index, a detached copy is used."""
     if padding_idx is None or not result.type.requires_grad:
         return result
-    hit = prims.eq(indices, padding_idx % rows)
+    hit = prims.eq(indices, padding_idx + rows if padding_idx < 0 else padding_idx)
     hit = common.broadcast_to(prims.reshape(hit, shape=(*hit.type.shape, 1)), result.type.shape)
     with torch.no_grad():
         frozen = prims.convert(result, dtype=result.type.dtype)
@@ -113,7 +115,7 @@ def embedding_weight_first(
 ) -> Value:
     if scale_grad_by_freq:
         raise FallbackToExtern
-    rows = static(weight.type.shape[0])
+    rows = weight.type.shape[0]
     padding = padding_idx if padding_idx >= 0 else None
     return _without_padding_gradient(_lookup(weight, indices), indices, padding, rows)
 
@@ -143,7 +145,7 @@ def _check_factor(op: str, input: Value, factor: int, what: str) -> None:
 )
 def pixel_shuffle(input: Value, upscale_factor: int) -> Value:
     _check_factor("pixel_shuffle", input, upscale_factor, "upscale_factor")
-    *lead, channels, height, width = static_shape(input)
+    *lead, channels, height, width = shape_of(input)
     r = upscale_factor
     if channels % (r * r):
         raise RuntimeError(
@@ -163,7 +165,7 @@ def pixel_shuffle(input: Value, upscale_factor: int) -> Value:
 )
 def pixel_unshuffle(input: Value, downscale_factor: int) -> Value:
     _check_factor("pixel_unshuffle", input, downscale_factor, "downscale_factor")
-    *lead, channels, height, width = static_shape(input)
+    *lead, channels, height, width = shape_of(input)
     r = downscale_factor
     if height % r or width % r:
         raise RuntimeError(
@@ -192,17 +194,38 @@ def _source_index(size: int, dim: int, mode: str, arguments: dict[str, Any]) -> 
     return [int(i) for i in result.reshape(-1).tolist()]
 
 
+def _repeats(index: list[int], size: int) -> int:
+    """``k`` when ``index`` repeats each source position ``k`` times in order, else 0."""
+    repeats = len(index) // size if size else 0
+    return repeats if repeats and index == [i // repeats for i in range(len(index))] else 0
+
+
+def _repeat_dim(x: Value, dim: int, repeats: int) -> Value:
+    """Each element of ``x`` along ``dim`` ``repeats`` times in a row, as movement."""
+    shape = x.type.shape
+    grown = (*shape[: dim + 1], repeats, *shape[dim + 1 :])
+    widened = common.broadcast_to(prims.unsqueeze(x, dims=(dim + 1,)), grown)
+    return reshape(widened, (*shape[:dim], shape[dim] * repeats, *shape[dim + 1 :]))
+
+
+def _integral_scale(dim: int, mode: str, arguments: dict[str, Any]) -> int:
+    """The scale factor of ``dim`` when nearest mode repeats each element that many times for
+    every input size (an integral factor, not recomputed from an output size), else 0."""
+    factor = _per_dim(arguments["scale_factor"], dim)
+    fixed = arguments["size"] is None and not arguments["recompute_scale_factor"]
+    if mode != "nearest" or not fixed or not isinstance(factor, int | float):
+        return 0
+    return int(factor) if float(factor).is_integer() and factor >= 1 else 0
+
+
 def _gather_dim(x: Value, dim: int, index: list[int]) -> Value:
     """``x`` with ``x[..., index, ...]`` along ``dim``, as movement when the index allows."""
-    size = static(x.type.shape[dim])
+    size = x.type.shape[dim]
     if index == list(range(size)):
         return x
-    repeats = len(index) // size if size else 0
-    if repeats and index == [i // repeats for i in range(len(index))]:
-        shape = x.type.shape
-        grown = (*shape[: dim + 1], repeats, *shape[dim + 1 :])
-        widened = common.broadcast_to(prims.unsqueeze(x, dims=(dim + 1,)), grown)
-        return reshape(widened, (*shape[:dim], size * repeats, *shape[dim + 1 :]))
+    repeats = _repeats(index, size)
+    if repeats:
+        return _repeat_dim(x, dim, repeats)
     positions = common.constant(torch.tensor(index, dtype=torch.int64, device=x.type.device))
     result = prims.index(x, positions, dims=(dim,))
     assert isinstance(result, Value)
@@ -237,11 +260,16 @@ def interpolate(
         "align_corners": align_corners,
         "recompute_scale_factor": recompute_scale_factor,
     }
-    # Eager's own argument checks and output shape, on a meta tensor.
-    meta = torch.empty(static_shape(input), dtype=input.type.dtype, device="meta")
+    # Eager's own argument checks, on a meta tensor (of the captured sizes: they decide none).
+    meta = torch.empty(hint_shape(input.type.shape), dtype=input.type.dtype, device="meta")
     F.interpolate(meta, mode=mode, **arguments)
     result = input
     for dim in range(input.type.rank - 2):
-        index = _source_index(static(input.type.shape[dim + 2]), dim, mode, arguments)
-        result = _gather_dim(result, dim + 2, index)
+        size = input.type.shape[dim + 2]
+        repeats = _integral_scale(dim, mode, arguments) if isinstance(size, Sym) else 0
+        if repeats and _repeats(_source_index(size.hint, dim, mode, arguments), size.hint):
+            result = _repeat_dim(result, dim + 2, repeats)
+        else:  # (a symbolic size specializes: the source index is eager's float arithmetic)
+            index = _source_index(int(size), dim, mode, arguments)
+            result = _gather_dim(result, dim + 2, index)
     return result

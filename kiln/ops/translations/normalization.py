@@ -41,7 +41,6 @@ from kiln.ops.translations.reductions import (
     reduced_count,
     require_float,
     scalar_type_name,
-    static,
 )
 from kiln.ops.translations.table import FallbackToExtern, assign_input, translation
 
@@ -256,13 +255,13 @@ def group_norm(
         raise RuntimeError(
             f"Expected at least 2 dimensions for input tensor but received {x.type.rank}"
         )
-    batch, channels = static(shape[0]), static(shape[1])
+    batch, channels = shape[0], shape[1]
     if channels % num_groups:
         raise RuntimeError(
             f"Expected number of channels in input to be divisible by num_groups, but got "
             f"input of shape {list(shape)} and num_groups={num_groups}"
         )
-    rest = [static(size) for size in shape[2:]]
+    rest = list(shape[2:])
     _verify_batch_size([batch * channels // num_groups, num_groups, *rest])
     wide = common.convert(x, compute_dtype(x.type.dtype))
     group_size = channels // num_groups * math.prod(rest)
@@ -317,7 +316,7 @@ def _batch_normalizers(
     dims = tuple(d for d in range(wide.type.rank) if d != 1)
     mean, squares = moments(wide, dims)
     count = reduced_count(wide, dims)
-    channels = (static(wide.type.shape[1]),)
+    channels = (wide.type.shape[1],)
     mean, squares = (prims.reshape(v, shape=channels) for v in (mean, squares))
 
     def rounded(value: Value) -> Value:
@@ -373,13 +372,13 @@ def batch_norm(
 ) -> Value:
     require_float(input, "batch_norm")
     if training:
-        _verify_batch_size([static(size) for size in input.type.shape])
+        _verify_batch_size(list(input.type.shape))
     if not isinstance(momentum, int | float):
         raise TypeError(
             f"batch_norm(): argument 'momentum' must be float, not {type(momentum).__name__}"
         )
     if input.type.rank < 2:
-        if input.type.rank == 1 and static(input.type.shape[0]) == 0:
+        if input.type.rank == 1 and input.type.shape[0] == 0:
             return prims.convert(input, dtype=input.type.dtype)  # (eager: nothing to normalize)
         raise ValueError(f"batch_norm: expected 2D or more input (got {input.type.rank}D input)")
     wide = common.convert(input, compute_dtype(input.type.dtype))
@@ -443,8 +442,8 @@ def instance_norm(
                 "Expected running_mean and running_var to be defined when use_input_stats is false"
             )
         return batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
-    batch, channels = static(shape[0]), static(shape[1])
-    if math.prod(static(size) for size in shape[2:]) <= 1:
+    batch, channels = shape[0], shape[1]
+    if math.prod(shape[2:]) <= 1:
         raise ValueError(
             f"Expected more than 1 spatial element when training, got input size {list(shape)}"
         )

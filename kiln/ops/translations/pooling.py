@@ -27,12 +27,15 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import statically
+from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.sampling import FLOATS, NUMERIC
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import Case, T, case_calls
-from kiln.ops.translations.linalg import static_shape
-from kiln.ops.translations.reductions import compute_dtype, static
+from kiln.ops.translations.linalg import reshape
+from kiln.ops.translations.reductions import compute_dtype
+from kiln.ops.translations.shape import shape_of
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 IntArg = int | Sequence[int]
@@ -114,7 +117,7 @@ def check_input(op: str, input: Value, spatial: int) -> None:
 
 
 def _output_sizes(op: str, input: Value, wins: Sequence[Window]) -> list[int]:
-    sizes = list(static_shape(input)[-len(wins) :])
+    sizes = list(shape_of(input)[-len(wins) :])
     outs = [w.output_size(s) for w, s in zip(wins, sizes, strict=True)]
     if any(out <= 0 for out in outs):
         raise RuntimeError(
@@ -128,8 +131,8 @@ def _output_sizes(op: str, input: Value, wins: Sequence[Window]) -> list[int]:
 # windows along one dim
 
 
-def _pad_dim(x: Value, dim: int, low: int, high: int, value: bool | int | float) -> Value:
-    if low == 0 and high == 0:
+def _pad_dim(x: Value, dim: int, low: int, high: Dim, value: bool | int | float) -> Value:
+    if low == 0 and statically(high, "==") is True:  # (a symbolic amount: no guard wanted)
         return x
     lows = tuple(low if d == dim else 0 for d in range(x.type.rank))
     highs = tuple(high if d == dim else 0 for d in range(x.type.rank))
@@ -147,7 +150,7 @@ def pool_dim(
     combine: Callable[[Value, Value], Value],
 ) -> Value:
     """Combine the ``window.kernel`` elements of each of ``out`` windows along ``dim``."""
-    size = static(x.type.shape[dim])
+    size = x.type.shape[dim]
     last = (out - 1) * window.stride + 1  # the extent of one slice
     span = last + window.dilation * (window.kernel - 1)
     padded = _pad_dim(x, dim, window.padding, span - size - window.padding, fill)
@@ -171,22 +174,27 @@ def _lowest(dtype: torch.dtype) -> bool | int | float:
     return torch.iinfo(dtype).min
 
 
-def divide_by_counts(total: Value, counts: Sequence[Sequence[int]]) -> Value:
+def divide_by_counts(total: Value, counts: Sequence[Sequence[Dim]]) -> Value:
     """``total`` divided by the outer product of per-dim window sizes (its trailing dims)."""
     flat = [math.prod(cell) for cell in _cells(counts)]
-    if len(set(flat)) <= 1:
-        result = prims.div(total, float(flat[0]) if flat else 1.0)
+    if all(statically(count - flat[0], "==") is True for count in flat[1:]):
+        result = prims.div(total, common.size_scalar(flat[0]) if flat else 1.0)
         assert isinstance(result, Value)
         return result
     shape = tuple(len(c) for c in counts)
-    divisor = torch.tensor(flat, dtype=total.type.dtype, device=total.type.device).reshape(shape)
-    result = prims.div(total, common.broadcast_to(common.constant(divisor), total.type.shape))
+    dtype, device = total.type.dtype, total.type.device
+    if all(isinstance(count, int) for count in flat):
+        divisor = common.constant(torch.tensor(flat, dtype=dtype, device=device).reshape(shape))
+    else:  # (symbolic window sizes: one full per window)
+        cells = [common.full((1,), common.size_scalar(c), dtype, device) for c in flat]
+        divisor = reshape(prims.cat(*cells, dim=0), shape)
+    result = prims.div(total, common.broadcast_to(divisor, total.type.shape))
     assert isinstance(result, Value)
     return result
 
 
-def _cells(counts: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-    cells: list[tuple[int, ...]] = [()]
+def _cells(counts: Sequence[Sequence[Dim]]) -> list[tuple[Dim, ...]]:
+    cells: list[tuple[Dim, ...]] = [()]
     for per_dim in counts:
         cells = [(*cell, count) for cell in cells for count in per_dim]
     return cells
@@ -277,10 +285,14 @@ _max_pool_translation(3, F.max_pool3d, torch.max_pool3d, dtypes=NUMERIC)
 # avg_pool
 
 
-def _window_counts(window: Window, size: int, out: int, include_pad: bool) -> list[int]:
-    """Each window's divisor along one dim, as eager's CPU kernel computes it."""
+def _window_counts(window: Window, size: Dim, out: Dim, include_pad: bool) -> list[Dim]:
+    """Each window's divisor along one dim, as eager's CPU kernel computes it: the kernel for
+    every window when no window reaches past the padding (without ``ceil_mode``) and the
+    padding counts or there is none; else one per window (a symbolic ``out`` specializes)."""
+    if not window.ceil_mode and (include_pad or window.padding == 0):
+        return [window.kernel]
     counts = []
-    for i in range(out):
+    for i in range(int(out)):
         start = i * window.stride - window.padding
         end = min(start + window.kernel, size + window.padding)
         counts.append(end - start if include_pad else min(end, size) - max(start, 0))
@@ -311,7 +323,7 @@ def avg_pool(
     first = input.type.rank - spatial
     counts = []
     for offset, (window, out) in enumerate(zip(wins, outs, strict=True)):
-        size = static(input.type.shape[first + offset])
+        size = input.type.shape[first + offset]
         total = pool_dim(total, first + offset, window, out, 0, prims.add)
         counts.append(_window_counts(window, size, out, count_include_pad))
     if divisor_override is not None:

@@ -76,18 +76,12 @@ def expand_back(reduced: Value, like: Value, dims: tuple[int, ...]) -> Value:
     return common.broadcast_to(keep(reduced, dims, True), like.type.shape)
 
 
-def static(size: Dim) -> Dim:
-    """A size for a translation's arithmetic: an int, or a symbolic size (arithmetic on it
-    builds an expression, a comparison guards it, and ``int()`` specializes it)."""
-    return size
-
-
 def numel(x: Value) -> Dim:
-    return static(x.type.numel())
+    return x.type.numel()
 
 
 def reduced_count(x: Value, dims: tuple[int, ...]) -> Dim:
-    return math.prod(static(x.type.shape[d]) for d in dims)
+    return math.prod(x.type.shape[d] for d in dims)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from kiln.ir.graph import Value
-from kiln.ir.symbolic import Sym
-from kiln.ir.types import Dim
+from kiln.ir.symbolic import Sym, statically
+from kiln.ir.types import Dim, same_shape, same_size
 from kiln.ops import prims
 from kiln.ops.sampling import ALL
 from kiln.ops.translations.cases import Case, T, case_calls
@@ -82,7 +82,7 @@ def infer_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
 
 def reshape(value: Value, shape: Sequence[Dim]) -> Value:
     """``value`` under ``shape`` (same number of elements); no node when nothing changes."""
-    if tuple(shape) == value.type.shape:
+    if same_shape(value.type.shape, shape):
         return value
     return prims.reshape(value, shape=tuple(shape))
 
@@ -116,7 +116,9 @@ def take_slice(value: Value, dim: int, start: Dim, stop: Dim, step: int = 1) -> 
     """``value[..., start:stop:step, ...]`` along ``dim`` (normalized bounds)."""
     size = shape_of(value)[dim]
     stop = max(start, min(stop, size))
-    if start == 0 and stop == size and (step == 1 or size <= 1):
+    # (the no-op test asks nothing of symbolic sizes: a guard here would only save a node)
+    whole = same_size(start, 0) and same_size(stop, size)
+    if whole and (step == 1 or statically(size - 2, "<") is True):
         return value
     return prims.slice(value, dim=dim, start=start, stop=stop, step=step)
 

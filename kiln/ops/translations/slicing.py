@@ -323,10 +323,13 @@ def triu(input: Value, diagonal: int = 0) -> Value:
 # pad
 
 
-def fill_scalar(value: bool | int | float, dtype: torch.dtype) -> bool | int | float:
-    """A Python scalar as an element of ``dtype`` (floats truncate into integers, as in eager)."""
+def fill_scalar(value: bool | int | float | Sym, dtype: torch.dtype) -> bool | int | float | Sym:
+    """A Python scalar as an element of ``dtype`` (floats truncate into integers, as in eager);
+    a symbolic size stays symbolic (an int)."""
     if dtype == torch.bool:
         return bool(value)
+    if isinstance(value, Sym):
+        return value
     if dtype.is_floating_point:
         return float(value)
     return int(value)
