@@ -50,18 +50,20 @@ def _fill_dtype(value: Number | Value) -> torch.dtype:
     """The dtype ``torch.full`` infers from its fill value (a 0-d tensor is read as a Python
     number, whatever its own dtype)."""
     if isinstance(value, Value):
-        dtype = value.type.dtype
-        if dtype == torch.bool or dtype.is_floating_point:
-            return dtype if dtype == torch.bool else torch.get_default_dtype()
-        return torch.int64
+        if value.type.dtype == torch.bool:
+            return torch.bool
+        return torch.get_default_dtype() if value.type.dtype.is_floating_point else torch.int64
     if isinstance(value, bool):
         return torch.bool
-    if isinstance(value, int | Sym):
-        return torch.int64
-    return torch.get_default_dtype()
+    return torch.int64 if isinstance(value, int | Sym) else torch.get_default_dtype()
 
 
-@translation(torch.full, samples=lambda dtype, device: _full_calls(dtype, device), dtypes=ALL)
+def _full_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    value = make_tensor((), dtype, device)
+    return [Call(((2, 3), value)), Call(((4,), value), {"dtype": dtype}, note="dtype")]
+
+
+@translation(torch.full, samples=_full_calls, dtypes=ALL)
 def full(size: Any, fill_value: Number | Value, **options: Any) -> Value:
     dtype, device = _options(options, "full")
     if isinstance(fill_value, Value):
@@ -71,11 +73,6 @@ def full(size: Any, fill_value: Number | Value, **options: Any) -> Value:
         if kind.device != device or kind.dtype.is_complex or kind.requires_grad:
             raise FallbackToExtern  # eager reads the number out of the tensor (no gradient)
     return filled(sizes((size,), "full"), fill_value, dtype or _fill_dtype(fill_value), device)
-
-
-def _full_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
-    value = make_tensor((), dtype, device)
-    return [Call(((2, 3), value)), Call(((4,), value), {"dtype": dtype}, note="dtype")]
 
 
 def _length(start: Number, end: Number, step: Number) -> Any:
@@ -92,9 +89,11 @@ def _length(start: Number, end: Number, step: Number) -> Any:
     return math.ceil((float(end) - float(start)) / float(step))
 
 
-@translation(
-    torch.arange, samples=lambda dtype, device: _arange_calls(dtype, device), dtypes=NUMERIC
-)
+def _arange_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    return [Call((5,), {"dtype": dtype}), Call((1, 9, 3), {"dtype": dtype}, note="step")]
+
+
+@translation(torch.arange, samples=_arange_calls, dtypes=NUMERIC)
 def arange(*bounds: Number, **options: Any) -> Value:
     """``arange(end)``, ``arange(start, end)`` or ``arange(start, end, step)``: an iota."""
     dtype, device = _options(options, "arange")
@@ -113,20 +112,22 @@ def arange(*bounds: Number, **options: Any) -> Value:
     return result
 
 
-def _arange_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
-    return [Call((5,), {"dtype": dtype}), Call((1, 9, 3), {"dtype": dtype}, note="step")]
+def _size_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    return [Call((2, 3), {"dtype": dtype}), Call(((4,),), {"dtype": dtype}, note="sequence")]
 
 
-for _name in ("zeros", "ones", "empty"):
-    translation(
-        getattr(torch, _name),
-        samples=lambda dtype, device: [Call((2, 3), {"dtype": dtype})],
-        dtypes=ALL,
-        random=_name == "empty",
-    )(_filled_factory(0 if _name != "ones" else 1, _name))
+# empty's values are unspecified (zeros here): the test compares its type only.
+for _name, _value in (("zeros", 0), ("ones", 1), ("empty", 0)):
+    translation(getattr(torch, _name), samples=_size_calls, dtypes=ALL, random=_name == "empty")(
+        _filled_factory(_value, _name)
+    )
 
 
-@translation(torch.eye, samples=lambda dtype, device: [Call((3, 4), {"dtype": dtype})], dtypes=ALL)
+def _eye_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    return [Call((3, 4), {"dtype": dtype})]
+
+
+@translation(torch.eye, samples=_eye_calls, dtypes=ALL)
 def eye(n: Number, m: Number | None = None, **options: Any) -> Value:
     """Ones where the row index equals the column index: two iotas compared."""
     dtype, device = _options(options, "eye")
@@ -141,7 +142,11 @@ def eye(n: Number, m: Number | None = None, **options: Any) -> Value:
     return common.convert(diagonal, dtype or torch.get_default_dtype())
 
 
-@translation(torch.tensor, samples=lambda dtype, device: _tensor_calls(dtype, device), dtypes=ALL)
+def _tensor_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
+    return [Call(([1, 2],), {"dtype": dtype})]
+
+
+@translation(torch.tensor, samples=_tensor_calls, dtypes=ALL)
 def tensor(data: Any, **options: Any) -> torch.Tensor:
     """``torch.tensor(n)`` of a symbolic size: the size specializes (guarded) and the result is
     a constant, as for an int. It is data, and its uses often need its value as a Python number
@@ -153,7 +158,3 @@ def tensor(data: Any, **options: Any) -> torch.Tensor:
     values = pytree.tree_map(lambda leaf: int(leaf) if isinstance(leaf, Sym) else leaf, data)
     dtype, device = _options(options, "tensor")
     return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _tensor_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
-    return [Call(([1, 2],), {"dtype": dtype})]

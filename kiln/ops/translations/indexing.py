@@ -298,7 +298,7 @@ def _is_basic_key(self: Value, key: Any) -> bool:
         item is None
         or item is Ellipsis
         or isinstance(item, slice)
-        or (isinstance(item, int) and not isinstance(item, bool))
+        or (isinstance(item, int | Sym) and not isinstance(item, bool))
         for item in items
     )
 

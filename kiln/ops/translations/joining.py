@@ -344,8 +344,8 @@ def tensor_split(
     shape = shape_of(input)
     dim = normalize_dim(dim, len(shape), "tensor_split")
     total = shape[dim]
-    if isinstance(indices_or_sections, int):
-        sections = indices_or_sections
+    if isinstance(indices_or_sections, int | Sym):
+        sections = int(indices_or_sections)  # (the number of pieces: a symbolic one specializes)
         if sections <= 0:
             raise RuntimeError(f"number of sections must be larger than 0, got {sections}")
         lengths = [total // sections + (i < total % sections) for i in range(sections)]

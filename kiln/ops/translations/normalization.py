@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import Sym
 from kiln.ops import prims
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
@@ -166,7 +167,9 @@ def _standardize(x: Value, dims: tuple[int, ...], eps: float) -> Value:
 
 
 def _trailing_dims(op: str, x: Value, normalized_shape: Sequence[int] | int) -> tuple[int, ...]:
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    shape = (
+        (normalized_shape,) if isinstance(normalized_shape, int | Sym) else tuple(normalized_shape)
+    )
     rank = x.type.rank
     if len(shape) > rank or tuple(x.type.shape[rank - len(shape) :]) != shape:
         raise RuntimeError(

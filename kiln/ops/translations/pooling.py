@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.graph import Value
-from kiln.ir.symbolic import statically
-from kiln.ir.types import Dim
+from kiln.ir.types import Dim, same_size
 from kiln.ops import prims
 from kiln.ops.sampling import FLOATS, NUMERIC
 from kiln.ops.translations import common
@@ -132,7 +131,7 @@ def _output_sizes(op: str, input: Value, wins: Sequence[Window]) -> list[int]:
 
 
 def _pad_dim(x: Value, dim: int, low: int, high: Dim, value: bool | int | float) -> Value:
-    if low == 0 and statically(high, "==") is True:  # (a symbolic amount: no guard wanted)
+    if low == 0 and same_size(high, 0):  # (a symbolic amount: no guard to save a node)
         return x
     lows = tuple(low if d == dim else 0 for d in range(x.type.rank))
     highs = tuple(high if d == dim else 0 for d in range(x.type.rank))
@@ -177,7 +176,7 @@ def _lowest(dtype: torch.dtype) -> bool | int | float:
 def divide_by_counts(total: Value, counts: Sequence[Sequence[Dim]]) -> Value:
     """``total`` divided by the outer product of per-dim window sizes (its trailing dims)."""
     flat = [math.prod(cell) for cell in _cells(counts)]
-    if all(statically(count - flat[0], "==") is True for count in flat[1:]):
+    if all(same_size(count, flat[0]) for count in flat[1:]):
         result = prims.div(total, common.size_scalar(flat[0]) if flat else 1.0)
         assert isinstance(result, Value)
         return result

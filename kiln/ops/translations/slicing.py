@@ -230,7 +230,7 @@ def flipud(input: Value) -> Value:
     return flipped(input, (0,))
 
 
-def _roll_dim(value: Value, shift: int, dim: int) -> Value:
+def _roll_dim(value: Value, shift: Dim, dim: int) -> Value:
     size = shape_of(value)[dim]
     if size == 0 or shift % size == 0:
         return value
@@ -252,9 +252,9 @@ def _roll_dim(value: Value, shift: int, dim: int) -> Value:
     dtypes=ALL,
 )
 def roll(
-    input: Value, shifts: int | Sequence[int], dims: int | Sequence[int] | None = None
+    input: Value, shifts: Dim | Sequence[Dim], dims: int | Sequence[int] | None = None
 ) -> Value:
-    shift_list = [shifts] if isinstance(shifts, int) else list(shifts)
+    shift_list = [shifts] if isinstance(shifts, int | Sym) else list(shifts)
     if dims is None:
         if len(shift_list) != 1:
             raise RuntimeError(
