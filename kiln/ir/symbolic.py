@@ -571,6 +571,10 @@ class Relation:
             and self.expression.same(other.expression)
         )
 
+    def holds(self, values: Mapping[str, int]) -> bool:
+        value = self.expression.evaluate(values)
+        return {"==": value == 0, "!=": value != 0, "<": value < 0, ">=": value >= 0}[self.relation]
+
     def text(self, name_of: Callable[[Symbol], str] = repr) -> str:
         """Python source of the check, written the way a person would (``s0 > 8``)."""
         expression, relation = self.expression, self.relation

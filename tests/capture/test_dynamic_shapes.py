@@ -234,3 +234,30 @@ def test_a_module_with_a_graph_break_and_changing_sizes() -> None:
     # call and symbolic from the second: nothing compiles after that
     assert captured[1:] == [captured[1]] * (len(SIZES) - 1)
     assert all("size(0) is 7, expected 3" in reason for _, reason in kiln.counters.recompiles)
+
+
+def _kernel_kinds(x, w, index):
+    """Elementwise chains, reductions along and across the symbolic dim, a softmax over it,
+    a matmul, a cat, a gather and a slice: one of each kind of kernel and extern."""
+    y = torch.tanh(x) * 2 + x.sigmoid()
+    rows = y.sum(1)
+    columns = y.mean(0)
+    weights = torch.softmax(x[:, 0], dim=0)
+    product = y @ w
+    joined = torch.cat([x, y], dim=1)
+    picked = x.index_select(0, index)
+    return rows, columns, weights, product, joined[1:].amax(1), picked
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_every_kernel_kind_at_odd_sizes(dynamic) -> None:
+    compiled = kiln.compile(_kernel_kinds, dynamic=dynamic)
+    w = torch.randn(3, 4, dtype=torch.float64)
+    for rows in (7, 1, 1000003, 7919 * 3, 2):
+        x = torch.randn(rows, 3, dtype=torch.float64)
+        index = torch.randint(0, rows, (5,))
+        for got, want in zip(compiled(x, w, index), _kernel_kinds(x, w, index), strict=True):
+            torch.testing.assert_close(got, want)
+    assert kiln.counters.fallbacks == [] and kiln.counters.graph_breaks == []
+    # size 1 is specialized (its own entry); one symbolic capture serves every other size
+    assert kiln.counters.captures == (2 if dynamic else 3)

@@ -108,6 +108,11 @@ class TensorMatch(Guard):
         kind = self.kind.__name__
         return f"{self.source}: {kind}[{dtype}, [{shape}], {stride}, {self.device}{grad}]"
 
+    def reads(self, binder: Binder) -> str:
+        """The expression of what :meth:`mismatch` is given (on a miss only)."""
+        assert self.source is not None
+        return self.source.expr(binder)
+
     def mismatch(self, tensor: Any) -> str:
         """What differs in ``tensor`` (the first thing), naming the dim for a size."""
         if type(tensor) is not self.kind:
@@ -432,11 +437,7 @@ def compile_guards(
     binder = Binder()
     checks = [guard.check(binder) for guard in ordered]  # also counts each path's uses
     # (whole paths, before hoisting: what a failing tensor guard reads, to say what differs)
-    getters = {
-        id(guard): guard.source.expr(binder)
-        for guard in ordered
-        if isinstance(guard, TensorMatch) and guard.source is not None
-    }
+    getters = {id(guard): guard.reads(binder) for guard in ordered if hasattr(guard, "reads")}
     combined = _natively_checked(ordered)
     prelude = _hoist(binder)
     hoisted_checks = [guard.check(binder) for guard in combined]
@@ -473,8 +474,8 @@ def compile_guards(
         for guard, one, get in singles:
             try:
                 if not one(*args):
-                    if get is not None and isinstance(guard, TensorMatch):
-                        return guard.mismatch(get(*args))
+                    if get is not None:
+                        return guard.mismatch(get(*args))  # type: ignore[attr-defined]
                     return guard.describe()
             except Exception as error:
                 return f"{guard.describe()} ({type(error).__name__}: {error})"

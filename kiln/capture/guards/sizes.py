@@ -139,6 +139,36 @@ class SizeGuard(Guard):
             parts.append(relation.text(lambda symbol: names[symbol.name]))
         return " and ".join(parts) or "True"
 
+    def reads(self, binder: Binder) -> str:
+        """Every size the guard reads, in binding order (for :meth:`mismatch`, on a miss)."""
+        sizes = [
+            f"{source.expr(binder)}.size({dim})"
+            for _, places, _, _ in self.bindings
+            for source, dim in places
+        ]
+        return "(" + "".join(f"{size}, " for size in sizes) + ")"
+
+    def mismatch(self, sizes: Sequence[int]) -> str:
+        """The first check that fails for these sizes, naming the dim."""
+        read = iter(sizes)
+        values: dict[str, int] = {}
+        for name, places, low, high in self.bindings:
+            (source, dim), *others = places
+            value = values[name] = next(read)
+            if value < low or (high is not None and value > high):
+                bound = f"{low} <= {name}" + (f" <= {high}" if high is not None else "")
+                return f"{source}.size({dim}) is {value}, outside {bound} ({name})"
+            for other, other_dim in others:
+                size = next(read)
+                if size != value:
+                    return (
+                        f"{other}.size({other_dim}) is {size}, not {source}.size({dim}) = {value}"
+                    )
+        for relation in self.relations:
+            if not relation.holds(values):
+                return f"{relation.text()} fails for {values}"
+        return self.describe()
+
     def describe(self) -> str:
         lines = []
         for name, places, low, high in self.bindings:
