@@ -277,7 +277,7 @@ def _describe(proxy: ProxyTensor) -> str:
     return f"ProxyTensor({proxy._value.name}: {proxy._value.type})"
 
 
-class SymbolicShape(tuple):  # type: ignore[type-arg]
+class SymbolicShape(tuple[Any, ...]):
     """``x.shape`` of a tensor with symbolic sizes (``torch.Size`` holds only ints)."""
 
     def numel(self) -> Any:

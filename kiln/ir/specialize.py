@@ -35,12 +35,12 @@ def specialize(graph: Graph, values: Mapping[str, int]) -> Graph:
             renamed[item] if isinstance(item, Value) else substitute(item, values)
             for item in node.inputs
         )
-        copy = Node(
+        new = Node(
             node.op, inputs, substitute_deep(node.attrs, values), (), node.origin, node.recompute
         )
-        copy.outputs = tuple(Value(out.name, typed(out.type), copy) for out in node.outputs)
-        renamed.update(zip(node.outputs, copy.outputs, strict=True))
-        result.nodes.append(copy)
+        new.outputs = tuple(Value(out.name, typed(out.type), new) for out in node.outputs)
+        renamed.update(zip(node.outputs, new.outputs, strict=True))
+        result.nodes.append(new)
     result.outputs = [renamed[value] for value in graph.outputs]
     result.mutations = [(renamed[a], renamed[b]) for a, b in graph.mutations]
     result._names = set(graph._names)

@@ -629,7 +629,9 @@ class ShapeEnv:
         self.relations.setdefault(kept, None)
 
     def specialized(self, value: Sym, why: str) -> None:
-        self.guard(value - value.hint, "==", True)
+        difference = value - value.hint
+        if isinstance(difference, Sym):
+            self.guard(difference, "==", True)
         self.specializations.append((repr(value), f"{why} {self.location()}".strip()))
 
     def binding(self) -> dict[str, int]:

@@ -13,12 +13,13 @@ backward pass or a replay regenerates exactly the same tensor::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from kiln.ir.op import Op, OpDef, Sample, Tag, register
 from kiln.ir.symbolic import Sym
-from kiln.ir.types import FLOATING, Scalar, Shape, TensorType
+from kiln.ir.types import FLOATING, Scalar, Shape, TensorType, concrete
 from kiln.ops.attrs import FullAttrs, IotaAttrs, RandomAttrs
 from kiln.ops.sampling import ALL, FLOATS, NUMERIC, make_tensor
 
@@ -94,7 +95,8 @@ def _full_meta(attrs: FullAttrs) -> TensorType:
 
 
 def _full_impl(attrs: FullAttrs) -> torch.Tensor:
-    return torch.full(_sizes(attrs.shape), attrs.value, dtype=attrs.dtype, device=attrs.device)
+    value = cast(Scalar, attrs.value)  # (a graph that runs has no symbolic sizes left)
+    return torch.full(_sizes(attrs.shape), value, dtype=attrs.dtype, device=attrs.device)
 
 
 def _random_scalar(dtype: torch.dtype) -> Scalar:
@@ -141,7 +143,7 @@ def _iota_meta(attrs: IotaAttrs) -> TensorType:
 def _iota_impl(attrs: IotaAttrs) -> torch.Tensor:
     # Exact in int64, or float64 rounded once to the dtype (what torch.arange does for float32).
     wide = torch.float64 if attrs.dtype.is_floating_point else torch.int64
-    index = torch.arange(attrs.length, dtype=wide, device=attrs.device)
+    index = torch.arange(concrete(attrs.length), dtype=wide, device=attrs.device)
     return (attrs.start + attrs.step * index).to(attrs.dtype)
 
 
@@ -197,7 +199,7 @@ def _random_impl(
     draw: Callable[..., torch.Tensor], finish: Callable[[torch.Tensor], torch.Tensor]
 ) -> Callable[[RandomAttrs, torch.Tensor], torch.Tensor]:
     def impl(attrs: RandomAttrs, seed: torch.Tensor) -> torch.Tensor:
-        generator = generator_for(int(seed), attrs.offset, attrs.device)
+        generator = generator_for(int(seed), concrete(attrs.offset), attrs.device)
         # Drawn in float32 whatever the dtype, so one seed gives the same numbers in every dtype.
         values = draw(
             _sizes(attrs.shape), generator=generator, device=attrs.device, dtype=torch.float32

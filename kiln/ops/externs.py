@@ -238,8 +238,11 @@ def _fitting(
     """The size that takes ``values[i]`` at ``bindings[i]`` (None: that run failed): a constant
     or a term fitting every run, else ``a * term + b`` (integers ``a``, ``b``) or
     ``term // d`` (glu's halving) fitting three; None if none does."""
-    known = [(binding, value) for binding, value in zip(bindings, values, strict=True)]
-    known = [(binding, value) for binding, value in known if value is not None]
+    known = [
+        (binding, value)
+        for binding, value in zip(bindings, values, strict=True)
+        if value is not None
+    ]
     if len(known) < 2:
         return None
     size = known[0][1]

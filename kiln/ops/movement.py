@@ -582,7 +582,7 @@ def _pad_meta(attrs: PadAttrs, x: TensorType) -> TensorType:
 def _pad_impl(attrs: PadAttrs, x: torch.Tensor) -> torch.Tensor:
     # F.pad takes (low, high) pairs starting from the last dim.
     pairs = [(lo, hi) for lo, hi in zip(attrs.low, attrs.high, strict=True)]
-    flat = [amount for pair in reversed(pairs) for amount in pair]
+    flat = list(concrete(tuple(amount for pair in reversed(pairs) for amount in pair)))
     return F.pad(x, flat, mode="constant", value=attrs.value)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from kiln.ir.graph import InputKind, Node, Value
 from kiln.ir.op import Op, Tag, op_def
-from kiln.ir.types import concrete_shape
+from kiln.ir.types import concrete, concrete_shape
 from kiln.ops import attrs as A
 from kiln.schedule import index as ix
 from kiln.schedule.index import Index
@@ -336,7 +336,7 @@ def _expand(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> 
 def _slice(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> Expr:
     attrs: A.SliceAttrs = node.attrs
     moved = list(index)
-    moved[attrs.dim] = index[attrs.dim] * attrs.step + attrs.start
+    moved[attrs.dim] = index[attrs.dim] * attrs.step + concrete(attrs.start)
     return lowering.load(_operand(node, 0), tuple(moved))
 
 
@@ -386,7 +386,7 @@ def _pad(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> Exp
     current = list(index)
     masks: list[Expr] = []
     for dim, low in enumerate(attrs.low):
-        current[dim] = index[dim] - low
+        current[dim] = index[dim] - concrete(low)
         check = lowering.in_range(current[dim], 0, sizes[dim])
         if check is not None:
             masks.append(check)
@@ -503,7 +503,7 @@ def _random(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> 
     layout = lowering.layouts.get(seed)
     if layout is None:
         raise NotFusable("the random seed is not a graph input")
-    offset = ix.linear(index, ix.contiguous_strides(shape_of(value)), attrs.offset)
+    offset = ix.linear(index, ix.contiguous_strides(shape_of(value)), concrete(attrs.offset))
     if ix.bounds(offset)[1] >= 2**32:
         raise NotFusable("random offsets past 2**32")
     lowering.touched.add(seed)

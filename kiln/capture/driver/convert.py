@@ -204,11 +204,12 @@ def _capture_once(
         except Exception as error:  # (re-raised by the cache in strict mode)
             raise Skip(SkipReason.BACKEND_ERROR, f"{type(error).__name__}: {error}") from error
         runner = GraphRunner(graph, compiled)
-        sizes = "".join(
+        symbol_values = "".join(
             f"{size_expression(symbol, session.shapes, lambda source: source.expr(binder))}, "
             for symbol in session.shapes.symbols.values()
         )
-        call = f"___out = {binder.bind(runner, 'graph')}({_input_list(session, binder)}, ({sizes}))"
+        inputs = _input_list(session, binder)
+        call = f"___out = {binder.bind(runner, 'graph')}({inputs}, ({symbol_values}))"
         body = [call, *body]
     source = _head_source(param_names(code), body)
     scope = dict(binder.names)

@@ -113,9 +113,10 @@ class TensorMatch(Guard):
         assert self.source is not None
         return self.source.expr(binder)
 
-    def mismatch(self, tensor: Any) -> str:
-        """What differs in ``tensor`` (the first thing), naming the dim for a size."""
-        if type(tensor) is not self.kind:
+    def mismatch(self, value: Any) -> str:
+        """What differs in ``value`` (the first thing), naming the dim for a size."""
+        tensor: Any = value
+        if type(value) is not self.kind:
             return f"{self.source} is a {type(tensor).__name__}, not a {self.kind.__name__}"
         for what in ("dtype", "device", "requires_grad"):
             now, expected = getattr(tensor, what), getattr(self, what)
@@ -418,7 +419,7 @@ def _natively_checked(ordered: list[Guard]) -> list[Guard]:
         native_guards.request()
         return ordered
     specs = [
-        (m.kind, m.dtype, m.device, m.requires_grad, tuple(m.shape), tuple(m.stride))
+        (m.kind, m.dtype, m.device, m.requires_grad, tuple(m.shape), tuple(m.stride or ()))
         for m in tensors
     ]
     batch = NativeTensorCheck(None, "", tuple(tensors), native.specs(specs), native.check)
