@@ -38,7 +38,7 @@ Reduce = Callable[[Value, int], Value]  # reduce a value over one dim, removing 
 MAX_ADAPTIVE_CELLS = 64  # wider adaptive outputs (without an even split) become externs
 
 
-def _adaptive_sizes(op: str, input: Value, spatial: int, output_size: object) -> list[int]:
+def _adaptive_sizes(op: str, input: Value, spatial: int, output_size: object) -> list[Dim]:
     """Output sizes per spatial dim (None keeps the input's size)."""
     check_input(op, input, spatial)
     sizes = list(shape_of(input)[-spatial:])
@@ -53,12 +53,12 @@ def _adaptive_sizes(op: str, input: Value, spatial: int, output_size: object) ->
     return outs
 
 
-def adaptive_bounds(size: Dim, out: int) -> list[tuple[Dim, Dim]]:
+def adaptive_bounds(size: Dim, out: Dim) -> list[tuple[Dim, Dim]]:
     """Each output cell's window ``[floor(i*size/out), ceil((i+1)*size/out))``."""
     return [((i * size) // out, ((i + 1) * size + out - 1) // out) for i in range(out)]
 
 
-def adaptive_dim(x: Value, dim: int, out: int, reduce: Reduce) -> Value:
+def adaptive_dim(x: Value, dim: int, out: Dim, reduce: Reduce) -> Value:
     """Reduce each adaptive window along ``dim``: one reshape when ``out`` divides the size,
     else one slice per output cell, concatenated."""
     shape = x.type.shape

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from kiln.ir.builder import require_builder
 from kiln.ir.graph import Value
+from kiln.ir.types import Dim, Shape
 from kiln.ops import prims
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import Case, T, case_calls
@@ -80,7 +81,7 @@ def _check_attention_operands(q: Value, k: Value, v: Value) -> None:
         raise RuntimeError(f"expected scalar type Float but found {q.type.dtype}")
 
 
-def _repeat_heads(x: Value, groups: int) -> Value:
+def _repeat_heads(x: Value, groups: Dim) -> Value:
     """Each head of ``x`` (..., heads, seq, dim) repeated ``groups`` times in place."""
     if groups == 1:
         return x
@@ -92,7 +93,7 @@ def _repeat_heads(x: Value, groups: int) -> Value:
     return reshape(grown, (*lead, heads * groups, seq, dim))
 
 
-def _causal_mask(length: int, source: int, device: torch.device) -> Value:
+def _causal_mask(length: Dim, source: Dim, device: torch.device) -> Value:
     """True where query ``i`` may attend key ``j`` (``j <= i``, top-left aligned, as eager)."""
     rows = prims.iota(length=length, start=0, step=1, dtype=torch.int64, device=device)
     cols = prims.iota(length=source, start=0, step=1, dtype=torch.int64, device=device)
@@ -212,7 +213,7 @@ def _split_last(x: Value, parts: int) -> list[Value]:
     return [prims.slice(x, dim=dim, start=i * size, stop=(i + 1) * size) for i in range(parts)]
 
 
-def _rows(x: Value, start: int, stop: int) -> Value:
+def _rows(x: Value, start: Dim, stop: Dim) -> Value:
     result = prims.slice(x, dim=0, start=start, stop=stop)
     assert isinstance(result, Value)
     return result
@@ -246,7 +247,7 @@ def _separate_projection(
     return [linear(x, w, b) for x, w, b in zip(inputs, present, biases, strict=True)]
 
 
-def _heads(x: Value, batch: int, heads: int) -> Value:
+def _heads(x: Value, batch: Dim, heads: int) -> Value:
     """(seq, batch, embed) -> (batch * heads, seq, head_dim)."""
     seq, _, embed = shape_of(x)
     split = reshape(x, (seq, batch * heads, embed // heads))
@@ -255,7 +256,7 @@ def _heads(x: Value, batch: int, heads: int) -> Value:
     return result
 
 
-def _check_mask_shape(mask: Value, expected: tuple[int, ...]) -> None:
+def _check_mask_shape(mask: Value, expected: Shape) -> None:
     if tuple(mask.type.shape) != expected:
         raise RuntimeError(
             f"The shape of the {mask.type.rank}D attn_mask is {list(mask.type.shape)}, but "
@@ -266,9 +267,9 @@ def _check_mask_shape(mask: Value, expected: tuple[int, ...]) -> None:
 def _attention_mask(
     attn_mask: Value | None,
     key_padding_mask: Value | None,
-    batch: int,
+    batch: Dim,
     heads: int,
-    sizes: tuple[int, int],
+    sizes: tuple[Dim, Dim],
 ) -> Value | None:
     """The 3-d float mask (1 or batch * heads, tgt, src) merging both masks, or None."""
     tgt, src = sizes

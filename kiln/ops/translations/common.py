@@ -176,7 +176,7 @@ def elementwise(
 
 
 def full(
-    shape: Shape, value: bool | int | float, dtype: torch.dtype, device: torch.device
+    shape: Shape, value: bool | int | float | Sym, dtype: torch.dtype, device: torch.device
 ) -> Value:
     result = prims.full(shape=tuple(shape), value=value, dtype=dtype, device=device)
     assert isinstance(result, Value)

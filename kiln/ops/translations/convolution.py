@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kiln.ir.graph import Value
+from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import Case, T, case_calls
@@ -63,7 +64,7 @@ def _check_operands(op: str, input: Value, weight: Value, bias: Value | None, sp
 
 def _same_padding(
     input: Value, weight: Value, stride: tuple[int, ...], dilation: tuple[int, ...]
-) -> tuple[Value, tuple[int, ...]]:
+) -> tuple[Value, tuple[Dim, ...]]:
     """The input padded on the high side where ``'same'`` needs an odd total, and the
     symmetric padding the convolution adds."""
     if any(s != 1 for s in stride):
@@ -114,6 +115,7 @@ def convolution(
     _check_operands(op, input, weight, bias, spatial)
     strides = expand_param(stride, spatial, "stride")
     dilations = expand_param(dilation, spatial, "dilation")
+    pads: tuple[Dim, ...]
     if padding == "valid":
         pads = (0,) * spatial
     elif padding == "same":

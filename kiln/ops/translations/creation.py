@@ -72,7 +72,9 @@ def sizes(args: Sequence[Any], op: str) -> Shape:
     return size
 
 
-def filled(shape: Shape, value: Scalar | Value, dtype: torch.dtype, device: torch.device) -> Value:
+def filled(
+    shape: Shape, value: Scalar | Sym | Value, dtype: torch.dtype, device: torch.device
+) -> Value:
     """A tensor of ``shape`` filled with ``value`` (a scalar, or a 0-d traced tensor)."""
     if isinstance(value, Value):
         converted = common.convert(value, dtype)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.ir.graph import Value
+from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.sampling import NUMERIC
 from kiln.ops.translations import common
@@ -41,7 +42,7 @@ class Term:
     value: Value
     labels: list[Label]
 
-    def size(self, label: Label) -> int:
+    def size(self, label: Label) -> Dim:
         return self.value.type.shape[self.labels.index(label)]
 
 
@@ -162,7 +163,7 @@ def _prepare(term: Term, needed: set[Label]) -> Term:
 # pairwise contraction
 
 
-def _grouped(term: Term, groups: Sequence[Sequence[Label]], sizes: dict[Label, int]) -> Value:
+def _grouped(term: Term, groups: Sequence[Sequence[Label]], sizes: dict[Label, Dim]) -> Value:
     """``term`` permuted to the labels of ``groups`` in order, broadcast to ``sizes`` and
     reshaped to one dim per group."""
     order = [label for group in groups for label in group]

@@ -75,15 +75,22 @@ def full(size: Any, fill_value: Number | Value, **options: Any) -> Value:
     return filled(sizes((size,), "full"), fill_value, dtype or _fill_dtype(fill_value), device)
 
 
+def _minus(a: Number, b: Number) -> Number:
+    """``a - b``; with a float operand a float, as ``Sym.__sub__`` computes it."""
+    if isinstance(a, float) or isinstance(b, float):
+        return float(a) - float(b)
+    return a - b
+
+
 def _length(start: Number, end: Number, step: Number) -> Any:
     """The number of values of ``arange(start, end, step)``: a formula of ints and symbolic
     sizes, else eager's ``ceil((end - start) / step)`` (a float bound specializes a symbolic
     one, guarded)."""
     if step == 0:
         raise RuntimeError("arange: step must be nonzero")
-    if (end - start < 0) if step > 0 else (start - end < 0):
+    if (_minus(end, start) < 0) if step > 0 else (_minus(start, end) < 0):
         raise RuntimeError("arange: upper bound and larger bound inconsistent with step sign")
-    if all(isinstance(v, int | Sym) for v in (start, end, step)):
+    if isinstance(start, int | Sym) and isinstance(end, int | Sym) and isinstance(step, int | Sym):
         stride = abs(step)
         return (abs(end - start) + stride - 1) // stride
     return math.ceil((float(end) - float(start)) / float(step))

@@ -218,7 +218,7 @@ def dstack(tensors: Sequence[Value], *, out: Any = None) -> Value:
 # split, chunk, tensor_split, unbind
 
 
-def pieces(value: Value, dim: int, bounds: Sequence[tuple[int, int]]) -> tuple[Value, ...]:
+def pieces(value: Value, dim: int, bounds: Sequence[tuple[Dim, Dim]]) -> tuple[Value, ...]:
     """One slice of ``value`` along ``dim`` per ``(start, stop)``."""
     return tuple(take_slice(value, dim, start, stop) for start, stop in bounds)
 

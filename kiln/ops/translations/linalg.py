@@ -110,7 +110,7 @@ def gemm(bias: Value, a: Value, b: Value, beta: Scalar = 1, alpha: Scalar = 1) -
     return result
 
 
-def _check_inner(op: str, a: tuple[int, ...], b: tuple[int, ...]) -> None:
+def _check_inner(op: str, a: Shape, b: Shape) -> None:
     if a[-1] != b[-2]:
         raise RuntimeError(
             f"{op}: mat1 and mat2 shapes cannot be multiplied ("

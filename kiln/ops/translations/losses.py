@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.graph import Value
+from kiln.ir.types import concrete_shape
 from kiln.ops import prims
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import Case, T, case_calls
@@ -68,7 +69,7 @@ def reduce_loss(loss: Value, reduction: str) -> Value:
 
 
 def _size(value: Value) -> torch.Size:
-    return torch.Size(value.type.shape)
+    return torch.Size(concrete_shape(value.type.shape))
 
 
 def _promoted(*operands: Value) -> tuple[list[Value], torch.dtype]:

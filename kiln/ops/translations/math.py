@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kiln.ir.graph import Value
+from kiln.ir.symbolic import Sym
 from kiln.ops import prims
 from kiln.ops.sampling import ALL, BOOL, FLOATS, INTS, NUMERIC
 from kiln.ops.translations import common
@@ -61,10 +62,12 @@ def apply(prim: Prim, *operands: Operand, int_to_float: bool = False) -> Value:
     return prim(*converted)
 
 
-def scale(value: Operand, factor: bool | int | float) -> Operand:
+def scale(value: Operand, factor: bool | int | float | Sym) -> Operand:
     """``value * factor``, folded in Python for a scalar ``value``."""
     if isinstance(value, Value):
         return prims.mul(value, common.convert(factor, value.type.dtype))
+    if isinstance(value, float) or isinstance(factor, float):
+        return float(value) * float(factor)  # (what a symbolic size times a float gives)
     return value * factor
 
 

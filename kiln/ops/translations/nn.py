@@ -194,13 +194,13 @@ def _source_index(size: int, dim: int, mode: str, arguments: dict[str, Any]) -> 
     return [int(i) for i in result.reshape(-1).tolist()]
 
 
-def _repeats(index: list[int], size: int) -> int:
+def _repeats(index: list[int], size: Dim) -> Dim:
     """``k`` when ``index`` repeats each source position ``k`` times in order, else 0."""
     repeats = len(index) // size if size else 0
     return repeats if repeats and index == [i // repeats for i in range(len(index))] else 0
 
 
-def _repeat_dim(x: Value, dim: int, repeats: int) -> Value:
+def _repeat_dim(x: Value, dim: int, repeats: Dim) -> Value:
     """Each element of ``x`` along ``dim`` ``repeats`` times in a row, as movement."""
     shape = x.type.shape
     grown = (*shape[: dim + 1], repeats, *shape[dim + 1 :])
@@ -265,11 +265,15 @@ def interpolate(
     F.interpolate(meta, mode=mode, **arguments)
     result = input
     for dim in range(input.type.rank - 2):
-        size = input.type.shape[dim + 2]
-        repeats = _integral_scale(dim, mode, arguments) if isinstance(size, Sym) else 0
-        if repeats and _repeats(_source_index(size.hint, dim, mode, arguments), size.hint):
+        extent = input.type.shape[dim + 2]
+        repeats = _integral_scale(dim, mode, arguments) if isinstance(extent, Sym) else 0
+        if (
+            repeats
+            and isinstance(extent, Sym)
+            and _repeats(_source_index(extent.hint, dim, mode, arguments), extent.hint)
+        ):
             result = _repeat_dim(result, dim + 2, repeats)
         else:  # (a symbolic size specializes: the source index is eager's float arithmetic)
-            index = _source_index(int(size), dim, mode, arguments)
+            index = _source_index(int(extent), dim, mode, arguments)
             result = _gather_dim(result, dim + 2, index)
     return result

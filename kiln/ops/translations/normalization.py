@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from kiln.ir.graph import Value
 from kiln.ir.symbolic import Sym
+from kiln.ir.types import Dim
 from kiln.ops import prims
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
@@ -277,7 +278,7 @@ def group_norm(
 # batch_norm
 
 
-def _verify_batch_size(sizes: Sequence[int]) -> None:
+def _verify_batch_size(sizes: Sequence[Dim]) -> None:
     """Eager's check (``F._verify_batch_size``) that training sees more than one value per
     channel: the batch size times the spatial sizes."""
     if math.prod([*sizes[:1], *sizes[2:]]) == 1:

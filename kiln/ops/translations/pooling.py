@@ -50,7 +50,7 @@ class Window:
     dilation: int = 1
     ceil_mode: bool = False
 
-    def output_size(self, size: int) -> int:
+    def output_size(self, size: Dim) -> Dim:
         """PyTorch's ``pooling_output_shape``: a window may not start in the high padding."""
         span = size + 2 * self.padding - self.dilation * (self.kernel - 1) - 1
         extra = self.stride - 1 if self.ceil_mode else 0
@@ -115,7 +115,7 @@ def check_input(op: str, input: Value, spatial: int) -> None:
         )
 
 
-def _output_sizes(op: str, input: Value, wins: Sequence[Window]) -> list[int]:
+def _output_sizes(op: str, input: Value, wins: Sequence[Window]) -> list[Dim]:
     sizes = list(shape_of(input)[-len(wins) :])
     outs = [w.output_size(s) for w, s in zip(wins, sizes, strict=True)]
     if any(out <= 0 for out in outs):
@@ -144,7 +144,7 @@ def pool_dim(
     x: Value,
     dim: int,
     window: Window,
-    out: int,
+    out: Dim,
     fill: bool | int | float,
     combine: Callable[[Value, Value], Value],
 ) -> Value:

@@ -126,9 +126,14 @@ def variance_of(
     wide = common.convert(x, compute_dtype(x.type.dtype))
     mean, squares = moments(wide, dims)
     count = reduced_count(x, dims)
+    remaining: Dim | float
     if isinstance(count, Sym) and float(correction).is_integer():
-        correction = int(correction)  # (N - 1 stays a symbolic size)
-    variance = prims.div(squares, common.size_scalar(max(count - correction, 0)))
+        remaining = count - int(correction)  # (N - 1 stays a symbolic size)
+    elif isinstance(count, Sym):
+        remaining = float(count) - correction  # (what a symbolic size minus a float gives)
+    else:
+        remaining = count - correction
+    variance = prims.div(squares, common.size_scalar(max(remaining, 0)))
     if not keepdim and dims:
         variance, mean = (prims.squeeze(v, dims=dims) for v in (variance, mean))
     return common.convert(variance, x.type.dtype), common.convert(mean, x.type.dtype)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -52,14 +52,14 @@ def property_getter(name: str) -> Callable[..., Any]:
     return getter
 
 
-def shape_args(args: Sequence[Any]) -> tuple[int, ...]:
+def shape_args(args: Sequence[Any]) -> tuple[Dim, ...]:
     """A shape given as varargs (``view(2, 3)``) or as one sequence (``view((2, 3))``)."""
     if len(args) == 1 and isinstance(args[0], Sequence):
         args = args[0]
     return tuple(size if isinstance(size, Sym) else operator.index(size) for size in args)
 
 
-def infer_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
+def infer_shape(shape: Sequence[Dim], numel: Dim) -> tuple[Dim, ...]:
     """``shape`` with its one ``-1`` inferred from ``numel``; RuntimeError as in eager."""
     if sum(size == -1 for size in shape) > 1:
         raise RuntimeError("only one dimension can be inferred")
@@ -82,7 +82,7 @@ def infer_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
 
 def reshape(value: Value, shape: Sequence[Dim]) -> Value:
     """``value`` under ``shape`` (same number of elements); no node when nothing changes."""
-    if same_shape(value.type.shape, shape):
+    if same_shape(value.type.shape, tuple(shape)):
         return value
     return prims.reshape(value, shape=tuple(shape))
 
@@ -112,7 +112,7 @@ def piece_count(total: Dim, size: Dim) -> int:
     return int((total + size - 1) // size)
 
 
-def take_slice(value: Value, dim: int, start: Dim, stop: Dim, step: int = 1) -> Value:
+def take_slice(value: Value, dim: int, start: Dim, stop: Dim, step: Dim = 1) -> Value:
     """``value[..., start:stop:step, ...]`` along ``dim`` (normalized bounds)."""
     size = shape_of(value)[dim]
     stop = max(start, min(stop, size))
@@ -271,7 +271,8 @@ _PERMUTE_CASES = [
 )
 def permute(input: Value, *dims: Any) -> Value:
     rank = input.type.rank
-    order = [normalize_dim(d, rank, "permute") for d in shape_args(dims)]
+    # (dims are positions, not sizes: shape_args only flattens the varargs)
+    order = [normalize_dim(cast(int, d), rank, "permute") for d in shape_args(dims)]
     if len(order) != rank:
         raise RuntimeError(
             f"permute(sparse_coo): number of dimensions in the tensor input does not match the "
@@ -438,7 +439,7 @@ _register_contiguous()
 # expand, broadcast_to, repeat, tile
 
 
-def expanded_shape(shape: Sequence[int], requested: Sequence[int]) -> tuple[int, ...]:
+def expanded_shape(shape: Sequence[Dim], requested: Sequence[Dim]) -> tuple[Dim, ...]:
     """The target of ``expand``: ``-1`` keeps a size, new dims lead; RuntimeError as in eager."""
     if len(requested) < len(shape):
         raise RuntimeError(
@@ -500,7 +501,7 @@ def expand_as(self: Value, other: Value) -> Value:
     return expand(self, shape_of(other))
 
 
-def repeated(value: Value, repeats: Sequence[int]) -> Value:
+def repeated(value: Value, repeats: Sequence[Dim]) -> Value:
     """``value`` repeated ``repeats[i]`` times along dim i (leading repeats add dims)."""
     if any(r < 0 for r in repeats):
         raise RuntimeError(f"Trying to create tensor with negative dimension: {list(repeats)}")
@@ -544,7 +545,8 @@ def repeat(self: Value, *repeats: Any) -> Value:
 )
 def tile(input: Value, *dims: Any) -> Value:
     repeats = shape_args(dims)
-    return repeated(input, (1,) * (input.type.rank - len(repeats)) + repeats)
+    ones: tuple[Dim, ...] = (1,) * (input.type.rank - len(repeats))
+    return repeated(input, ones + repeats)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ flattened matrix, and a triangle a ``where`` over an ``iota`` comparison::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -62,12 +62,12 @@ def narrow(input: Value, dim: int, start: int | Value, length: int) -> Value:
         raise IndexError(
             f"start out of range (expected to be in range of [{-size}, {size}], but got {start})"
         )
-    start = start + size if start < 0 else start
+    begin: Dim = start + size if start < 0 else start
     if length < 0:
         raise RuntimeError("narrow(): length must be non-negative.")
-    if start + length > size:
-        raise RuntimeError(f"start ({start}) + length ({length}) exceeds dimension size ({size}).")
-    return take_slice(input, dim, start, start + length)
+    if begin + length > size:
+        raise RuntimeError(f"start ({begin}) + length ({length}) exceeds dimension size ({size}).")
+    return take_slice(input, dim, begin, begin + length)
 
 
 def select_index(value: Value, dim: int, index: Dim, op: str = "select") -> Value:
@@ -213,7 +213,8 @@ def flip(input: Value, *dims: Any, **keywords: Any) -> Value:
         dims = (keywords.pop("dims"),)
     if keywords:
         raise TypeError(f"flip() got an unexpected keyword argument '{next(iter(keywords))}'")
-    return flipped(input, shape_args(dims))
+    # (dims are positions, not sizes: shape_args only flattens the varargs)
+    return flipped(input, [cast(int, d) for d in shape_args(dims)])
 
 
 @translation(torch.Tensor.fliplr, torch.fliplr, samples=tensor_calls([case((3, 4))]), dtypes=ALL)
@@ -335,7 +336,7 @@ def fill_scalar(value: bool | int | float | Sym, dtype: torch.dtype) -> bool | i
     return int(value)
 
 
-def _pad_pairs(pad: Sequence[int], rank: int) -> list[tuple[int, int]]:
+def _pad_pairs(pad: Sequence[Dim], rank: int) -> list[tuple[Dim, Dim]]:
     """``(low, high)`` per dim from F.pad's flat list, which starts at the last dim."""
     if len(pad) % 2:
         raise RuntimeError("Padding length must be divisible by 2")
@@ -348,7 +349,7 @@ def _pad_pairs(pad: Sequence[int], rank: int) -> list[tuple[int, int]]:
     return [(0, 0)] * (rank - len(given)) + given[::-1]
 
 
-def _edges(value: Value, dim: int, low: int, high: int, mode: str) -> list[Value]:
+def _edges(value: Value, dim: int, low: Dim, high: Dim, mode: str) -> list[Value]:
     """The pieces around ``value`` along ``dim`` that a non-constant padding mode adds."""
     size = shape_of(value)[dim]
     if mode == "reflect":
@@ -374,7 +375,7 @@ def _edges(value: Value, dim: int, low: int, high: int, mode: str) -> list[Value
     return [before, value, after]
 
 
-def _pad_edges(value: Value, pairs: Sequence[tuple[int, int]], mode: str) -> Value:
+def _pad_edges(value: Value, pairs: Sequence[tuple[Dim, Dim]], mode: str) -> Value:
     if any(amount < 0 for pair in pairs for amount in pair):
         raise FallbackToExtern  # cropping in a non-constant mode
     for dim, (low, high) in enumerate(pairs):
