@@ -233,25 +233,37 @@ class Sym:
 
     # --- questions (guarded) -------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
+        if isinstance(other, float):  # (against a float: this size's value, specialized)
+            return float(self) == other
         if not isinstance(other, int | Sym) or isinstance(other, bool):
             return NotImplemented
         return decide(self - other, "==")
 
     def __ne__(self, other: object) -> bool:
+        if isinstance(other, float):
+            return float(self) != other
         if not isinstance(other, int | Sym) or isinstance(other, bool):
             return NotImplemented
         return not decide(self - other, "==")
 
-    def __lt__(self, other: Dim) -> bool:
+    def __lt__(self, other: Dim | float) -> bool:
+        if isinstance(other, float):
+            return float(self) < other
         return decide(self - other, "<")
 
-    def __le__(self, other: Dim) -> bool:
+    def __le__(self, other: Dim | float) -> bool:
+        if isinstance(other, float):
+            return float(self) <= other
         return decide(self - other - 1, "<")
 
-    def __gt__(self, other: Dim) -> bool:
+    def __gt__(self, other: Dim | float) -> bool:
+        if isinstance(other, float):
+            return float(self) > other
         return decide(other - self, "<")
 
-    def __ge__(self, other: Dim) -> bool:
+    def __ge__(self, other: Dim | float) -> bool:
+        if isinstance(other, float):
+            return float(self) >= other
         return decide(other - self - 1, "<")
 
     def __bool__(self) -> bool:
