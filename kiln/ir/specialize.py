@@ -17,6 +17,35 @@ from kiln.ir.symbolic import Sym, substitute
 from kiln.ir.types import TensorType
 
 
+def sizes_in(value: Any) -> list[Any]:
+    """The sizes (ints and symbols) in an attrs value or scalar operand, through tuples, lists,
+    dicts and dataclass fields (not into a nested graph: its own nodes are typed)."""
+    if isinstance(value, Sym):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [size for item in value for size in sizes_in(item)]
+    if type(value) is dict:
+        return [size for item in value.values() for size in sizes_in(item)]
+    if isinstance(value, Graph | Value | Node):
+        return []
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [s for f in dataclasses.fields(value) for s in sizes_in(getattr(value, f.name))]
+    return []
+
+
+def used_symbols(graph: Graph) -> set[str]:
+    """The names of the symbols ``graph``'s work depends on: the types of the inputs it reads
+    and of its values, its attributes and scalar operands (an input read only for its size
+    by Python code does not count)."""
+    read = {value for node in graph.nodes for value in node.input_values()}
+    read |= set(graph.outputs) | {target for target, _ in graph.mutations}
+    sizes = [size for value in graph.inputs if value in read for size in value.type.shape]
+    for node in graph.nodes:
+        sizes += [size for out in node.outputs for size in out.type.shape]
+        sizes += sizes_in(node.attrs) + sizes_in(node.inputs)
+    return {s.name for size in sizes if isinstance(size, Sym) for s in size.symbols()}
+
+
 def specialize(graph: Graph, values: Mapping[str, int]) -> Graph:
     """A copy of ``graph`` with every symbol replaced by its value in ``values``."""
     result = Graph(name=graph.name, constants=dict(graph.constants), output_spec=graph.output_spec)

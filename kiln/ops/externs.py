@@ -23,7 +23,6 @@ module-level function of this file (:func:`convolution_backward`, :func:`sdpa_ba
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,9 +39,9 @@ from torch._subclasses.fake_tensor import (
 
 from kiln.errors import KilnError, TraceError
 from kiln.ir.builder import emit, require_builder
-from kiln.ir.graph import Graph, Value
+from kiln.ir.graph import Value
 from kiln.ir.op import ImplFn, MetaFn, Op, OpDef, Sample, SampleFn, Tag, register
-from kiln.ir.specialize import substitute_deep
+from kiln.ir.specialize import sizes_in, substitute_deep
 from kiln.ir.symbolic import Dim, Sym, Symbol, substitute
 from kiln.ir.types import FLOATING, Shape, TensorType, carries_gradient, hint_shape, same_shape
 from kiln.ops import prims
@@ -131,7 +130,7 @@ def meta_by_running(op: Op, impl: ImplFn, *, fake: bool = False) -> MetaFn:
     def meta(attrs: Any, *operands: Any) -> TensorType | tuple[TensorType, ...]:
         device = _device_of(op, operands) if not fake else None
         if any(isinstance(o, TensorType) and o.is_symbolic for o in operands) or any(
-            isinstance(size, Sym) for size in _sizes_in(attrs)
+            isinstance(size, Sym) for size in sizes_in(attrs)
         ):
             return _symbolic_meta(impl, attrs, operands, device, fake)
         result = _run_abstractly(impl, attrs, operands, fake=fake)
@@ -144,23 +143,8 @@ def meta_by_running(op: Op, impl: ImplFn, *, fake: bool = False) -> MetaFn:
     return meta
 
 
-def _sizes_in(value: Any) -> list[Any]:
-    """The sizes (ints and symbols) in an attrs value, through tuples and dataclass fields."""
-    if isinstance(value, Sym):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [size for item in value for size in _sizes_in(item)]
-    if type(value) is dict:
-        return [size for item in value.values() for size in _sizes_in(item)]
-    if isinstance(value, Graph | Value):  # (a Function's backward: typed by its own nodes)
-        return []
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [s for f in dataclasses.fields(value) for s in _sizes_in(getattr(value, f.name))]
-    return []
-
-
 def _hints(attrs: Any, types: Sequence[TensorType]) -> dict[str, int]:
-    sizes = [d for t in types for d in t.shape] + _sizes_in(attrs)
+    sizes = [d for t in types for d in t.shape] + sizes_in(attrs)
     return {s.name: s.hint for size in sizes if isinstance(size, Sym) for s in size.symbols()}
 
 
@@ -173,7 +157,7 @@ def _symbolic_meta(
     ``a * term + b`` for such a term fitting three runs; a size nothing fits specializes the
     symbols (guarded), so the types are always right."""
     sizes = [d for o in operands if isinstance(o, TensorType) for d in o.shape]
-    sizes += _sizes_in([o for o in operands if not isinstance(o, TensorType)]) + _sizes_in(attrs)
+    sizes += sizes_in([o for o in operands if not isinstance(o, TensorType)]) + sizes_in(attrs)
     symbols: dict[str, Symbol] = {}
     for size in sizes:
         if isinstance(size, Sym):

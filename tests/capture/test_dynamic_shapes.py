@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
+from kiln.backends.kiln import CompiledProgramRecord
+from kiln.recording import listen, unlisten
 
 SIZES = (3, 7, 13, 5, 28, 2, 9)
 
@@ -261,3 +263,23 @@ def test_every_kernel_kind_at_odd_sizes(dynamic) -> None:
     assert kiln.counters.fallbacks == [] and kiln.counters.graph_breaks == []
     # size 1 is specialized (its own entry); one symbolic capture serves every other size
     assert kiln.counters.captures == (2 if dynamic else 3)
+
+
+def test_a_size_only_python_reads_compiles_the_graph_once() -> None:
+    programs: list[object] = []
+    listen(programs, CompiledProgramRecord)
+    try:
+
+        def f(x, y):
+            return y * 2 + 1, x.shape[0] * 3
+
+        compiled = kiln.compile(f, dynamic=True)
+        y = torch.randn(4, 5)
+        for rows in (3, 6, 9):
+            out, n = compiled(torch.randn(rows, 2), y)
+            torch.testing.assert_close(out, y * 2 + 1)
+            assert n == rows * 3
+    finally:
+        unlisten(programs)
+    assert kiln.counters.captures == 1
+    assert len(programs) == 1  # the graph reads no symbolic size: no compile per size

@@ -46,6 +46,7 @@ from kiln.frontends.source import set_user_location
 from kiln.frontends.trace import _compiling
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.op import Op
+from kiln.ir.specialize import used_symbols
 from kiln.ir.symbolic import ShapeEnv, active_env
 from kiln.ops import prims
 
@@ -197,16 +198,18 @@ def _capture_once(
     if not session.guard_distinct_mutated_inputs():
         raise Skip(SkipReason.ALIASED_MUTATION, "an input written in place shares memory")
     runner = None
-    graph.symbols = tuple(session.shapes.symbols)
+    used = used_symbols(graph)  # (a size only Python code reads needs no compile per value)
+    graph.symbols = tuple(name for name in session.shapes.symbols if name in used)
     if graph.nodes or graph.outputs or graph.mutations:
         try:
             graph, compiled = compile_graph(graph)
         except Exception as error:  # (re-raised by the cache in strict mode)
             raise Skip(SkipReason.BACKEND_ERROR, f"{type(error).__name__}: {error}") from error
         runner = GraphRunner(graph, compiled)
+        shapes = session.shapes
         symbol_values = "".join(
-            f"{size_expression(symbol, session.shapes, lambda source: source.expr(binder))}, "
-            for symbol in session.shapes.symbols.values()
+            f"{size_expression(shapes.symbols[name], shapes, lambda s: s.expr(binder))}, "
+            for name in graph.symbols
         )
         inputs = _input_list(session, binder)
         call = f"___out = {binder.bind(runner, 'graph')}({inputs}, ({symbol_values}))"
