@@ -1,0 +1,117 @@
+"""Inference of the zoo's tiny transformers (``zoo_models.py``) at four sizes, compiled against eager.
+
+Each test builds one model in eval mode and calls it under ``torch.no_grad()`` on fresh random
+batches at four sizes (sequence length, image side or audio length): the zoo's two, then two
+more. Every output tensor must match eager's (float32, rtol=atol=1e-4) and no frame may run
+uncompiled. Under automatic dynamic the first call is static and the second recaptures with
+the changed dims symbolic, so calls 3 and 4 add no capture; under ``dynamic=True`` every input
+dim is symbolic from the first call, so no call after it adds one.
+
+A row that fails because of a Kiln gap carries ``xfail`` (strict) with the cause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from zoo_models import ZOO
+
+import kiln
+
+pytest.importorskip("transformers")
+
+# Two sizes past the zoo's own, per model; the batch builders accept them all.
+MORE_SIZES: dict[str, tuple[int, int]] = {
+    "decoder": (10, 15),
+    "encoder": (10, 15),
+    "encoder-decoder": (10, 15),
+    "vision": (20, 28),
+    "speech": (0, 0),  # per model below
+}
+SPEECH_SIZES: dict[str, tuple[int, int]] = {
+    "speech2text": (28, 40),
+    "whisper": (7, 11),
+    "wav2vec2": (200, 320),
+    "hubert": (200, 320),
+}
+
+# The default run keeps one or two architectures of each family; the others are slow.
+FAST = {"gpt2", "llama", "bert", "t5", "vit", "whisper"}
+
+# name -> the Kiln gap that makes it fail today (strict xfail).
+XFAIL: dict[str, str] = {}
+XFAIL_DYNAMIC: dict[str, str] = {}
+
+
+def _sizes(name: str) -> list[int]:
+    zoo = ZOO[name]
+    more = SPEECH_SIZES[name] if zoo.family == "speech" else MORE_SIZES[zoo.family]
+    return [*zoo.sizes, *more]
+
+
+def _params(xfails: dict[str, str]) -> list[Any]:
+    params = []
+    for name in ZOO:
+        marks: list[Any] = [] if name in FAST else [pytest.mark.slow]
+        if name in xfails:
+            marks.append(pytest.mark.xfail(strict=True, reason=xfails[name]))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+def _tensors(value: Any, path: str = "out") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a model output (ModelOutputs, tuples of hidden states, nested outputs)."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _tensors(item, f"{path}[{index}]")
+
+
+def _compare(label: str, got: Any, want: Any) -> None:
+    mine, eager = dict(_tensors(got)), dict(_tensors(want))
+    assert mine.keys() == eager.keys(), f"{label}: outputs {list(mine)} != eager's {list(eager)}"
+    problems = []
+    for path, expected in eager.items():
+        actual = mine[path]
+        if actual.shape != expected.shape or actual.dtype != expected.dtype:
+            problems.append(f"{path}: kiln {actual.shape} {actual.dtype}, eager {expected.shape}")
+        elif not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4, equal_nan=True):
+            difference = (actual.double() - expected.double()).abs().max()
+            problems.append(f"{path}: max |diff| {difference:.3g}")
+    assert not problems, f"{label}: {len(problems)} differ\n" + "\n".join(problems)
+
+
+def _infer(name: str, dynamic: bool | None) -> list[int]:
+    """Calls the compiled model at each size; the captures counted after each call."""
+    kiln.reset()
+    torch.manual_seed(0)
+    model = ZOO[name].build().eval()
+    compiled = kiln.compile(model, dynamic=dynamic)
+    captures = []
+    with torch.no_grad():
+        for size in _sizes(name):
+            batch = ZOO[name].batch(size)
+            _compare(f"size {size}", compiled(**batch), model(**batch))
+            captures.append(kiln.counters.captures)
+    fallbacks = [str(record) for record in kiln.counters.fallbacks]
+    assert fallbacks == [], "frames ran uncompiled:\n" + "\n".join(fallbacks)
+    return captures
+
+
+@pytest.mark.parametrize("name", _params(XFAIL))
+def test_automatic_dynamic_inference(name: str) -> None:
+    captures = _infer(name, dynamic=None)
+    assert captures[3] == captures[1], f"captures after each size {captures}\n{kiln.explain()}"
+
+
+@pytest.mark.parametrize("name", _params(XFAIL_DYNAMIC))
+def test_dynamic_true_inference(name: str) -> None:
+    captures = _infer(name, dynamic=True)
+    assert captures[3] == captures[0], f"captures after each size {captures}\n{kiln.explain()}"
