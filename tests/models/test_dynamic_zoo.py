@@ -1,4 +1,4 @@
-"""Inference of the zoo's tiny transformers (``zoo_models.py``) at four sizes, compiled against eager.
+"""Inference of the zoo's tiny transformers (``zoo_models.py``) at four sizes, against eager.
 
 Each test builds one model in eval mode and calls it under ``torch.no_grad()`` on fresh random
 batches at four sizes (sequence length, image side or audio length): the zoo's two, then two
@@ -42,8 +42,32 @@ SPEECH_SIZES: dict[str, tuple[int, int]] = {
 FAST = {"gpt2", "llama", "bert", "t5", "vit", "whisper"}
 
 # name -> the Kiln gap that makes it fail today (strict xfail).
-XFAIL: dict[str, str] = {}
-XFAIL_DYNAMIC: dict[str, str] = {}
+DEBERTA = (
+    "modeling_deberta.py:124 torch.tensor(min(max(q.size(-2), k.size(-2)), 16)) specializes the "
+    "length: kiln/ops/translations/factories.py:158 makes torch.tensor of a size a constant "
+    "(its use as a slice bound, modeling_deberta.py:300, needs a Python int)"
+)
+BEIT = (
+    "interpolate_pos_encoding specializes the side: F.interpolate runs as an extern with "
+    "size=(dim_size, dim_size) (modeling_beit.py:258), torch_int() calls int() on the window "
+    "size (transformers utils/generic.py:831), and the relative position index of a symbolic "
+    "window is built by in-place slice updates that specialize its numel (modeling_beit.py:209)"
+)
+XFAIL: dict[str, str] = {"deberta": DEBERTA, "beit": BEIT}
+XFAIL_DYNAMIC: dict[str, str] = {"deberta": DEBERTA, "beit": BEIT}
+
+# name -> a Python branch on a size in the model's own code: the sizes on its other side take
+# one more capture (as under torch.compile), which the test allows once.
+SIZE_BRANCHES: dict[str, str] = {
+    # dynamic=True only: the first side is the config's, whose position embeddings need no
+    # interpolation (modeling_vit.py:103, modeling_deit.py:108, modeling_clip.py:176).
+    "vit": "num_patches == num_positions",
+    "deit": "num_patches == num_positions",
+    "clip": "num_patches == num_positions",
+    # Sides 20 and 28 leave an odd stage-2 resolution: a crop after the window padding
+    # (modeling_swin.py:563, `if pad_values[3] > 0 or pad_values[5] > 0`).
+    "swin": "pad_values[3] > 0",
+}
 
 
 def _sizes(name: str) -> list[int]:
@@ -98,20 +122,30 @@ def _infer(name: str, dynamic: bool | None) -> list[int]:
     with torch.no_grad():
         for size in _sizes(name):
             batch = ZOO[name].batch(size)
-            _compare(f"size {size}", compiled(**batch), model(**batch))
+            # Eager first: a classifier's first call with labels sets config.problem_type,
+            # which a capture guards on.
+            expected = model(**batch)
+            _compare(f"size {size}", compiled(**batch), expected)
             captures.append(kiln.counters.captures)
     fallbacks = [str(record) for record in kiln.counters.fallbacks]
     assert fallbacks == [], "frames ran uncompiled:\n" + "\n".join(fallbacks)
     return captures
 
 
+def _check_captures(name: str, captures: list[int], static_calls: int) -> None:
+    """No capture after the first ``static_calls`` calls, or one for a size branch."""
+    allowed = 1 if name in SIZE_BRANCHES else 0
+    grown = captures[-1] - captures[static_calls - 1]
+    assert grown <= allowed and captures[-1] == captures[-2], (
+        f"captures after each size {captures}\n{kiln.explain()}"
+    )
+
+
 @pytest.mark.parametrize("name", _params(XFAIL))
 def test_automatic_dynamic_inference(name: str) -> None:
-    captures = _infer(name, dynamic=None)
-    assert captures[3] == captures[1], f"captures after each size {captures}\n{kiln.explain()}"
+    _check_captures(name, _infer(name, dynamic=None), static_calls=2)
 
 
 @pytest.mark.parametrize("name", _params(XFAIL_DYNAMIC))
 def test_dynamic_true_inference(name: str) -> None:
-    captures = _infer(name, dynamic=True)
-    assert captures[3] == captures[0], f"captures after each size {captures}\n{kiln.explain()}"
+    _check_captures(name, _infer(name, dynamic=True), static_calls=1)
