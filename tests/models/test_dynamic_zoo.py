@@ -49,10 +49,10 @@ DEBERTA = (
     "(its use as a slice bound, modeling_deberta.py:300, needs a Python int)"
 )
 BEIT = (
-    "interpolate_pos_encoding specializes the side: F.interpolate runs as an extern with "
-    "size=(dim_size, dim_size) (modeling_beit.py:258), torch_int() calls int() on the window "
-    "size (transformers utils/generic.py:831), and the relative position index of a symbolic "
-    "window is built by in-place slice updates that specialize its numel (modeling_beit.py:209)"
+    "interpolate_pos_encoding specializes the side: the model calls int() on the relative "
+    "position table's side (torch_int, transformers utils/generic.py:831, from "
+    "modeling_beit.py:239), and F.interpolate runs as an extern with size=(dim_size, dim_size) "
+    "(modeling_beit.py:258), which kiln/frontends/proxy.py's extern call makes concrete"
 )
 XFAIL: dict[str, str] = {"deberta": DEBERTA, "beit": BEIT}
 XFAIL_DYNAMIC: dict[str, str] = {"deberta": DEBERTA, "beit": BEIT}
