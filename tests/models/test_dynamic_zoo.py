@@ -51,8 +51,8 @@ DEBERTA = (
 BEIT = (
     "interpolate_pos_encoding specializes the side: the model calls int() on the relative "
     "position table's side (torch_int, transformers utils/generic.py:831, from "
-    "modeling_beit.py:239), and F.interpolate runs as an extern with size=(dim_size, dim_size) "
-    "(modeling_beit.py:258), which kiln/frontends/proxy.py's extern call makes concrete"
+    "modeling_beit.py:239), and the extern F.interpolate(..., size=(dim_size, dim_size)) at "
+    "modeling_beit.py:258 specializes the side as a Python int"
 )
 XFAIL: dict[str, str] = {"deberta": DEBERTA, "beit": BEIT}
 XFAIL_DYNAMIC: dict[str, str] = {"deberta": DEBERTA, "beit": BEIT}
