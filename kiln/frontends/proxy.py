@@ -34,7 +34,7 @@ from kiln.ir import symbolic
 from kiln.ir.builder import active_builder, require_builder
 from kiln.ir.graph import Origin, Value
 from kiln.ir.symbolic import Sym
-from kiln.ir.types import concrete, hint_shape
+from kiln.ir.types import hint_shape
 from kiln.ops import prims
 from kiln.ops.translations import (
     FallbackToExtern,
@@ -775,7 +775,7 @@ def _assign(target: ProxyTensor, result: Any, api: str) -> ProxyTensor:
     root_value = root.current()
     positions = prims.reshape(
         prims.iota(
-            length=concrete(root_value.type.numel()),
+            length=root_value.type.numel(),
             start=0,
             step=1,
             dtype=torch.int64,
@@ -784,8 +784,8 @@ def _assign(target: ProxyTensor, result: Any, api: str) -> ProxyTensor:
         shape=root_value.type.shape,
     )
     view_positions = target._replay(positions)
-    flat = prims.reshape(root_value, shape=(concrete(root_value.type.numel()),))
-    numel = concrete(result.type.numel())
+    flat = prims.reshape(root_value, shape=(root_value.type.numel(),))
+    numel = result.type.numel()
     updated = prims.index_put(
         flat,
         prims.reshape(result, shape=(numel,)),

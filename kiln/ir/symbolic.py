@@ -463,10 +463,12 @@ def modulo(numerator: Dim, denominator: Dim) -> Dim:
     _check_operands(numerator, denominator, "modulo")
     if _divides(denominator, numerator) is not None:
         return 0
-    if isinstance(denominator, int):  # (d*q + r) % d == r % d
-        numerator = Sym.make({m: c for m, c in _terms(numerator) if c % denominator})
-        if isinstance(numerator, int):
-            return numerator % denominator
+    if isinstance(denominator, int):  # (d*q + r) % d == r % d, for 0 <= r (else r < 0 stays)
+        rest = Sym.make({m: c for m, c in _terms(numerator) if c % denominator})
+        if isinstance(rest, int):
+            return rest % denominator
+        if statically(rest, "<") is False:
+            numerator = rest
     if statically(numerator - denominator, "<"):
         return numerator
     return Sym({(Division(_as_sym(numerator), _as_sym(denominator), True),): 1})

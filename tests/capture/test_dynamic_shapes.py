@@ -148,6 +148,32 @@ def test_range_over_a_size_specializes_it() -> None:
     assert any("specialized s0" in line for line in kiln.explain().sizes)
 
 
+def test_len_of_a_tensor_keeps_its_first_dim_symbolic() -> None:
+    def f(x):
+        return torch.arange(len(x)) * len(x) + x.sum(1)
+
+    compiled = kiln.compile(f, dynamic=True)
+    for batch in (3, 4, 6):
+        x = torch.randn(batch, 5)
+        torch.testing.assert_close(compiled(x), f(x))
+    assert kiln.counters.captures == 1
+    assert not any("specialized" in line for line in kiln.explain().sizes)
+
+
+def test_an_in_place_write_through_a_view_keeps_sizes_symbolic() -> None:
+    def f(x):
+        grid = (x[:, None] - x[None, :]).unsqueeze(-1).repeat(1, 1, 2).contiguous()
+        grid[:, :, 0] += x.size(0) - 1
+        return grid
+
+    compiled = kiln.compile(f, dynamic=True)
+    for batch in (3, 4, 6):
+        x = torch.randn(batch)
+        torch.testing.assert_close(compiled(x), f(x))
+    assert kiln.counters.captures == 1
+    assert not any("specialized" in line for line in kiln.explain().sizes)
+
+
 def test_sizes_returned_and_stored_are_recomputed_per_call() -> None:
     log: list[int] = []
 

@@ -37,6 +37,15 @@ def test_arithmetic_normalizes_and_keeps_hints() -> None:
     assert env.relations == {}  # all of that held for every size
 
 
+def test_modulo_of_a_possibly_negative_remainder_stays_python_modulo() -> None:
+    env, a, _ = _env()
+    with active_env(env):
+        pad = (2 - a % 2) % 2  # (-(a % 2)) % 2 is not -(a % 2): Python's % is non-negative
+        assert isinstance(pad, Sym)
+        (symbol,) = a.symbols()
+        assert [pad.evaluate({symbol.name: n}) for n in (4, 5, 7)] == [0, 1, 1]
+
+
 def test_questions_decided_for_every_size_add_no_guard() -> None:
     env, a, b = _env()
     with active_env(env):

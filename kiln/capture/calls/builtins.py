@@ -316,7 +316,9 @@ def _all(frame: Frame, value: Any) -> bool:
 
 
 @model(builtins.len)
-def _len(frame: Frame, value: Any) -> int:
+def _len(frame: Frame, value: Any) -> Any:
+    if isinstance(value, ProxyTensor) and value.dim() > 0:
+        return value.size(0)  # a symbolic size stays symbolic: only Python's len() needs an int
     method = python_dunder(value, "__len__")
     if method is not None:
         return int(_call(frame, method, value))
