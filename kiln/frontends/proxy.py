@@ -29,6 +29,7 @@ from kiln.errors import (
     TraceError,
     op_error,
 )
+from kiln.frontends.sizes import size_query
 from kiln.frontends.source import user_location
 from kiln.ir import symbolic
 from kiln.ir.builder import active_builder, require_builder
@@ -277,47 +278,6 @@ def _describe(proxy: ProxyTensor) -> str:
     return f"ProxyTensor({proxy._value.name}: {proxy._value.type})"
 
 
-class SymbolicShape(tuple[Any, ...]):
-    """``x.shape`` of a tensor with symbolic sizes (``torch.Size`` holds only ints)."""
-
-    def numel(self) -> Any:
-        count: Any = 1
-        for size in self:
-            count = count * size
-        return count
-
-    def __getitem__(self, index: Any) -> Any:
-        item = super().__getitem__(index)
-        return SymbolicShape(item) if isinstance(index, slice) else item
-
-    def __repr__(self) -> str:
-        return f"torch.Size([{', '.join(map(repr, self))}])"
-
-
-def _symbolic_query(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The answer to a size query on a proxy with symbolic sizes, or ``NotImplemented``."""
-    shape = args[0]._value.type.shape
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        name = getattr(getattr(func, "__self__", None), "__name__", "")
-    if name == "shape" or (name == "size" and len(args) == 1 and "dim" not in kwargs):
-        return SymbolicShape(shape)
-    if name == "size":
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        return shape[dim]
-    if name in ("numel", "nelement"):
-        return SymbolicShape(shape).numel()
-    if name == "__len__":
-        return shape[0]  # (len() specializes it: Python needs an int)
-    if name == "stride":
-        strides: list[Any] = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * shape[i + 1]
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        return tuple(strides) if dim is None else strides[dim]
-    return NotImplemented
-
-
 def _size_tensor(size: Sym) -> Any:
     """A symbolic size as a 0-dim int64 graph value (for ``x * n``: see ``symbolic.as_tensor``)."""
     return dispatch(torch.full, ((), size), {"dtype": torch.int64})
@@ -330,7 +290,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on proxies: answer metadata natively, translate everything else."""
     symbolic = args and isinstance(args[0], ProxyTensor) and args[0]._value.type.is_symbolic
     if symbolic and _native(func):
-        answer = _symbolic_query(func, args, kwargs)
+        answer = size_query(func, args[0]._value.type.shape, args, kwargs)
         if answer is not NotImplemented:
             return answer
     if _native(func) or (func is torch.Tensor.type and len(args) == 1 and not kwargs):

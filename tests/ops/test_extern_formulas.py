@@ -19,8 +19,9 @@ from kiln.ir.op import Op
 from kiln.ir.types import TensorType
 from kiln.ops.attention import sdpa_cpu_backward, sdpa_cpu_forward
 from kiln.ops.attrs import ExternAttrs, Slot
+from kiln.ops.extern_meta import run_abstractly
 from kiln.ops.extern_shapes import extern_result_types
-from kiln.ops.externs import _call, _run_abstractly, convolution_backward
+from kiln.ops.externs import _call, convolution_backward
 from kiln.schedule import layouts
 from kiln.schedule.loops import Buffer, BufferKind
 from kiln.schedule.program import View
@@ -42,7 +43,7 @@ def _check(
     if formula is None:  # no formula for this case: the abstract run types it
         assert fn is sdpa_cpu_forward and tensors[0].dtype == torch.float64
         return
-    fake = _run_abstractly(_call, attrs, types, fake=True)
+    fake = run_abstractly(_call, attrs, types, fake=True)
     fake_types = [TensorType(tuple(t.shape), t.dtype, CPU) for t in fake]
     assert list(formula) == fake_types
     real = _call(attrs, *tensors)

@@ -101,7 +101,7 @@ def runs_natively(fn: types.FunctionType) -> bool:
     if lookup(fn) is not None:
         return True
     module = fn.__module__ or ""
-    if module.startswith("kiln.capture.") or module in ("kiln.ir.symbolic", "kiln.frontends.proxy"):
+    if module.startswith("kiln.capture.") or module in ("kiln.ir.symbolic", "kiln.frontends.sizes"):
         return True  # capture's own stand-ins met by user code (a Function's ctx, sizes)
     if module.split(".")[0] in _NATIVE_PYTHON_MODULES:
         return True

@@ -27,7 +27,8 @@ from kiln.capture.core.session import ABSENT, EffectKind, Session, is_constant
 from kiln.capture.guards.guards import Identity
 from kiln.capture.guards.sizes import size_expression
 from kiln.capture.guards.sources import Binder, Source
-from kiln.frontends.proxy import ProxyTensor, SymbolicShape
+from kiln.frontends.proxy import ProxyTensor
+from kiln.frontends.sizes import SymbolicShape
 from kiln.ir.graph import Value
 from kiln.ir.symbolic import Sym
 
