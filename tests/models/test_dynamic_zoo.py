@@ -12,12 +12,11 @@ A row that fails because of a Kiln gap carries ``xfail`` (strict) with the cause
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from zoo_models import ZOO
+from zoo_models import ZOO, output_tensors
 
 import kiln
 
@@ -87,20 +86,8 @@ def _params(xfails: dict[str, str]) -> list[Any]:
     return params
 
 
-def _tensors(value: Any, path: str = "out") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in a model output (ModelOutputs, tuples of hidden states, nested outputs)."""
-    if isinstance(value, torch.Tensor):
-        yield path, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _tensors(item, f"{path}.{key}")
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            yield from _tensors(item, f"{path}[{index}]")
-
-
 def _compare(label: str, got: Any, want: Any) -> None:
-    mine, eager = dict(_tensors(got)), dict(_tensors(want))
+    mine, eager = dict(output_tensors(got)), dict(output_tensors(want))
     assert mine.keys() == eager.keys(), f"{label}: outputs {list(mine)} != eager's {list(eager)}"
     problems = []
     for path, expected in eager.items():

@@ -20,14 +20,14 @@ from __future__ import annotations
 import copy
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from zoo_models import ZOO
+from zoo_models import ZOO, output_tensors
 
 import kiln
 
@@ -137,18 +137,6 @@ def _params(table: dict[str, Row]) -> list[Any]:
     return params
 
 
-def _tensors(value: Any, path: str = "out") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in a model output (ModelOutputs, tuples of hidden states, nested outputs)."""
-    if isinstance(value, torch.Tensor):
-        yield path, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _tensors(item, f"{path}.{key}")
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            yield from _tensors(item, f"{path}[{index}]")
-
-
 # A check compares kiln's tensor with eager's (and float64 eager's under autocast), all as
 # float64: None when they agree, else more detail for the mismatch's line ("" for none).
 Check = Callable[[torch.Tensor, torch.Tensor, Any], str | None]
@@ -195,7 +183,7 @@ def _describe(tensor: torch.Tensor | None) -> str:
 
 def _output_rows(outputs: list[Any]) -> Rows:
     """Outputs are [eager's, kiln's] or [eager's, kiln's, float64 eager's]."""
-    eager, mine, *exact = (dict(_tensors(output)) for output in outputs)
+    eager, mine, *exact = (dict(output_tensors(output)) for output in outputs)
     assert mine.keys() == eager.keys(), f"outputs {list(mine)} != eager's {list(eager)}"
     return [
         (path, mine[path], want, exact[0][path] if exact else None) for path, want in eager.items()

@@ -8,7 +8,7 @@ carry ``labels`` where the task head has a loss, so a step is ``model(**batch).l
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -467,3 +467,15 @@ SPEECH: dict[str, ZooModel] = {
 }
 
 ZOO: dict[str, ZooModel] = DECODERS | ENCODERS | ENCODER_DECODERS | VISION | SPEECH
+
+
+def output_tensors(value: Any, path: str = "out") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a model output (ModelOutputs, tuples of hidden states, nested outputs)."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from output_tensors(item, f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from output_tensors(item, f"{path}[{index}]")
