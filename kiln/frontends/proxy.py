@@ -128,7 +128,7 @@ class ProxyTensor(torch.Tensor):
         kind = value.type
         proxy = torch.Tensor._make_wrapper_subclass(
             cls,
-            hint_shape(kind.shape),  # (metadata queries answer symbolic sizes: _symbolic_query)
+            hint_shape(kind.shape),  # (size queries answer symbolic sizes: size_query)
             dtype=kind.dtype,
             device=kind.device,
             requires_grad=kind.requires_grad,
@@ -231,10 +231,8 @@ class TraceMode(torch.overrides.TorchFunctionMode):
                     f"{api_name(func)} of a tensor capture cannot read as a graph input",
                     user_location(),
                 )
-        symbolic = any(isinstance(leaf, Sym) for leaf in leaves)
-        if func in RANDOM_FACTORIES or symbolic or any(_traced(leaf) for leaf in leaves):
-            # (a factory with a symbolic size, ``torch.arange(x.size(1))``, is traced: its
-            # result's size follows the call's)
+        sized = any(isinstance(leaf, Sym) for leaf in leaves)  # (torch.arange(x.size(1)))
+        if func in RANDOM_FACTORIES or sized or any(_traced(leaf) for leaf in leaves):
             target = args[0] if args else None
             if (
                 self.writable is not None
@@ -288,8 +286,8 @@ symbolic.as_tensor = _size_tensor
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on proxies: answer metadata natively, translate everything else."""
-    symbolic = args and isinstance(args[0], ProxyTensor) and args[0]._value.type.is_symbolic
-    if symbolic and _native(func):
+    sized = args and isinstance(args[0], ProxyTensor) and args[0]._value.type.is_symbolic
+    if sized and _native(func):
         answer = size_query(func, args[0]._value.type.shape, args, kwargs)
         if answer is not NotImplemented:
             return answer

@@ -22,7 +22,7 @@ from kiln.ir.interpreter import interpret, run
 from kiln.ir.op import Op, OpDef, Sample, Tag, op_def, register, registered_ops
 from kiln.ir.printer import format_graph, load_printed
 from kiln.ir.symbolic import ShapeEnv, Sym
-from kiln.ir.types import Dim, Shape, SymDim, TensorType
+from kiln.ir.types import Dim, Shape, TensorType
 from kiln.ir.verify import verify
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "Shape",
     "ShapeEnv",
     "Sym",
-    "SymDim",
     "Tag",
     "TensorType",
     "Value",

@@ -13,7 +13,6 @@ import torch
 
 from kiln.ir.symbolic import Dim, Sym, hint, statically
 
-SymDim = Sym  # (the name earlier code used)
 Shape = tuple[Dim, ...]
 
 _DTYPE_ABBREVIATIONS = {

@@ -64,7 +64,7 @@ def reduced_dims(node: Node) -> tuple[int, ...]:
 
 
 def shape_of(value: Value) -> tuple[int, ...]:
-    return concrete_shape(value.type.shape)  # shapes are specialized (no SymDim yet)
+    return concrete_shape(value.type.shape)  # (kiln/pipeline.py:PerSize specializes symbols first)
 
 
 @dataclass(frozen=True)
