@@ -24,6 +24,7 @@ from kiln.api import (
     graph_break,
     mark_dynamic,
     mark_static,
+    mark_step_begin,
     reset,
 )
 from kiln.errors import KilnError, TraceError
@@ -46,6 +47,7 @@ __all__ = [
     "graph_break",
     "mark_dynamic",
     "mark_static",
+    "mark_step_begin",
     "reset",
     "run_traced",
     "trace",

@@ -24,6 +24,7 @@ from kiln.capture.driver.explain import explain as _explain
 from kiln.capture.guards.sizes import mark_dynamic, mark_static
 from kiln.options import Options
 from kiln.pipeline import Pipeline
+from kiln.runtime.cudagraphs import mark_step_begin
 from kiln.runtime.triton_build import start_workers
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "graph_break",
     "mark_dynamic",
     "mark_static",
+    "mark_step_begin",
     "reset",
 ]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from kiln.config import config
 
-MODES = (None, "default", "reduce-overhead", "max-autotune")
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CODEGENS = ("", "triton", "cpp", "evaluate")
 CPU_MATMULS = ("auto", "blas", "onednn")
 
@@ -47,6 +47,16 @@ class Options:
             raise ValueError(
                 f"unknown cpu_matmul {self.cpu_matmul!r}; expected one of {CPU_MATMULS}"
             )
+
+    @property
+    def cudagraphs(self) -> bool:
+        """Whether compiled graphs run as CUDA graphs (``kiln/runtime/cudagraphs.py``)."""
+        return self.mode in ("reduce-overhead", "max-autotune")
+
+    @property
+    def autotune(self) -> bool:
+        """Whether kernels search their launch configurations (``max-autotune`` modes)."""
+        return self.mode in ("max-autotune", "max-autotune-no-cudagraphs")
 
     @classmethod
     def of(cls, extra: dict[str, Any] | None, **arguments: Any) -> Options:

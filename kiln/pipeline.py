@@ -14,7 +14,11 @@ then goes through, top to bottom:
    The default ``kiln`` backend does so on the graph's first call, per layout of its inputs:
    **schedule** (``kiln/schedule``: fused kernels, extern calls, buffer plan) →
    **codegen** (``kiln/codegen``: Triton or C++ sources, and the host program) →
-   **runtime** (``kiln/runtime``: build, load, launch).
+   **runtime** (``kiln/runtime``: build, load, launch);
+5. **CUDA graphs** (``kiln/runtime/cudagraphs.py``), in ``reduce-overhead`` and
+   ``max-autotune`` modes: each compiled graph (a training graph's forward and backward
+   alike) is recorded on its second call and replayed after; the graphs of one pipeline share
+   a memory pool.
 
 The result is the graph as optimized (what ``kiln.explain`` prints) and the callable that runs
 it: the backend's compiled graph, or a forward/backward pair inside one ``autograd.Function``.
@@ -23,7 +27,7 @@ it: the backend's compiled graph, or a forward/backward pair inside one ``autogr
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.autodiff.partition import Partition, partition
@@ -36,6 +40,7 @@ from kiln.ir.specialize import specialize
 from kiln.ir.verify import verify
 from kiln.options import Options
 from kiln.passes import optimize
+from kiln.runtime.cudagraphs import CudaGraphRunner, Family, SizeBudget
 
 _log_autodiff = logger("autodiff")
 _log_dynamic = logger("dynamic")
@@ -46,14 +51,20 @@ class Pipeline:
     """The stages after capture for one set of options; called with each captured graph."""
 
     options: Options
+    # The CUDA graphs of this pipeline's graphs share one memory pool (reduce-overhead).
+    family: Family = field(default_factory=Family, compare=False, hash=False, repr=False)
 
-    def __call__(self, graph: Graph) -> tuple[Graph, Any]:
+    def __call__(self, graph: Graph, sizes: SizeBudget | None = None) -> tuple[Graph, Any]:
+        """The graph as optimized and its callable; ``sizes`` counts the CUDA graphs of a
+        captured graph's sizes (:class:`PerSize` passes its own)."""
         if graph.symbols:
             return graph, PerSize(graph, self)
+        sizes = sizes or SizeBudget()
         training = needs_autodiff(graph)
         graph = run_passes(graph, differentiating=training)
         if not training:
-            return graph, self.compile_graph(graph)
+            compiled = self.compile_graph(graph)
+            return graph, self.replayed(graph, compiled, len(graph.outputs), sizes)
         try:
             plan = differentiate(graph)
         except NotImplementedError as error:
@@ -65,11 +76,37 @@ class Pipeline:
         plan.forward = run_passes(plan.forward)
         plan.backward = run_passes(plan.backward)
         forward, backward = self.compile_graph(plan.forward), self.compile_graph(plan.backward)
+        saved = range(len(graph.outputs), len(plan.forward.outputs))
+        forward = self.replayed(
+            plan.forward, forward, len(plan.forward.outputs), sizes, internal=saved
+        )
+        backward = self.replayed(plan.backward, backward, len(plan.backward.outputs), sizes)
         return graph, TrainingGraph(graph, plan, forward, backward)
 
     def compile_graph(self, graph: Graph) -> CompiledGraph:
         """The backend stage (it schedules, generates and loads code on the first call)."""
         return get_backend(self.options.backend).compile(graph, self.options)
+
+    def replayed(
+        self,
+        graph: Graph,
+        compiled: CompiledGraph,
+        output_count: int,
+        sizes: SizeBudget,
+        *,
+        internal: range = range(0),
+    ) -> CompiledGraph:
+        """``compiled`` run through CUDA graphs when the mode asks for them."""
+        if not self.options.cudagraphs:
+            return compiled
+        return CudaGraphRunner(
+            graph,
+            compiled,
+            self.family,
+            sizes=sizes,
+            output_count=output_count,
+            internal=internal,
+        )
 
 
 def run_passes(graph: Graph, *, differentiating: bool = False) -> Graph:
@@ -93,6 +130,7 @@ class PerSize:
         self.graph = graph
         self.pipeline = pipeline
         self.compiled: dict[tuple[int, ...], Any] = {}
+        self.cudagraph_sizes = SizeBudget()  # (reduce-overhead: one CUDA graph per size)
         self._lock = threading.Lock()
 
     def __call__(self, inputs: list[Any], sizes: tuple[int, ...]) -> Any:
@@ -105,6 +143,7 @@ class PerSize:
                 if compiled is None:
                     values = dict(zip(self.graph.symbols, sizes, strict=True))
                     _log_dynamic.info("%s: compiling for sizes %s", self.graph.name, values)
-                    _, compiled = self.pipeline(specialize(self.graph, values))
+                    specialized = specialize(self.graph, values)
+                    _, compiled = self.pipeline(specialized, self.cudagraph_sizes)
                     self.compiled[sizes] = compiled
         return compiled(inputs)

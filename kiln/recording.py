@@ -12,6 +12,7 @@ each program it compiles (``CompiledProgramRecord``). Nobody listening costs one
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,3 +49,17 @@ def recording(*kinds: type) -> Iterator[list[Any]]:
         yield events
     finally:
         unlisten(events)
+
+
+# Objects that report a state which changes after compiling (a CUDA graph that records on its
+# second call): ``kiln.explain()`` of everything compiled so far reads them as they are now.
+_LIVE: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def keep_live(report: object) -> None:
+    """Make ``report`` readable by :func:`live` for as long as it exists."""
+    _LIVE[id(report)] = report
+
+
+def live() -> list[Any]:
+    return list(_LIVE.values())

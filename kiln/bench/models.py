@@ -6,8 +6,9 @@ compare its results with the eager process's. Dropout is off in the transformer 
 Kiln draws its own random numbers (``docs/architecture.md``), so a training step with dropout
 could never match eager's, and a correctness column that always fails would hide real bugs.
 
-``reference`` is the suite of ``TARGETS.md`` (GPU, its batch sizes); ``cpu`` holds small
-models that finish in minutes on two cores. Models whose package (torchvision,
+``reference`` is the suite of ``TARGETS.md`` (GPU, its batch sizes); ``overhead`` the
+host-bound steps that ``mode="reduce-overhead"`` is for (ResNet-50 at 64 images, BERT-base
+and GPT-2 small at batch 1); ``cpu`` holds small models that finish in minutes on two cores. Models whose package (torchvision,
 transformers) is missing are skipped, and the bench says so.
 """
 
@@ -161,6 +162,9 @@ MODELS: dict[str, ModelSpec] = {
         ),
         ModelSpec("bert_base", "BERT-base MLM, Bx512", _bert(512), 16, ("transformers",)),
         ModelSpec("gpt2", "GPT-2 small LM, Bx1024", _gpt2(1024), 8, ("transformers",)),
+        # The overhead suite: the host-bound steps of the modes issue (reduce-overhead).
+        ModelSpec("bert_base_128", "BERT-base MLM, Bx128", _bert(128), 1, ("transformers",)),
+        ModelSpec("gpt2_32", "GPT-2 small LM, Bx32", _gpt2(32), 1, ("transformers",)),
         # The cpu suite: small sizes.
         ModelSpec("tiny_gpt", "kiln.bench.tiny_gpt.TinyGPT (0.5M), Bx64", _tiny_gpt, 4),
         ModelSpec("small_cnn", "3-stage conv/BN/ReLU CNN, Bx3x32x32", _small_cnn, 8),
@@ -190,6 +194,7 @@ MODELS: dict[str, ModelSpec] = {
 
 SUITES: dict[str, tuple[str, ...]] = {
     "reference": ("resnet50", "vit_b_16", "bert_base", "gpt2"),
+    "overhead": ("resnet50", "bert_base_128", "gpt2_32"),
     "cpu": ("tiny_gpt", "small_cnn", "gpt2_tiny", "bert_tiny", "resnet18_small"),
 }
 

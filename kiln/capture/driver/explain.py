@@ -18,6 +18,7 @@ from kiln.ir.op import Op
 from kiln.ir.symbolic import ShapeEnv
 from kiln.ops.autograd_function import function_outputs
 from kiln.ops.untracked import untracked_write
+from kiln.recording import live
 from kiln.recording import recording as record_events
 
 # Externs autodiff uses to pass values through: not opaque calls of the user's program.
@@ -41,6 +42,8 @@ class ExplainReport:
     # Symbolic sizes: each symbol, where it is read and why it is symbolic; each place capture
     # had to specialize one (``int(n)``); the guards on sizes are among ``guards``.
     sizes: list[str] = field(default_factory=list)
+    # reduce-overhead: each graph's CUDA graph (recorded, replays, why off or not replayed)
+    cudagraphs: list[str] = field(default_factory=list)
 
     @property
     def graph_count(self) -> int:
@@ -69,6 +72,9 @@ class ExplainReport:
         if self.kernels:
             lines.append("kernels:")
             lines += [f"  {line}" for line in self.kernels]
+        if self.cudagraphs:
+            lines.append("CUDA graphs:")
+            lines += [f"  {line}" for line in self.cudagraphs]
         if self.sizes:
             lines.append("symbolic sizes:")
             lines += [f"  {line}" for line in self.sizes]
@@ -119,6 +125,7 @@ def report_of(events: list[Any]) -> ExplainReport:
     report.kernels = [
         line for e in events if hasattr(e, "kernel_lines") for line in e.kernel_lines()
     ]
+    report.cudagraphs = _cudagraph_lines(events)
     for name, item in (e for e in events if isinstance(e, Captured)):
         if isinstance(item, BreakRecord):
             report.skips.append(item)
@@ -143,6 +150,12 @@ def report_of(events: list[Any]) -> ExplainReport:
     return report
 
 
+def _cudagraph_lines(events: list[Any]) -> list[str]:
+    """Each CUDA-graph runner's line as it is now (runners record an event on each change)."""
+    runners = {id(e): e for e in events if hasattr(e, "cudagraph_lines")}
+    return [line for runner in runners.values() for line in runner.cudagraph_lines()]
+
+
 def size_lines(shapes: ShapeEnv) -> list[str]:
     """What ``explain`` and ``KILN_LOG=dynamic`` say about one capture's symbolic sizes."""
     lines = []
@@ -163,4 +176,4 @@ def compiled_so_far() -> ExplainReport:
             events.append(Captured(code.co_qualname, entry.capture))
         if code_cache.skip is not None:
             events.append(Captured(code_cache.skip.function, code_cache.skip))
-    return report_of(events)
+    return report_of(events + live())

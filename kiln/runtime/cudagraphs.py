@@ -1,0 +1,570 @@
+"""CUDA graphs (``mode="reduce-overhead"``): record a compiled graph once, replay it after.
+
+A model's call launches every kernel of its program, and at small batches the host time of
+those launches is the step's time. A CUDA graph records the launches of one call and replays
+them with one host call. :class:`CudaGraphRunner` wraps one compiled graph (an inference
+graph, or a training graph's forward or backward):
+
+1. **Warm-up.** The first call runs the compiled graph as usual (it compiles and loads the
+   kernels; cuBLAS sets up its workspaces).
+2. **Record.** The second call copies the user's inputs into static buffers, runs the graph
+   once on them (that result is the call's result), then records one run into a CUDA graph
+   whose memory comes from the family's pool.
+3. **Replay.** Later calls copy the inputs into the static buffers and replay.
+
+Inputs, by how they reach the recorded graph:
+
+- parameters, buffers, constants and ``nn.Parameter`` arguments are **static**: the graph
+  reads them where they are; a changed address records again (at most ``RERECORD_LIMIT``
+  times, then the graph runs without CUDA graphs);
+- other tensors are **copied** into a static buffer, unless they already are that buffer;
+- an output of a graph of the same family (a forward's saved activation given to its
+  backward, the result of the graph before a graph break) is **borrowed**: read in place; a
+  call that passes other memory there runs the graph without its CUDA graph;
+- the random seed is copied into a static device tensor that the kernels read.
+
+**Memory and outputs.** Graphs compiled with one set of options form a :class:`Family` and
+share one memory pool, so a training step's forward and backward (and the graphs around a
+graph break) reuse each other's temporaries. A replay rewrites its own outputs, and may
+overwrite those of graphs recorded after it (their memory may lie in its temporaries). So:
+
+- every result the user gets (an output, a gradient) is a **copy** out of the pool: holding
+  one across calls is always safe, and ``.grad`` never points into the pool;
+- values a forward saves for its backward stay in the pool (the backward borrows them).
+  Before each replay the runner checks, by the storages' use counts, whether autograd still
+  holds saved values the replay could overwrite (two forwards before one backward): then
+  that call runs without its CUDA graph, in fresh memory.
+
+``kiln.mark_step_begin()`` declares the values saved before it dead (a step whose backward
+will never run, a loss kept in a list): replays may then overwrite them, and a backward that
+reads overwritten values raises an error instead of computing wrong gradients.
+
+**Fallback.** A graph that reads CPU tensors, whose recording fails (an op that synchronizes
+or cannot be captured), whose parameters keep moving, or that is one size too many
+(``SIZE_LIMIT`` per captured graph with dynamic shapes) runs without CUDA graphs; the reason
+is logged (``KILN_LOG=cudagraphs``) and shown by ``kiln.explain``.
+
+CPU tests drive all of this through a :class:`Recorder` that emulates recording and replay
+(``tests/runtime/test_cudagraphs.py``); :class:`CudaRecorder` is the real one.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import torch
+
+from kiln.config import logger
+from kiln.ir.graph import Graph, InputKind
+from kiln.recording import keep_live, live
+from kiln.recording import record as record_event
+
+CompiledGraph = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+
+RERECORD_LIMIT = 4  # recordings of one graph (moved parameters) before it gives up
+SIZE_LIMIT = 16  # recorded sizes of one captured graph (dynamic shapes)
+
+_log = logger("cudagraphs")
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_step = itertools.count(2)
+_current_step = 1  # kiln.mark_step_begin() increments it
+
+
+def mark_step_begin() -> None:
+    """A new step begins: results of reduce-overhead graphs returned before this call are
+    dead, and later replays may overwrite them without checking (clone what you keep).
+    Tensors autograd holds for a pending backward stay protected."""
+    global _current_step
+    _current_step = next(_step)
+
+
+class Recorder(Protocol):
+    """Records a run of a function into a replayable graph: CUDA graphs on the GPU; tests
+    emulate it on the CPU."""
+
+    def supports(self, tensor: torch.Tensor) -> str | None:
+        """None when ``tensor`` can be read by a recorded graph, else why not."""
+
+    def new_pool(self) -> Any: ...
+
+    def capture(
+        self, run: Callable[[], list[torch.Tensor]], pool: Any
+    ) -> tuple[Callable[[], None], list[torch.Tensor]]:
+        """Record ``run()``; return the replay function and the tensors the recording
+        returned (static: every replay rewrites them)."""
+
+
+class CudaRecorder:
+    def supports(self, tensor: torch.Tensor) -> str | None:
+        if tensor.device.type != "cuda":
+            return f"it reads a {tensor.device.type} tensor"
+        return None
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(
+        self, run: Callable[[], list[torch.Tensor]], pool: Any
+    ) -> tuple[Callable[[], None], list[torch.Tensor]]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = run()
+        return graph.replay, outputs
+
+
+RECORDER: Recorder = CudaRecorder()  # (tests swap in an emulation)
+
+
+class Source(enum.Enum):
+    """How one input reaches the recorded graph."""
+
+    STATIC = "static"  # read where it is; another address records again
+    COPIED = "copied"  # copied into a static buffer
+    BORROWED = "borrowed"  # another graph's output, read in place
+    SEED = "seed"  # the random seed, copied into a static device tensor
+
+
+class Result(enum.Enum):
+    """What one output of the recorded graph is."""
+
+    POOL = "pool"  # new memory in the pool
+    INPUT_VIEW = "input view"  # a view of a copied input: rebuilt on the caller's tensor
+    ALIAS = "alias"  # memory the graph does not own (a parameter's, a borrowed input's)
+
+
+@dataclass
+class CudaGraphStatus:
+    """One graph's CUDA-graph state, as ``kiln.explain`` shows it (also a recorded event)."""
+
+    graph: str
+    state: str = "warming up"  # "recorded", "off"
+    reason: str = ""  # why it is off
+    records: int = 0
+    replays: int = 0
+    uncaptured_runs: int = 0  # calls after warm-up run without the CUDA graph
+    notes: list[str] = field(default_factory=list)  # why calls ran without the CUDA graph
+
+    def line(self) -> str:
+        if self.state == "off":
+            return f"{self.graph}: no CUDA graph ({self.reason})"
+        text = f"{self.graph}: CUDA graph {self.state}"
+        if self.state == "recorded":
+            text += f" ({self.records} recording(s), {self.replays} replay(s)"
+            if self.uncaptured_runs:
+                text += f", {self.uncaptured_runs} call(s) without it: {self.notes[-1]}"
+            text += ")"
+        return text
+
+    def cudagraph_lines(self) -> list[str]:
+        return [self.line()]
+
+
+def statuses() -> list[CudaGraphStatus]:
+    """The status of every CUDA-graph runner alive in this process."""
+    return [report for report in live() if isinstance(report, CudaGraphStatus)]
+
+
+@dataclass
+class SizeBudget:
+    """How many sizes of one captured graph have a recording (dynamic shapes), per graph
+    compiled from it (an inference graph, or a forward and a backward)."""
+
+    recorded: dict[str, int] = field(default_factory=dict)
+
+    def take(self, graph: str) -> bool:
+        """Count one more recorded size of ``graph``; False past ``SIZE_LIMIT``."""
+        count = self.recorded.get(graph, 0)
+        if count >= SIZE_LIMIT:
+            return False
+        self.recorded[graph] = count + 1
+        return True
+
+
+class Family:
+    """The graphs sharing one memory pool, in the order they recorded. Recordings are held
+    weakly: their runners own them, and a runner that is gone frees its memory."""
+
+    def __init__(self, recorder: Recorder | None = None) -> None:
+        self.recorder = recorder or RECORDER
+        self.pool: Any = None
+        self.members: list[weakref.ref[Recording]] = []
+        # storage address -> the recording whose output lives there
+        self.outputs: weakref.WeakValueDictionary[int, Recording] = weakref.WeakValueDictionary()
+        self.lock = threading.RLock()
+
+    def later_than(self, recording: Recording) -> list[Recording]:
+        """``recording`` and the recordings made after it (a replay may overwrite their
+        outputs)."""
+        alive = [r for r in (ref() for ref in self.members) if r is not None]
+        self.members = [weakref.ref(r) for r in alive]
+        return alive[alive.index(recording) :] if recording in alive else [recording]
+
+    def add(self, recording: Recording) -> None:
+        self.members.append(weakref.ref(recording))
+        for storage in recording.storages:
+            self.outputs[storage.data_ptr()] = recording
+
+    def drop(self, recording: Recording) -> None:
+        self.members = [ref for ref in self.members if ref() not in (None, recording)]
+        for storage in recording.storages:
+            if self.outputs.get(storage.data_ptr()) is recording:
+                del self.outputs[storage.data_ptr()]
+
+
+@dataclass
+class Recording:
+    """One recorded CUDA graph and what it reads and returns."""
+
+    replay: Callable[[], None]
+    sources: list[Source]
+    static: list[torch.Tensor | None]  # per input: its static tensor (None: none needed)
+    addresses: tuple[int, ...]  # data pointers of the static and borrowed inputs
+    outputs: list[torch.Tensor]  # the recorded outputs (pool memory)
+    results: list[tuple[Result, int]]  # per output: its kind and its storage / input index
+    storages: list[torch.UntypedStorage]  # the pool storages of the outputs
+    baselines: list[int] = field(default_factory=list)  # their use counts when not held
+    # per storage: the step its saved values were last given out (0: never)
+    given: list[int] = field(default_factory=list)
+    owner: Callable[[], CudaGraphRunner | None] = lambda: None
+
+    def held(self) -> bool:
+        """Whether autograd holds saved values of this recording's last replay (given out in
+        the current step)."""
+        for at, storage in enumerate(self.storages):
+            if self.given[at] < _current_step:
+                continue  # never given out, or before the current step began: released
+            if self.baselines[at] < 0 or _count(storage) != self.baselines[at]:
+                return True
+        return False
+
+
+class CudaGraphRunner:
+    """A compiled graph run through CUDA graphs; called like the compiled graph."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        compiled: CompiledGraph,
+        family: Family,
+        *,
+        sizes: SizeBudget,
+        output_count: int,
+        internal: Sequence[int] = (),
+    ) -> None:
+        """``output_count``: the graph's results before the new values of mutated inputs;
+        ``internal``: results only Kiln reads (a forward's values saved for the backward),
+        returned from the pool, not copied; ``sizes``: the recordings of the captured graph's sizes
+        (at most ``SIZE_LIMIT``)."""
+        self.compiled = compiled
+        self.family = family
+        self.sizes = sizes
+        self.output_count = output_count
+        self.internal = frozenset(internal)
+        self.kinds = [value.kind for value in graph.inputs]
+        self.status = CudaGraphStatus(graph.name)
+        keep_live(self.status)
+        self.calls = 0
+        self.recording: Recording | None = None
+        self.replays = 0  # tags saved values, so a backward can tell they were overwritten
+
+    # --- calls ---------------------------------------------------------------------------
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if _current_step > 1:  # (values saved before a mark may have been overwritten)
+            self._check_saved(inputs)
+        if self.status.state == "off":
+            return self.compiled(inputs)
+        with self.family.lock:
+            self.calls += 1
+            if self.calls == 1:
+                return self.compiled(inputs)  # warm-up: compiles and loads everything
+            recording = self.recording
+            if recording is None or self._moved(recording, inputs):
+                return self._record(inputs)
+            why = self._cannot_replay(recording, inputs)
+            if why:
+                return self._uncaptured(inputs, why)
+            return self._replay(recording, inputs)
+
+    def _check_saved(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Raise when an input is a saved value that a later replay overwrote (it was
+        released by ``kiln.mark_step_begin()``)."""
+        for tensor in inputs:
+            tag = getattr(tensor, "_kiln_replay", None)
+            if tag is None:
+                continue
+            owner = self.family.outputs.get(tensor.untyped_storage().data_ptr())
+            runner = owner.owner() if owner is not None else None
+            if runner is None or id(owner) != tag[0] or runner.status.replays == tag[1]:
+                continue
+            raise RuntimeError(
+                f"kiln: {self.status.graph} reads values that {runner.status.graph} "
+                "saved before kiln.mark_step_begin(), and a later call overwrote them "
+                "(mode='reduce-overhead'); run the backward before the next step's "
+                "forward, or do not mark the step"
+            )
+
+    def _uncaptured(self, inputs: Sequence[torch.Tensor], why: str) -> list[torch.Tensor]:
+        self.status.uncaptured_runs += 1
+        if not self.status.notes or self.status.notes[-1] != why:
+            self.status.notes = [*self.status.notes[-3:], why]
+            _log.info("%s: this call runs without its CUDA graph: %s", self.status.graph, why)
+        return self.compiled(inputs)
+
+    def _off(self, reason: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        self.status.state, self.status.reason = "off", reason
+        _log.info("%s runs without CUDA graphs: %s", self.status.graph, reason)
+        record_event(self.status)
+        if self.recording is not None:
+            self.family.drop(self.recording)
+            self.recording = None
+        return self.compiled(inputs)
+
+    # --- recording -----------------------------------------------------------------------
+
+    def _record(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        family = self.family
+        for position, tensor in enumerate(inputs):
+            if not isinstance(tensor, torch.Tensor):
+                return self._off(f"input {position} is not a tensor", inputs)
+            if self.kinds[position] is not InputKind.RNG_SEED:
+                why = family.recorder.supports(tensor)
+                if why:
+                    return self._off(why, inputs)
+        if self.status.records >= RERECORD_LIMIT:
+            return self._off(f"its parameters moved {RERECORD_LIMIT} times", inputs)
+        if self.recording is None:
+            if not self.sizes.take(self.status.graph):
+                return self._off(f"{SIZE_LIMIT} sizes of this graph already have one", inputs)
+        else:
+            family.drop(self.recording)
+            self.recording = None
+        sources, static = self._static_inputs(inputs)
+        if family.pool is None:
+            family.pool = family.recorder.new_pool()
+        try:  # (the static buffers have the inputs' layouts: nothing compiles in here)
+            replay, outputs = family.recorder.capture(
+                lambda: self.compiled(cast(list[torch.Tensor], static)), family.pool
+            )
+        except Exception as error:  # (an op that synchronizes, a CPU op, ...)
+            text = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+            return self._off(f"recording failed: {text}", inputs)
+        results, storages, why = self._classify(outputs, static, sources)
+        if why:
+            return self._off(why, inputs)
+        addresses = tuple(
+            t.data_ptr() if t is not None else 0
+            for t, s in zip(static, sources, strict=True)
+            if s in (Source.STATIC, Source.BORROWED)
+        )
+        for position, source in enumerate(sources):
+            if source is Source.BORROWED:  # (holding it would keep its owner's memory held)
+                static[position] = None
+        recording = Recording(replay, sources, static, addresses, outputs, results, storages)
+        recording.baselines = [_count(s) for s in storages]
+        recording.given = [0] * len(storages)
+        recording.owner = weakref.ref(self)
+        family.add(recording)
+        self.recording = recording
+        self.status.state = "recorded"
+        self.status.records += 1
+        record_event(self.status)
+        _log.info(
+            "%s: recorded (%d inputs copied, %d static, %d borrowed)",
+            self.status.graph,
+            sources.count(Source.COPIED),
+            sources.count(Source.STATIC),
+            sources.count(Source.BORROWED),
+        )
+        return self._replay(recording, inputs)  # (recording ran nothing: this call's run)
+
+    def _static_inputs(
+        self, inputs: Sequence[torch.Tensor]
+    ) -> tuple[list[Source], list[torch.Tensor | None]]:
+        sources: list[Source] = []
+        static: list[torch.Tensor | None] = []
+        for position, tensor in enumerate(inputs):
+            kind = self.kinds[position]
+            if kind is InputKind.RNG_SEED:
+                sources.append(Source.SEED)
+                seed = torch.empty((), dtype=torch.int64, device=self._device(inputs))
+                static.append(seed.fill_(int(tensor)))
+            elif kind is not InputKind.USER or isinstance(tensor, torch.nn.Parameter):
+                sources.append(Source.STATIC)
+                static.append(tensor)
+            elif tensor.untyped_storage().data_ptr() in self.family.outputs:
+                sources.append(Source.BORROWED)
+                static.append(tensor)
+            else:
+                sources.append(Source.COPIED)
+                static.append(_copy_into(_buffer_like(tensor), tensor))
+        return sources, static
+
+    def _device(self, inputs: Sequence[torch.Tensor]) -> torch.device:
+        for position, tensor in enumerate(inputs):
+            if self.kinds[position] is not InputKind.RNG_SEED:
+                return tensor.device
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+    def _classify(
+        self,
+        outputs: list[torch.Tensor],
+        static: list[torch.Tensor | None],
+        sources: list[Source],
+    ) -> tuple[list[tuple[Result, int]], list[torch.UntypedStorage], str]:
+        """Each output's kind; the pool storages; why the graph cannot be replayed ("")."""
+        input_storage: dict[int, int] = {}
+        for at, tensor in enumerate(static):
+            if tensor is not None:
+                input_storage.setdefault(tensor.untyped_storage().data_ptr(), at)
+        storages: list[torch.UntypedStorage] = []
+        index: dict[int, int] = {}
+        results: list[tuple[Result, int]] = []
+        for number, output in enumerate(outputs):
+            if not isinstance(output, torch.Tensor):
+                return [], [], f"result {number} is not a tensor"
+            address = output.untyped_storage().data_ptr()
+            position = input_storage.get(address)
+            if position is None:
+                if address not in index:
+                    index[address] = len(storages)
+                    storages.append(output.untyped_storage())
+                results.append((Result.POOL, index[address]))
+            elif sources[position] is Source.COPIED and number < self.output_count:
+                results.append((Result.INPUT_VIEW, position))
+            else:  # a mutated input's new value (the caller copies it back), a parameter view
+                results.append((Result.ALIAS, position))
+        return results, storages, ""
+
+    def _moved(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> bool:
+        """Whether a static input is somewhere else now (then the graph records again)."""
+        addresses = recording.addresses
+        at = 0
+        for tensor, source in zip(inputs, recording.sources, strict=True):
+            if source is Source.STATIC:
+                if tensor.data_ptr() != addresses[at]:
+                    return True
+                at += 1
+            elif source is Source.BORROWED:
+                at += 1
+        return False
+
+    # --- replay --------------------------------------------------------------------------
+
+    def _cannot_replay(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> str:
+        at = 0
+        for position, source in enumerate(recording.sources):
+            if source is Source.STATIC:
+                at += 1
+            elif source is Source.BORROWED:
+                if inputs[position].data_ptr() != recording.addresses[at]:
+                    return f"input {position} is not the output it was recorded with"
+                at += 1
+        for kind, position in recording.results:
+            static = recording.static[position] if kind is Result.INPUT_VIEW else None
+            if static is not None and inputs[position].stride() != static.stride():
+                return f"an output is a view of input {position}, now laid out otherwise"
+        for other in self.family.later_than(recording):
+            if other.held():
+                owner = other.owner()
+                name = owner.status.graph if owner is not None else "another graph"
+                return f"values {name} saved for a pending backward are still held"
+        return ""
+
+    def _replay(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        for position, source in enumerate(recording.sources):
+            target = recording.static[position]
+            if source is Source.COPIED:
+                assert target is not None
+                given = inputs[position]
+                if given.data_ptr() != target.data_ptr() or given.stride() != target.stride():
+                    _copy_into(target, given)
+            elif source is Source.SEED:
+                assert target is not None
+                target.fill_(int(inputs[position]))
+        for position, source in enumerate(recording.sources):
+            if source is Source.BORROWED:  # (an emulated replay reads it; CUDA's does not)
+                recording.static[position] = inputs[position]
+        try:
+            recording.replay()
+        finally:
+            for position, source in enumerate(recording.sources):
+                if source is Source.BORROWED:
+                    recording.static[position] = None
+        self.status.replays += 1
+        step = _current_step
+        results: list[torch.Tensor] = []
+        copied: dict[int, torch.Tensor] = {}
+        for number, (kind, at) in enumerate(recording.results):
+            output = recording.outputs[number]
+            if kind is Result.INPUT_VIEW:
+                results.append(_view_on(output, recording.static[at], inputs[at]))
+            elif kind is Result.ALIAS:
+                results.append(output.detach())
+            elif number in self.internal:
+                recording.given[at] = step
+                saved = output.detach()
+                saved._kiln_replay = (id(recording), self.status.replays)  # type: ignore[attr-defined]
+                results.append(saved)
+            else:
+                results.append(_copy_out(output, at, copied, recording))
+        return results
+
+
+def _count(storage: torch.UntypedStorage) -> int:
+    if _use_count is None:  # (an older PyTorch: every result counts as held)
+        return -1
+    return int(_use_count(storage._cdata))
+
+
+def _buffer_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor with ``tensor``'s size and strides (the layout the compiled
+    graph was warmed up with, so recording compiles nothing new)."""
+    return torch.empty_strided(
+        tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device
+    )
+
+
+def _copy_into(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``target.copy_(source)``; an expanded layout (stride 0) copies its distinct elements."""
+    for dim, (size, stride) in enumerate(zip(target.size(), target.stride(), strict=True)):
+        if stride == 0 and size > 1:
+            target, source = target.narrow(dim, 0, 1), source.narrow(dim, 0, 1)
+    target.copy_(source)
+    return target
+
+
+def _view_on(
+    output: torch.Tensor, static: torch.Tensor | None, given: torch.Tensor
+) -> torch.Tensor:
+    """``output``, a view of the static copy ``static``, as the same view of ``given``."""
+    assert static is not None
+    offset = output.storage_offset() - static.storage_offset() + given.storage_offset()
+    return given.as_strided(output.size(), output.stride(), offset)
+
+
+def _copy_out(
+    output: torch.Tensor, storage: int, copied: dict[int, torch.Tensor], recording: Recording
+) -> torch.Tensor:
+    """A copy of ``output`` outside the pool; outputs sharing one storage share the copy."""
+    sharing = [
+        n for n, (k, at) in enumerate(recording.results) if k is Result.POOL and at == storage
+    ]
+    if len(sharing) == 1:
+        return output.clone(memory_format=torch.preserve_format)
+    whole = copied.get(storage)
+    if whole is None:
+        source = recording.storages[storage]
+        whole = torch.empty(source.nbytes(), dtype=torch.uint8, device=output.device)
+        whole.untyped_storage().copy_(source)
+        copied[storage] = whole
+    fresh = torch.empty((0,), dtype=output.dtype, device=output.device)
+    return fresh.set_(
+        whole.untyped_storage(), output.storage_offset(), output.size(), output.stride()
+    )

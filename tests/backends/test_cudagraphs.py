@@ -1,0 +1,346 @@
+"""``mode="reduce-overhead"``: recording, replay, static inputs, the shared pool and output
+liveness (``kiln/runtime/cudagraphs.py``).
+
+On the CPU (CI) through an emulated recorder, which keeps what matters to the runner: a
+recording returns static output tensors, and a replay rewrites those same tensors from the
+static inputs' current contents, so a result handed out and then overwritten by a later
+replay shows up as a wrong value. With ``KILN_TEST_DEVICE=cuda`` the same tests record real
+CUDA graphs (``benchmarks/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.runtime import cudagraphs
+from kiln.runtime.cudagraphs import CudaGraphStatus
+
+DEVICE = torch.device(os.environ.get("KILN_TEST_DEVICE", "cpu"))
+
+
+class EmulatedRecorder:
+    """Records by running once; replays by running again into the recorded outputs."""
+
+    def supports(self, tensor: torch.Tensor) -> str | None:
+        return None
+
+    def new_pool(self) -> Any:
+        return object()
+
+    def capture(
+        self, run: Callable[[], list[torch.Tensor]], pool: Any
+    ) -> tuple[Callable[[], None], list[torch.Tensor]]:
+        outputs = run()
+
+        def replay() -> None:
+            for static, new in zip(outputs, run(), strict=True):
+                if static.data_ptr() != new.data_ptr():
+                    static.data.copy_(new)  # (a replay bumps no version counter)
+
+        return replay, outputs
+
+
+class CountingRecorder:
+    """The device's recorder (emulated on the CPU, CUDA graphs on a GPU), counted; it can
+    refuse every tensor or fail every recording."""
+
+    def __init__(self, refuse: str | None = None, fail: bool = False) -> None:
+        cuda = cudagraphs.CudaRecorder()
+        self.base: Any = EmulatedRecorder() if DEVICE.type == "cpu" else cuda
+        self.refuse = refuse
+        self.fail = fail
+        self.captures = 0
+        self.replays = 0
+
+    def supports(self, tensor: torch.Tensor) -> str | None:
+        return self.refuse or self.base.supports(tensor)
+
+    def new_pool(self) -> Any:
+        return self.base.new_pool()
+
+    def capture(
+        self, run: Callable[[], list[torch.Tensor]], pool: Any
+    ) -> tuple[Callable[[], None], list[torch.Tensor]]:
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captures += 1
+        replay, outputs = self.base.capture(run, pool)
+
+        def counted() -> None:
+            self.replays += 1
+            replay()
+
+        return counted, outputs
+
+
+def _fresh(recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch) -> CountingRecorder:
+    monkeypatch.setattr(cudagraphs, "RECORDER", recorder)
+    kiln.reset()
+    gc.collect()  # (runners of earlier tests)
+    _EARLIER.clear()
+    _EARLIER.update(id(s) for s in cudagraphs.statuses())
+    return recorder
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> CountingRecorder:
+    return _fresh(CountingRecorder(), monkeypatch)
+
+
+def randn(*shape: int, requires_grad: bool = False) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE, requires_grad=requires_grad)
+
+
+_EARLIER: set[int] = set()  # statuses alive before the test (a failed test's traceback)
+
+
+def _statuses(name_part: str = "") -> list[CudaGraphStatus]:
+    return [s for s in cudagraphs.statuses() if name_part in s.graph and id(s) not in _EARLIER]
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(DEVICE)
+
+
+def test_inference_replays_and_a_held_result_never_changes(recorder: CountingRecorder) -> None:
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    kept = []
+    with torch.no_grad():
+        for _ in range(6):
+            x = randn(3, 8)
+            out = compiled(x)
+            torch.testing.assert_close(out, model(x))
+            kept.append((out, model(x)))
+    for out, expected in kept:  # every result still holds its own call's values
+        torch.testing.assert_close(out, expected)
+    (status,) = _statuses()
+    # call 1 warms up, call 2 records and replays, the others replay (results are copies:
+    # holding them is safe)
+    assert status.state == "recorded" and status.records == 1
+    assert status.replays == 5 and status.uncaptured_runs == 0
+    assert recorder.captures == 1 and recorder.replays == 5
+    assert kiln.counters.captures == 1
+
+
+def test_mark_step_begin_releases_values_saved_for_an_abandoned_backward(
+    recorder: CountingRecorder,
+) -> None:
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    losses = []
+    for _ in range(4):  # training-mode forwards whose backward never runs, losses kept
+        losses.append(compiled(randn(3, 8)).sum())
+    (forward,) = _statuses("_forward")
+    # call 2 recorded and replayed; calls 3 and 4 found the last replay's saved values held
+    assert forward.replays == 1 and forward.uncaptured_runs == 2
+    for _ in range(3):
+        kiln.mark_step_begin()
+        x = randn(3, 8)
+        loss = compiled(x).sum()
+        torch.testing.assert_close(loss, model(x).sum())
+        losses.append(loss)
+    assert forward.replays == 4 and forward.uncaptured_runs == 2
+    with pytest.raises(RuntimeError, match="mark_step_begin"):
+        losses[-2].backward()  # its saved values were overwritten by the last call
+    losses[-1].backward()  # the last step's are intact
+    for p in model.parameters():
+        assert p.grad is not None
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def test_training_steps_match_eager(recorder: CountingRecorder) -> None:
+    torch.manual_seed(0)
+    model = _mlp()
+    reference = _mlp()
+    reference.load_state_dict(model.state_dict())
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(6):
+        x, target = randn(5, 8), randn(5, 4)
+        for _net, opt, run in (
+            (model, optimizer, compiled),
+            (reference, reference_optimizer, reference),
+        ):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(run(x), target)
+            loss.backward()
+            opt.step()
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(got.grad, want.grad)
+    forward, backward = _statuses("_forward"), _statuses("_backward")
+    assert len(forward) == 1 and len(backward) == 1
+    assert forward[0].replays == 5 and backward[0].replays == 5
+    assert forward[0].uncaptured_runs == 0 and backward[0].uncaptured_runs == 0
+
+
+def test_two_forwards_before_one_backward(recorder: CountingRecorder) -> None:
+    """The second forward would overwrite what the first saved for its backward: it runs
+    without the graph, and both backwards see their own saved values."""
+    model = _mlp()
+    reference = _mlp()
+    reference.load_state_dict(model.state_dict())
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    for _ in range(5):
+        x1, x2 = randn(4, 8), randn(4, 8)
+        for net, run in ((model, compiled), (reference, reference)):
+            net.zero_grad()
+            loss = run(x1).square().mean() + run(x2).sin().mean()
+            loss.backward()
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad)
+    (forward,) = _statuses("_forward")
+    # each step's second forward ran without the graph: the first's saved values were held
+    assert forward.uncaptured_runs == 4 and forward.replays == 5
+    assert "saved for a pending backward" in forward.notes[-1]
+
+
+def test_input_mutation_and_views_of_inputs(recorder: CountingRecorder) -> None:
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x.mul_(2)
+        return x + y, y.view(-1)
+
+    compiled = kiln.compile(step, mode="reduce-overhead")
+    for _ in range(5):
+        x, y = randn(4, 3), randn(4, 3)
+        x_ref = x.clone()
+        total, flat = compiled(x, y)
+        torch.testing.assert_close(x, x_ref * 2)  # mutated once per call
+        torch.testing.assert_close(total, x_ref * 2 + y)
+        assert flat.data_ptr() == y.data_ptr()  # a view of the caller's tensor, as eager
+        flat[0] = 100.0
+        assert y[0, 0].item() == 100.0
+    (status,) = _statuses()
+    assert status.state == "recorded" and status.replays == 4
+
+
+def test_moved_parameters_record_again(recorder: CountingRecorder) -> None:
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        x = randn(2, 8)
+        for _ in range(3):
+            compiled(x)
+        for p in model.parameters():
+            p.data = p.data * 1.5  # new memory
+        torch.testing.assert_close(compiled(x), model(x))
+        torch.testing.assert_close(compiled(x), model(x))
+    (status,) = _statuses()
+    assert status.records == 2 and status.state == "recorded"
+
+
+def test_moving_parameters_every_call_turns_graphs_off(recorder: CountingRecorder) -> None:
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(cudagraphs.RERECORD_LIMIT + 3):
+            for p in model.parameters():
+                p.data = p.data.clone()
+            x = randn(2, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+    (status,) = _statuses()
+    assert status.state == "off" and "moved" in status.reason
+
+
+@pytest.mark.parametrize(
+    ("refuse", "fail", "reason"),
+    [("it reads a cpu tensor", False, "cpu tensor"), (None, True, "recording failed")],
+)
+def test_graphs_that_cannot_be_recorded_run_without(
+    monkeypatch: pytest.MonkeyPatch, refuse: str | None, fail: bool, reason: str
+) -> None:
+    _fresh(CountingRecorder(refuse, fail), monkeypatch)
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(4):
+            x = randn(2, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+    (status,) = _statuses()
+    assert status.state == "off" and reason in status.reason
+    report = str(kiln.explain())
+    assert "CUDA graphs:" in report and reason in report
+
+
+def test_one_recording_per_size_up_to_the_limit(
+    recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cudagraphs, "SIZE_LIMIT", 2)
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead", dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 3, 5, 7):
+            for _ in range(3):
+                x = randn(batch, 8)
+                torch.testing.assert_close(compiled(x), model(x))
+    assert kiln.counters.captures == 1
+    states = sorted(s.state for s in _statuses())
+    assert states == ["off", "off", "recorded", "recorded"]
+    assert all("sizes" in s.reason for s in _statuses() if s.state == "off")
+
+
+def test_dropout_masks_change_between_replays(recorder: CountingRecorder) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, 0.5, training=True).sum()
+
+    compiled = kiln.compile(f, mode="reduce-overhead")
+    grads = []
+    for _ in range(5):
+        x = randn(64, requires_grad=True)
+        out = compiled(x)
+        out.backward()
+        assert x.grad is not None
+        # forward and backward used the same mask: out == sum(x * grad)
+        torch.testing.assert_close(out, (x.detach() * x.grad).sum())
+        grads.append(x.grad)
+    masks = {tuple((g != 0).tolist()) for g in grads}
+    assert len(masks) == 5  # a fresh mask every call, replays included
+    assert _statuses("_forward")[0].replays == 4
+
+
+def test_graphs_around_a_break_each_replay(recorder: CountingRecorder) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x) * 2
+        kiln.graph_break()
+        return y.sin() + 1
+
+    compiled = kiln.compile(f, mode="reduce-overhead")
+    for _ in range(5):
+        x = randn(6)
+        torch.testing.assert_close(compiled(x), f(x))
+    statuses = _statuses()
+    assert len(statuses) == 2
+    assert all(s.state == "recorded" and s.replays == 4 for s in statuses)
+
+
+def test_explain_shows_the_cuda_graphs(recorder: CountingRecorder) -> None:
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(randn(2, 8))
+    report = kiln.explain()
+    (status,) = _statuses()
+    line = f"{status.graph}: CUDA graph recorded (1 recording(s), 2 replay(s))"
+    assert line in report.cudagraphs and f"CUDA graphs:\n  {line}" in str(report)
+
+
+def test_default_mode_has_no_cuda_graphs(recorder: CountingRecorder) -> None:
+    compiled = kiln.compile(_mlp())
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(randn(2, 8))
+    assert recorder.captures == 0 and not _statuses()
