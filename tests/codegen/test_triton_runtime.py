@@ -281,26 +281,29 @@ def test_compiled_launches_take_the_fast_path_while_the_specialization_holds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first launch goes through ``kernel[grid]`` (constexprs and options by keyword);
-    later ones call the compiled kernel's runner with the bound arguments (tensors, seed,
-    constexprs) until the alignment changes or the runner fails."""
-    aligned = lambda tensors, extra: (tuple(t.data_ptr() % 16 for t in tensors), len(extra))
-    monkeypatch.setattr(triton_launch, "_specialization", aligned)
+    later ones call the compiled kernel's runner with the bound arguments (tensors, the seed's
+    tensor, constexprs) until the alignment changes or the runner fails."""
+    misaligned = lambda tensors: (tuple(t.data_ptr() % 16 for t in tensors), 0)
+    monkeypatch.setattr(triton_launch, "_specialization", misaligned)
     monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
     source = generate_triton(_rand_kernel(), interpret=False)
     fake = _FakeJit()
     launch = triton_build.TritonLauncher(source, Path("dropout.py"), fake)
     tensors = [torch.empty(4096, dtype=d) for d in source.argument_dtypes]
-    launch(*tensors, seed=7)
-    launch(*tensors, 7)  # the wrapper passes the seed positionally
+    seed = torch.tensor(7)
+    launch(*tensors, seed=seed)
+    launch(*tensors, seed)  # the wrapper passes the seed positionally
     options = {"XBLOCK": 1024, "enable_fp_fusion": True, "num_warps": 4}
     assert fake.log == [
-        ("slow", (4, 1, 1), (*tensors, 7), options),
-        ("fast", (4, 1, 1), (*tensors, 7, 1024)),
+        ("slow", (4, 1, 1), (*tensors, seed), options),
+        ("fast", (4, 1, 1), (*tensors, seed, 1024)),
     ]
-    launch(tensors[0][1:], *tensors[1:], seed=7)  # misaligned: another specialization
+    launch(tensors[0][1:], *tensors[1:], seed=seed)  # misaligned: another specialization
     assert [entry[0] for entry in fake.log] == ["slow", "fast", "slow"]
+    with pytest.raises(TypeError, match="reads its seed through a pointer"):
+        launch(*tensors, 7)
     fake.compiled.fail = True
-    launch(*tensors, seed=8)
+    launch(*tensors, seed=torch.tensor(8))
     assert [entry[0] for entry in fake.log] == [
         "slow",
         "fast",
@@ -364,8 +367,8 @@ def test_aligned_launches_call_the_recorded_c_launch(
     monkeypatch.setattr(triton_launch, "_get_device", lambda: 0)
     monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
-    monkeypatch.setattr(triton_launch, "_specialization", lambda t, e: (
-        tuple(x.data_ptr() % 16 == 0 for x in t), (), 0))  # fmt: skip
+    monkeypatch.setattr(triton_launch, "_specialization", lambda t: (
+        tuple(x.data_ptr() % 16 == 0 for x in t), 0))  # fmt: skip
     hooks = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
     monkeypatch.setattr(triton_launch, "_hook_holder", lambda: hooks)
     source = generate_triton(_gelu_kernel(4096, F32), interpret=False)
@@ -406,7 +409,7 @@ def test_launches_with_scratch_buffers_keep_tritons_launcher(
     monkeypatch.setattr(triton_launch, "_get_device", lambda: 0)
     monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
-    monkeypatch.setattr(triton_launch, "_specialization", lambda t, e: ((True,) * len(t), (), 0))
+    monkeypatch.setattr(triton_launch, "_specialization", lambda t: ((True,) * len(t), 0))
     source = generate_triton(_gelu_kernel(4096, F32), interpret=False)
     c_log: list[tuple[Any, ...]] = []
     python = _FakeCudaLauncher("spread", c_log, scratch=64)
@@ -449,7 +452,7 @@ def compile_for_gpu(source: TritonSource) -> Any:
     pointers = names[: len(source.arguments)]
     signature = {n: POINTER_TYPES[d] for n, d in zip(pointers, source.argument_dtypes, strict=True)}
     if source.has_seed:
-        signature["seed"] = "i64"
+        signature["seed_ptr"] = "*i64"
     signature.update({name: "constexpr" for name in source.constexprs})
     constexprs = {(names.index(k),): v for k, v in source.constexprs.items()}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(source.arguments))}
