@@ -312,6 +312,33 @@ def test_compiled_launches_take_the_fast_path_while_the_specialization_holds(
     ] and not launch.fast_ok
 
 
+def test_seeded_kernels_take_the_direct_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seed is one more tensor argument: a seeded kernel's all-aligned launches take the
+    direct path, and a seed at an address 16 bytes do not divide (its pointer is never
+    specialized on) runs the same compiled kernel, found by the alignment of the others."""
+    monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
+    monkeypatch.setattr(triton_launch, "_get_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
+    keys: list[tuple[Any, ...]] = []
+    real = triton_launch._specialization
+    monkeypatch.setattr(
+        triton_launch, "_specialization", lambda t: keys.append(real(t)) or keys[-1]
+    )
+    source = generate_triton(_rand_kernel(), interpret=False)
+    assert '@triton.jit(do_not_specialize=["seed_ptr"])' in source.source
+    fake = _FakeJit()
+    launch = triton_build.TritonLauncher(source, Path("dropout.py"), fake)
+    tensors = [torch.empty(4096, dtype=d) for d in source.argument_dtypes]
+    seeds = torch.tensor([1, 2])
+    assert seeds[0].data_ptr() % 16 == 0 and seeds[1].data_ptr() % 16 == 8
+    launch(*tensors, seeds[0])  # kernel[grid]
+    assert launch.aligned is not None and len(keys) == 1
+    launch(*tensors, seeds[0])  # direct: no specialization key computed
+    launch(*tensors, seeds[1])  # the compiled path, the same specialization
+    assert [entry[0] for entry in fake.log] == ["slow", "fast", "fast"]
+    assert len(keys) == 2 and keys[0] == keys[1] == ((True, True, True), 0)
+
+
 class _FakeCudaLauncher:
     """Triton's Python ``CudaLauncher`` (``compiled.run``) around a C launch function
     (``self.launch``), in the argument layout of Triton 3.6 (``spread``: the kernel's arguments
