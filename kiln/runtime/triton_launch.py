@@ -83,7 +83,7 @@ class TritonLauncher:
         aligned = self.aligned
         if aligned is not None and seed is None and len(arguments) == self.count:
             pointers = 0
-            for tensor in arguments:  # (a misaligned seed, never specialized on: path 2)
+            for tensor in arguments:  # (a misaligned seed: path 2, which finds this runner)
                 pointers |= tensor.data_ptr()
             if not pointers & 15 and _get_device() == self.aligned_device:
                 r = self.replay
