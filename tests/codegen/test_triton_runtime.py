@@ -182,6 +182,32 @@ def test_precompile_without_a_gpu_driver_reports_instead_of_raising() -> None:
     assert len(errors) == 4 and "specialization" in errors[0], errors
 
 
+def test_precompiles_seeded_kernels_under_the_key_of_their_launches() -> None:
+    """Precompile warms a kernel up with dtypes for its tensors and ``SEED_EXAMPLE`` for the
+    seed's pointer: Triton's binder must specialize those as it does a launch's tensors, the
+    seed's tensor at any address included (else the first launch compiles again)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import MockTensor, create_function_from_signature
+
+    source = generate_triton(_rand_kernel(), interpret=False)
+    function = getattr(triton_build._import(triton_build.write_module(source), False), source.name)
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(function.signature, function.params, backend)
+    options = {**triton_build.OPTIONS, "num_warps": source.num_warps, **source.constexprs}
+
+    def specialization(*arguments: Any) -> list[Any]:
+        return binder(*arguments, **options)[1]
+
+    examples = [*source.argument_dtypes, triton_build.SEED_EXAMPLE]
+    warmed = specialization(*map(MockTensor.wrap_dtype, examples))
+    tensors = [torch.empty(4096, dtype=d) for d in source.argument_dtypes]
+    seeds = torch.tensor([1, 2])
+    for seed in (seeds[0], seeds[1], torch.tensor(3)):
+        assert specialization(*tensors, seed) == warmed
+    assert warmed[len(tensors)][0] == "*i64"
+
+
 def _specialization(source: TritonSource) -> str:
     """What Triton's JIT cache hook would hand over for ``source`` on an H100 (the format of
     ``triton.runtime.jit.serialize_specialization_data``)."""
