@@ -4,7 +4,8 @@ Input: the fused :class:`~kiln.schedule.loops.Kernel`\\ s of a scheduled program
 sources plus launch signatures (``sources.py``: ``CppSource``, ``TritonSource``) that
 ``kiln/runtime`` builds and loads, one function per kernel taking the data
 pointers of :func:`~kiln.schedule.program.kernel_arguments` (then the seed when the kernel
-draws random numbers). Nothing here schedules or fuses: a generator prints what it is given.
+draws random numbers: an ``int64_t`` in C++, a pointer to it in Triton, so that a CUDA graph's
+replay reads a fresh one). Nothing here schedules or fuses: a generator prints what it is given.
 
 - :func:`cpp_library` (``cpp.py``, spellings in ``cpp_math.py``): one C++/OpenMP translation
   unit for CPU tensors, built by :mod:`kiln.runtime.cpp_build`.

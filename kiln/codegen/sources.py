@@ -28,7 +28,7 @@ class TritonSource:
     source: str
     arguments: tuple[str, ...]  # buffer names, in kernel_arguments() order
     argument_dtypes: tuple[torch.dtype, ...]
-    has_seed: bool  # an int64 seed follows the tensors
+    has_seed: bool  # a pointer to the int64 seed follows the tensors (a 1-element tensor)
     constexprs: dict[str, int]  # XBLOCK (and RBLOCK)
     num_warps: int
     grid: tuple[int, int, int]

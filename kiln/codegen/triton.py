@@ -241,7 +241,7 @@ class _Printer:
         self.xmask = kernel.xnumel % self.blocks.xblock != 0
         self.rmask = self.two_d and (kernel.rnumel % self.blocks.rblock != 0 or kernel.rnumel == 0)
         self.int64 = self._needs_int64()
-        taken = {"tl", "triton", "libdevice", "seed"}
+        taken = {"tl", "triton", "libdevice", "seed", "seed_ptr"}
         self.pointers = {
             id(b): _identifier(f"{b.name}_ptr", taken) for b in kernel_arguments(kernel)
         }
@@ -387,9 +387,12 @@ class _Printer:
     def function(self, body: str, name: str = "", extra: tuple[str, ...] = ()) -> str:
         params = [self.pointers[id(b)] for b in kernel_arguments(self.kernel)]
         if self.kernel.seed() is not None:
-            params.append("seed")
+            params.append("seed_ptr")
         params += [*extra, *self.constexpr_params()]
-        jit = '@triton.jit(do_not_specialize=["seed"])' if "seed" in params else "@triton.jit"
+        # The seed is read through a pointer (a CUDA graph replays with a seed refreshed in
+        # place); not specialized on alignment: a 0-d tensor may sit anywhere.
+        seeded = "seed_ptr" in params
+        jit = '@triton.jit(do_not_specialize=["seed_ptr"])' if seeded else "@triton.jit"
         return f"{jit}\ndef {name or self.function_name}({', '.join(params)}):\n{body}"
 
     def combined_functions(self) -> list[str]:
@@ -438,6 +441,8 @@ class _Printer:
     def emit_body(self) -> None:
         kernel = self.kernel
         program = f"{self.program}.to(tl.int64)" if self.int64 else self.program
+        if kernel.seed() is not None:
+            self.emit("seed = tl.load(seed_ptr)")  # int64, as the scalar it replaced
         self.emit(f"xnumel = {kernel.xnumel}")
         if self.two_d:
             self.emit(f"rnumel = {kernel.rnumel}")

@@ -13,6 +13,12 @@ outputs (views of buffers, as eager returns views)::
         del mm_1
         return [buf_2]
 
+A kernel that draws random numbers also gets the graph's seed (an int64 input, a 0-d CPU
+tensor drawn per call): C++ kernels as an int (``seed = int(in_seed)``), Triton kernels as a
+tensor on their device, which they load (``seed_cuda_0 = in_seed.to('cuda:0',
+non_blocking=True)``, the input itself when already there): a CUDA graph bakes scalar
+arguments in, so its runner refreshes a device seed in place before each replay instead.
+
 The source is readable and dumped to the debug directory with the kernels.
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import linecache
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +47,9 @@ _serial = itertools.count()
 
 class Wrapper:
     """Prints the host program of ``program``; ``launchers`` maps kernel names to callables
-    taking tensors in kernel-argument order (and the seed when the kernel draws numbers)."""
+    taking tensors in kernel-argument order (and the seed when the kernel draws numbers: an
+    int, or an int64 tensor on the kernel's device where the launcher has a true
+    ``seed_as_tensor``; without a launcher, a tensor on CUDA)."""
 
     def __init__(
         self,
@@ -58,6 +67,8 @@ class Wrapper:
             "as_strided": torch.as_strided,
         }
         self.namespace.update(launchers)
+        self.launchers = launchers
+        self.seeds: dict[str, str] = {}  # kernel name -> the host name of its seed argument
         self.names: dict[int, str] = {}
         self.lines: list[str] = []
         self.slots: dict[int, int] = {}  # id(buffer) -> its place in the pooled temporaries
@@ -88,10 +99,7 @@ class Wrapper:
         names = [self.name(b) for b in program.inputs]
         if names:
             self.lines.append(f"    {', '.join(names)}{',' if len(names) == 1 else ''} = inputs")
-        seeds = {id(k.seed()) for k in program.kernels() if k.seed() is not None}
-        for buffer in program.inputs:
-            if id(buffer) in seeds:
-                self.lines.append(f"    seed = int({self.name(buffer)})")
+        self._seeds()
         pooled = temp_pool.pooled_allocations(program)  # kept from call to call (CPU)
         self.slots = {id(b): number for number, b in enumerate(pooled)}
         if pooled:
@@ -112,6 +120,29 @@ class Wrapper:
             self.lines.append("    pool.give(temps)")
         self.lines.append(f"    return [{outputs}]")
         return "\n".join(self.lines) + "\n"
+
+    def _seeds(self) -> None:
+        """Once per call, the seed in each form a kernel takes: ``seed = int(in_seed)``, or
+        ``seed_cuda_0 = in_seed.to('cuda:0', non_blocking=True)`` (no copy when already
+        there), named in ``self.seeds``."""
+        self.seeds = {}
+        made: dict[tuple[int, str], str] = {}  # (seed buffer, device or "int") -> its name
+        for kernel in self.program.kernels():
+            buffer = kernel.seed()
+            if buffer is None:
+                continue
+            default = kernel.device.type == "cuda"
+            as_tensor = getattr(self.launchers.get(kernel.name), "seed_as_tensor", default)
+            form = str(kernel.device) if as_tensor else "int"
+            if (id(buffer), form) not in made:
+                name = "seed" if form == "int" else "seed_" + re.sub(r"\W", "_", form)
+                if name in made.values():  # (one seed input per graph: never, in practice)
+                    name = f"{name}_{len(made)}"
+                made[id(buffer), form] = name
+                value = self.name(buffer)
+                copy = f"{value}.to({form!r}, non_blocking=True)"
+                self.lines.append(f"    {name} = {f'int({value})' if form == 'int' else copy}")
+            self.seeds[kernel.name] = made[id(buffer), form]
 
     def _mark(self, first: int, step: str) -> None:
         """Lines ``first`` to the last one printed run ``step``."""
@@ -146,7 +177,7 @@ class Wrapper:
             return  # nothing to compute: the outputs are empty
         arguments = [self.name(b) for b in kernel_arguments(kernel)]
         if kernel.seed() is not None:
-            arguments.append("seed")
+            arguments.append(self.seeds[kernel.name])
         self.lines.append(f"    {kernel.name}({', '.join(arguments)})")
 
     def _extern(self, call: ExternCall, position: int) -> None:

@@ -2,8 +2,9 @@
 
 ``build_triton(source)`` writes the module of a :class:`~kiln.codegen.sources.TritonSource` to
 ``<cache_dir>/triton/<sha256 of the source>.py`` (and a readable copy to the debug directory
-when one is set), imports it, and returns ``launch(*tensors, seed=None)``: tensors in
-kernel-argument order, then the seed (by keyword or as one more positional argument).
+when one is set), imports it, and returns ``launch(*tensors)``: tensors in kernel-argument
+order, then, for a kernel that draws numbers, the seed as an int64 tensor of one element on
+the kernel's device (as one more positional argument, or by the keyword ``seed``).
 
 On a GPU the first launch compiles (Triton's on-disk cache makes later processes fast) and a
 failure raises :class:`~kiln.errors.BackendError` naming the module's file; later launches
@@ -43,7 +44,7 @@ MIN_VERSION = (3, 6)
 MIN_CAPABILITY = (7, 0)
 SERIAL_COMPILES = 2  # programs with at most this many kernels compile in-process
 WORKER_TIMEOUT_S = 900
-SEED_EXAMPLE = 2**40  # precompiled kernels assume an int64-wide seed, like torch's draws
+SEED_EXAMPLE = torch.int64  # the seed's pointer (its alignment is not specialized on)
 
 _log = logger("kernels")
 _modules: dict[str, ModuleType] = {}

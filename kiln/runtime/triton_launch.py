@@ -3,17 +3,22 @@
 A model's call launches every kernel of its program (ResNet-50 inference: 106 a call, BERT:
 187), so the host time of one launch multiplies. Three paths, fastest first:
 
-1. **Direct**: when every pointer is 16-byte aligned (what the buffer plan allocates) and the
-   kernel draws no numbers, ``TritonLauncher.__call__`` checks the alignment with one ``or``
-   of the data pointers and calls Triton's C launch function itself, with the arguments
-   recorded from one launch through Triton's own Python launcher (see :func:`_c_launch`).
-2. **Compiled**: another specialization (a misaligned view, a seed): the compiled kernel's
+1. **Direct**: when every pointer is 16-byte aligned (what the buffer plan allocates),
+   ``TritonLauncher.__call__`` checks the alignment with one ``or`` of the data pointers and
+   calls Triton's C launch function itself, with the arguments recorded from one launch
+   through Triton's own Python launcher (see :func:`_c_launch`).
+2. **Compiled**: another specialization (a misaligned view): the compiled kernel's
    launcher, bound once per specialization (:func:`_direct_runner`).
 3. **Slow**: the first launch, an interpreter launch, or anything the faster paths cannot
    vouch for: ``kernel[grid](...)``, which binds and checks every argument.
 
 Measured on the H100's host (``benchmarks/launch_overhead.py``): ``kernel[grid]`` 21 us a
 launch, the compiled path 11.9 us.
+
+A kernel that draws random numbers reads its int64 seed through a pointer (``seed_ptr``, not
+specialized on alignment), so the seed is one more tensor argument, last: a 1-element int64
+tensor on the kernel's device. A CUDA graph bakes scalar arguments in, but a replay reads the
+seed tensor afresh, which its runner refreshes in place.
 """
 
 from __future__ import annotations
@@ -45,20 +50,25 @@ def _version(text: str) -> tuple[int, int]:
 
 
 class TritonLauncher:
-    """Launches one kernel: ``launch(*tensors, seed=None)``."""
+    """Launches one kernel: ``launch(*tensors)`` in kernel-argument order, then, when the
+    kernel draws numbers, the seed: an int64 tensor of one element on the kernel's device
+    (positionally, or as ``seed=``)."""
+
+    seed_as_tensor = True  # what the host program passes (kiln/codegen/wrapper.py)
 
     def __init__(self, source: TritonSource, path: Path, function: Any) -> None:
         self.source = source
         self.path = path
         self.function = function
-        self.count = len(source.arguments)
+        self.specialized = len(source.arguments)  # the pointers Triton specializes on
+        self.count = self.specialized + int(source.has_seed)  # the seed's tensor last
         self.grid = source.grid
         self.constexprs = source.constexprs
         self.constexpr_values = tuple(source.constexprs.values())
         self.launched = False
         self.fast: dict[tuple[Any, ...], Any] = {}  # specialization -> compiled kernel runner
         self.fast_ok = not source.interpret and _fast_launch_supported()
-        # path 1: the all-aligned, seedless specialization's runner and its device
+        # path 1: the all-aligned specialization's runner and its device
         self.aligned: Callable[..., None] | None = None
         self.aligned_device = -1
         # once the aligned runner has recorded Triton's C call: made here, in one frame
@@ -73,7 +83,7 @@ class TritonLauncher:
         aligned = self.aligned
         if aligned is not None and seed is None and len(arguments) == self.count:
             pointers = 0
-            for tensor in arguments:
+            for tensor in arguments:  # (a misaligned seed: path 2, which finds this runner)
                 pointers |= tensor.data_ptr()
             if not pointers & 15 and _get_device() == self.aligned_device:
                 r = self.replay
@@ -99,58 +109,62 @@ class TritonLauncher:
         self.replay = replay
 
     def _call(self, arguments: tuple[Any, ...], seed: Any) -> None:
+        if seed is not None:
+            arguments = (*arguments, seed)
         if self.failed is not None and self.fallback is not None:  # (set only with a fallback)
-            self.fallback(*arguments) if seed is None else self.fallback(*arguments, seed)
+            self.fallback(*arguments)
             return
-        tensors = arguments[: self.count]
-        if len(arguments) == self.count + 1 and seed is None:
-            seed = arguments[self.count]
-        elif len(arguments) != self.count:
-            raise TypeError(
-                f"kernel {self.source.kernel_name} takes {self.count} tensors"
-                f"{' and a seed' if self.source.has_seed else ''}, got {len(arguments)} arguments"
-            )
-        extra: tuple[Any, ...] = ()
-        if self.source.has_seed:
-            if seed is None:
-                raise TypeError(f"kernel {self.source.kernel_name} needs a seed")
-            extra = (int(seed),)
+        self._check(arguments)
         if self.grid[0] == 0:
             return
         if self.source.interpret:
             with interpret_mode():
-                self._launch(tensors + extra)
+                self._launch(arguments)
             return
         if self.fast_ok and self.launched:
-            key = _specialization(tensors, extra)
+            key = _specialization(arguments[: self.specialized])
             runner = self.fast.get(key)
             if runner is not None:
                 try:
-                    runner(*tensors, *extra, *self.constexpr_values)
+                    runner(*arguments, *self.constexpr_values)
                     return
                 except Exception as error:  # the slow path re-checks everything
                     _log.info("fast launch of %s failed (%s); using kernel[grid]", self.path, error)
                     self.fast_ok = False
                     self.aligned = None
         try:
-            compiled = self._launch(tensors + extra)
+            compiled = self._launch(arguments)
         except BackendError as error:
             if self.fallback is None or self.source.interpret or self.launched:
                 raise
             self.failed = str(error).splitlines()[0]
             warnings.warn(f"kiln: {self.failed}; it runs as PyTorch ops instead", stacklevel=2)
-            self._call(arguments, seed)
+            self._call(arguments, None)
             return
         if self.fast_ok and compiled is not None and hasattr(compiled, "__getitem__"):
             try:
-                key = _specialization(tensors, extra)
-                aligned = not extra and all(key[0])
+                key = _specialization(arguments[: self.specialized])
+                aligned = all(key[0])
                 runner = _direct_runner(compiled, self.grid, self._replayed if aligned else None)
                 self.fast[key] = runner
                 if aligned:
-                    self.aligned, self.aligned_device = runner, key[2]
+                    self.aligned, self.aligned_device = runner, key[1]
             except Exception:  # keep the slow path
                 self.fast_ok = False
+
+    def _check(self, arguments: tuple[Any, ...]) -> None:
+        """Raise TypeError unless ``arguments`` are the kernel's tensors (and seed tensor)."""
+        name, has_seed = self.source.kernel_name, self.source.has_seed
+        if len(arguments) != self.count:
+            raise TypeError(
+                f"kernel {name} takes {self.specialized} tensors"
+                f"{' and a seed tensor' if has_seed else ''}, got {len(arguments)} arguments"
+            )
+        if has_seed and not isinstance(arguments[-1], torch.Tensor):
+            raise TypeError(
+                f"kernel {name} reads its seed through a pointer: pass an int64 tensor of one "
+                f"element on its device, not {type(arguments[-1]).__name__}"
+            )
 
     def _launch(self, arguments: tuple[Any, ...]) -> Any:
         kwargs: dict[str, Any] = dict(self.constexprs)
@@ -178,14 +192,11 @@ def _fast_launch_supported() -> bool:
     return (3, 3) <= _version(triton.__version__) < (4, 0)
 
 
-def _specialization(tensors: Sequence[Any], extra: tuple[Any, ...]) -> tuple[Any, ...]:
+def _specialization(tensors: Sequence[Any]) -> tuple[Any, ...]:
     """What Triton specializes a compiled kernel on, for our arguments: each pointer's 16-byte
-    alignment, the seed's width (the seed is not specialized on its value) and the device."""
+    alignment (the seed's pointer, marked ``do_not_specialize``, is left out) and the device."""
     aligned = tuple([t.data_ptr() % 16 == 0 for t in tensors])
-    widths = tuple(
-        "i32" if -(2**31) <= s < 2**31 else "u64" if s >= 2**63 else "i64" for s in extra
-    )
-    return (aligned, widths, _current_device())
+    return (aligned, _current_device())
 
 
 def _no_cuda_device() -> int:
@@ -225,7 +236,7 @@ def _direct_runner(
     on_replay: Callable[[Replay], None] | None = None,
 ) -> Callable[..., None]:
     """A launch of ``compiled`` that does what ``compiled[grid](*args)`` does, with less Python
-    per call. It takes the kernel's tensors (and seed), then its constexpr values, which
+    per call. It takes the kernel's tensors (the seed's last), then its constexpr values, which
     Triton's launcher ignores (they are baked into the binary).
 
     Its first call goes through Triton's Python launcher (the current stream, the compiled
@@ -307,7 +318,7 @@ def _replay(
     args: tuple[Any, ...],
 ) -> Replay | None:
     """The C call of ``recorded`` with the stream (position 3) and the launch's arguments
-    (tensors, seed, constexpr values: the C function skips the constexprs) replaced; None when
+    (tensors, constexpr values: the C function skips the constexprs) replaced; None when
     ``recorded`` does not have that shape."""
     gx, gy, gz, stream = head[:4]
     if tuple(recorded[:4]) != (gx, gy, gz, stream) or recorded[4] is not head[4]:

@@ -36,7 +36,7 @@ from kiln.schedule.program import kernel_arguments
 
 
 def evaluate_kernel(
-    kernel: Kernel, tensors: Sequence[torch.Tensor], seed: int | None = None
+    kernel: Kernel, tensors: Sequence[torch.Tensor], seed: int | torch.Tensor | None = None
 ) -> None:
     """Run ``kernel`` on ``tensors`` (in :func:`kernel_arguments` order), writing its stores."""
     del seed  # random numbers are the code generators' (Philox); see _value

@@ -120,8 +120,9 @@ class Reduce(Expr):
 @dataclass(frozen=True, eq=False)
 class Rand(Expr):
     """A float32 uniform [0, 1) (or standard normal) number: a pure function of the graph's
-    int64 seed (the 0-d CPU tensor ``seed``, passed to kernels as a scalar argument) and the
-    element's ``offset`` in the stream (Philox-4x32-10 keyed by the seed, counter = offset)."""
+    int64 seed (the 0-d CPU tensor ``seed``: C++ kernels take it as a scalar argument, Triton
+    kernels load it from a copy on their device) and the element's ``offset`` in the stream
+    (Philox-4x32-10 keyed by the seed, counter = offset)."""
 
     seed: Buffer
     offset: Index
@@ -177,7 +178,7 @@ class Kernel:
         return list(seen.values())
 
     def seed(self) -> Buffer | None:
-        """The seed input when the kernel draws random numbers (a scalar argument)."""
+        """The seed input when the kernel draws random numbers (an argument after the tensors)."""
         for expr in walk([s.value for s in self.stores]):
             if isinstance(expr, Rand):
                 return expr.seed

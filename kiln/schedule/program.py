@@ -8,8 +8,8 @@ step each buffer dies, so peak memory stays at or below eager's.
 
 Kernel calling convention (both code generators): a kernel's arguments are the data pointers
 of :func:`kernel_arguments` in that order, then, when the kernel draws random numbers, the
-int64 seed as a scalar; shapes, strides and offsets are compile-time constants baked into the
-kernel's index expressions.
+int64 seed (a scalar in C++, a pointer to it in Triton); shapes, strides and offsets are
+compile-time constants baked into the kernel's index expressions.
 """
 
 from __future__ import annotations

@@ -117,12 +117,16 @@ def test_double_backward_through_random_numbers_is_a_clear_error() -> None:
         torch.autograd.grad(out.sum(), x, create_graph=True)
 
 
-def test_dropout_mask_is_shared_by_forward_and_backward() -> None:
+@pytest.mark.parametrize("codegen", ["", "triton"])  # C++ (seed as an int); Triton (a tensor)
+def test_dropout_mask_is_shared_by_forward_and_backward(codegen: str) -> None:
+    if codegen:
+        pytest.importorskip("triton")
+
     def fn(x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, p=0.5, training=True)
 
     x = torch.randn(1000, requires_grad=True)
-    compiled = kiln.compile(fn, options={"strict": True})
+    compiled = kiln.compile(fn, options={"strict": True, "codegen": codegen})
     torch.manual_seed(7)
     out = compiled(x)
     out.sum().backward()

@@ -564,15 +564,21 @@ def _philox_uniform(seed: int, offsets: np.ndarray) -> np.ndarray:
     return signed.astype(np.float32) * np.float32(4.6566127342e-10)
 
 
-def test_rand_follows_the_philox_contract_and_randn_is_normal() -> None:
-    n, seed = 4096, 2**40 + 12345
+def _draw_kernel(n: int) -> Kernel:
     x = var("x", n)
     seed_buffer = buffer("seed", (), I64)
     stores = [
         Store(buffer("u", (n,), F32), x, Rand(F32, seed_buffer, x + 7)),
         Store(buffer("z", (n,), F32), x, Rand(F32, seed_buffer, x, normal=True)),
     ]
-    kernel = Kernel("dropout_rng", n, 1, stores)
+    return Kernel("dropout_rng", n, 1, stores)
+
+
+# seeds that fit int32 (a scalar seed of that width was an i32 argument), negative, int64-wide
+@pytest.mark.parametrize("seed", [7, -3, 2**40 + 12345, 2**63 - 1])
+def test_rand_follows_the_philox_contract_and_randn_is_normal(seed: int) -> None:
+    n = 4096
+    kernel = _draw_kernel(n)
     tensors = {"u": torch.empty(n), "z": torch.empty(n)}
     run(kernel, tensors, seed=seed)
     expected = _philox_uniform(seed, np.arange(7, n + 7, dtype=np.int64))
@@ -582,5 +588,29 @@ def test_rand_follows_the_philox_contract_and_randn_is_normal() -> None:
     again = {"u": torch.empty(n), "z": torch.empty(n)}
     run(kernel, again, seed=seed)
     assert torch.equal(again["u"], tensors["u"]) and torch.equal(again["z"], tensors["z"])
-    run(kernel, again, seed=seed + 1)
+    run(kernel, again, seed=seed - 1)
     assert not torch.equal(again["u"], tensors["u"])
+
+
+def test_the_seed_is_read_at_each_launch() -> None:
+    """The kernel loads its seed (a 0-d or 1-element int64 tensor) when it runs, so a value
+    written in place before a launch (as a CUDA graph's runner does before a replay) takes
+    effect, while the same value draws the same numbers."""
+    n = 1024
+    kernel = _draw_kernel(n)
+    launch = triton_build.build_triton(generate_triton(kernel, interpret=True))
+    seed = torch.tensor([2**40], dtype=torch.int64)
+    draws = []
+    for value in (2**40, 2**40 + 1, 2**40):
+        seed.fill_(value)
+        u, z = torch.empty(n), torch.empty(n)
+        launch(u, z, seed)
+        draws.append(u)
+    first, fresh, again = draws
+    assert torch.equal(first, again) and not torch.equal(first, fresh)
+    expected = _philox_uniform(2**40 + 1, np.arange(7, n + 7, dtype=np.int64))
+    assert np.array_equal(fresh.numpy(), expected)
+    u, z = torch.empty(n), torch.empty(n)
+    launch(u, z, seed=torch.tensor(2**40))  # 0-d, by keyword
+    assert torch.equal(u, first)
+    assert "seed = tl.load(seed_ptr)" in generate_triton(kernel, interpret=False).source

@@ -182,6 +182,32 @@ def test_precompile_without_a_gpu_driver_reports_instead_of_raising() -> None:
     assert len(errors) == 4 and "specialization" in errors[0], errors
 
 
+def test_precompiles_seeded_kernels_under_the_key_of_their_launches() -> None:
+    """Precompile warms a kernel up with dtypes for its tensors and ``SEED_EXAMPLE`` for the
+    seed's pointer: Triton's binder must specialize those as it does a launch's tensors, the
+    seed's tensor at any address included (else the first launch compiles again)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import MockTensor, create_function_from_signature
+
+    source = generate_triton(_rand_kernel(), interpret=False)
+    function = getattr(triton_build._import(triton_build.write_module(source), False), source.name)
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(function.signature, function.params, backend)
+    options = {**triton_build.OPTIONS, "num_warps": source.num_warps, **source.constexprs}
+
+    def specialization(*arguments: Any) -> list[Any]:
+        return binder(*arguments, **options)[1]
+
+    examples = [*source.argument_dtypes, triton_build.SEED_EXAMPLE]
+    warmed = specialization(*map(MockTensor.wrap_dtype, examples))
+    tensors = [torch.empty(4096, dtype=d) for d in source.argument_dtypes]
+    seeds = torch.tensor([1, 2])
+    for seed in (seeds[0], seeds[1], torch.tensor(3)):
+        assert specialization(*tensors, seed) == warmed
+    assert warmed[len(tensors)][0] == "*i64"
+
+
 def _specialization(source: TritonSource) -> str:
     """What Triton's JIT cache hook would hand over for ``source`` on an H100 (the format of
     ``triton.runtime.jit.serialize_specialization_data``)."""
@@ -281,32 +307,62 @@ def test_compiled_launches_take_the_fast_path_while_the_specialization_holds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first launch goes through ``kernel[grid]`` (constexprs and options by keyword);
-    later ones call the compiled kernel's runner with the bound arguments (tensors, seed,
-    constexprs) until the alignment changes or the runner fails."""
-    aligned = lambda tensors, extra: (tuple(t.data_ptr() % 16 for t in tensors), len(extra))
-    monkeypatch.setattr(triton_launch, "_specialization", aligned)
+    later ones call the compiled kernel's runner with the bound arguments (tensors, the seed's
+    tensor, constexprs) until the alignment changes or the runner fails."""
+    misaligned = lambda tensors: (tuple(t.data_ptr() % 16 for t in tensors), 0)
+    monkeypatch.setattr(triton_launch, "_specialization", misaligned)
     monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
     source = generate_triton(_rand_kernel(), interpret=False)
     fake = _FakeJit()
     launch = triton_build.TritonLauncher(source, Path("dropout.py"), fake)
     tensors = [torch.empty(4096, dtype=d) for d in source.argument_dtypes]
-    launch(*tensors, seed=7)
-    launch(*tensors, 7)  # the wrapper passes the seed positionally
+    seed = torch.tensor(7)
+    launch(*tensors, seed=seed)
+    launch(*tensors, seed)  # the wrapper passes the seed positionally
     options = {"XBLOCK": 1024, "enable_fp_fusion": True, "num_warps": 4}
     assert fake.log == [
-        ("slow", (4, 1, 1), (*tensors, 7), options),
-        ("fast", (4, 1, 1), (*tensors, 7, 1024)),
+        ("slow", (4, 1, 1), (*tensors, seed), options),
+        ("fast", (4, 1, 1), (*tensors, seed, 1024)),
     ]
-    launch(tensors[0][1:], *tensors[1:], seed=7)  # misaligned: another specialization
+    launch(tensors[0][1:], *tensors[1:], seed=seed)  # misaligned: another specialization
     assert [entry[0] for entry in fake.log] == ["slow", "fast", "slow"]
+    with pytest.raises(TypeError, match="reads its seed through a pointer"):
+        launch(*tensors, 7)
     fake.compiled.fail = True
-    launch(*tensors, seed=8)
+    launch(*tensors, seed=torch.tensor(8))
     assert [entry[0] for entry in fake.log] == [
         "slow",
         "fast",
         "slow",
         "slow",
     ] and not launch.fast_ok
+
+
+def test_seeded_kernels_take_the_direct_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seed is one more tensor argument: a seeded kernel's all-aligned launches take the
+    direct path, and a seed at an address 16 bytes do not divide (its pointer is never
+    specialized on) runs the same compiled kernel, found by the alignment of the others."""
+    monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
+    monkeypatch.setattr(triton_launch, "_get_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
+    keys: list[tuple[Any, ...]] = []
+    real = triton_launch._specialization
+    monkeypatch.setattr(
+        triton_launch, "_specialization", lambda t: keys.append(real(t)) or keys[-1]
+    )
+    source = generate_triton(_rand_kernel(), interpret=False)
+    assert '@triton.jit(do_not_specialize=["seed_ptr"])' in source.source
+    fake = _FakeJit()
+    launch = triton_build.TritonLauncher(source, Path("dropout.py"), fake)
+    tensors = [torch.empty(4096, dtype=d) for d in source.argument_dtypes]
+    seeds = torch.tensor([1, 2])
+    assert seeds[0].data_ptr() % 16 == 0 and seeds[1].data_ptr() % 16 == 8
+    launch(*tensors, seeds[0])  # kernel[grid]
+    assert launch.aligned is not None and len(keys) == 1
+    launch(*tensors, seeds[0])  # direct: no specialization key computed
+    launch(*tensors, seeds[1])  # the compiled path, the same specialization
+    assert [entry[0] for entry in fake.log] == ["slow", "fast", "fast"]
+    assert len(keys) == 2 and keys[0] == keys[1] == ((True, True, True), 0)
 
 
 class _FakeCudaLauncher:
@@ -364,8 +420,8 @@ def test_aligned_launches_call_the_recorded_c_launch(
     monkeypatch.setattr(triton_launch, "_get_device", lambda: 0)
     monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
-    monkeypatch.setattr(triton_launch, "_specialization", lambda t, e: (
-        tuple(x.data_ptr() % 16 == 0 for x in t), (), 0))  # fmt: skip
+    monkeypatch.setattr(triton_launch, "_specialization", lambda t: (
+        tuple(x.data_ptr() % 16 == 0 for x in t), 0))  # fmt: skip
     hooks = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
     monkeypatch.setattr(triton_launch, "_hook_holder", lambda: hooks)
     source = generate_triton(_gelu_kernel(4096, F32), interpret=False)
@@ -406,7 +462,7 @@ def test_launches_with_scratch_buffers_keep_tritons_launcher(
     monkeypatch.setattr(triton_launch, "_get_device", lambda: 0)
     monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(triton_launch, "_fast_launch_supported", lambda: True)
-    monkeypatch.setattr(triton_launch, "_specialization", lambda t, e: ((True,) * len(t), (), 0))
+    monkeypatch.setattr(triton_launch, "_specialization", lambda t: ((True,) * len(t), 0))
     source = generate_triton(_gelu_kernel(4096, F32), interpret=False)
     c_log: list[tuple[Any, ...]] = []
     python = _FakeCudaLauncher("spread", c_log, scratch=64)
@@ -449,7 +505,7 @@ def compile_for_gpu(source: TritonSource) -> Any:
     pointers = names[: len(source.arguments)]
     signature = {n: POINTER_TYPES[d] for n, d in zip(pointers, source.argument_dtypes, strict=True)}
     if source.has_seed:
-        signature["seed"] = "i64"
+        signature["seed_ptr"] = "*i64"
     signature.update({name: "constexpr" for name in source.constexprs})
     constexprs = {(names.index(k),): v for k, v in source.constexprs.items()}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(source.arguments))}

@@ -64,11 +64,13 @@ def run(
     seed: int | None = None,
     blocks: Blocks | None = None,
 ) -> TritonSource:
-    """Generate ``kernel`` for the interpreter and run it on tensors named like its buffers."""
+    """Generate ``kernel`` for the interpreter and run it on tensors named like its buffers
+    (and ``seed``, which the kernel loads from a 0-d int64 tensor)."""
     source = generate_triton(kernel, interpret=True, blocks=blocks)
     launch = triton_build.build_triton(source)
     arguments = [tensors[b.name] for b in kernel_arguments(kernel)]
-    launch(*arguments, seed=seed)
+    seeds = [] if seed is None else [torch.tensor(seed, dtype=torch.int64)]
+    launch(*arguments, *seeds)
     return source
 
 
