@@ -8,8 +8,9 @@ could never match eager's, and a correctness column that always fails would hide
 
 ``reference`` is the suite of ``TARGETS.md`` (GPU, its batch sizes); ``overhead`` the
 host-bound steps that ``mode="reduce-overhead"`` is for (ResNet-50 at 64 images, BERT-base
-and GPT-2 small at batch 1); ``cpu`` holds small models that finish in minutes on two cores. Models whose package (torchvision,
-transformers) is missing are skipped, and the bench says so.
+and GPT-2 small at batch 1); ``cpu`` holds small models that finish in minutes on two
+cores. Models whose package (torchvision, transformers) is missing are skipped, and the bench
+says so.
 """
 
 from __future__ import annotations

@@ -119,7 +119,11 @@ def _measure(job: Job, report: Report, result: Measurement) -> None:
     workload = MODELS[job.model].build(job.batch)
     model = workload.model.to(device).train(job.mode == "train")
     inputs = [_input_set(workload.make_input, index, device) for index in range(job.input_sets)]
-    step = _step(job.mode, device, dtype, list(model.parameters()))
+    # torch.compile's CUDA graphs overwrite their outputs on the next call (reading an older
+    # one raises): mark each step and clone inference outputs, as its docs ask. Kiln's
+    # results are copies already.
+    marks = job.compiler == "torch" and job.compile_mode in ("reduce-overhead", "max-autotune")
+    step = _step(job.mode, device, dtype, list(model.parameters()), marks)
     reference_run = job.compiler == "eager" and not job.repeat
     report("first call" if job.compiler == "eager" else "compiling + first call")
     with _compiler_context(job.compiler):
@@ -158,9 +162,17 @@ def _input_set(
 Step = Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], torch.Tensor]
 
 
-def _step(mode: str, device: torch.device, dtype: torch.dtype, params: list[nn.Parameter]) -> Step:
+def _step(
+    mode: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    params: list[nn.Parameter],
+    marks: bool = False,
+) -> Step:
     """One benchmark step: inference returns the output tensor under ``no_grad``; training
-    clears the gradients, runs forward and backward and returns the loss."""
+    clears the gradients, runs forward and backward and returns the loss. ``marks``: begin
+    each step with ``torch.compiler.cudagraph_mark_step_begin()`` and return a clone of the
+    inference output (torch.compile's CUDA graphs)."""
 
     def autocast() -> contextlib.AbstractContextManager[Any]:
         if dtype == torch.float32:
@@ -168,10 +180,15 @@ def _step(mode: str, device: torch.device, dtype: torch.dtype, params: list[nn.P
         return torch.autocast(device.type, dtype=dtype)
 
     def infer(runner: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if marks:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad(), autocast():
-            return primary_output(runner(*inputs))
+            output = primary_output(runner(*inputs))
+            return output.clone() if marks else output
 
     def train(runner: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if marks:
+            torch.compiler.cudagraph_mark_step_begin()
         for param in params:
             param.grad = None
         with autocast():
