@@ -15,7 +15,7 @@ from typing import Any
 
 from kiln.config import config
 
-MODES = (None, "default", "reduce-overhead", "max-autotune")
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CODEGENS = ("", "triton", "cpp", "evaluate")
 CPU_MATMULS = ("auto", "blas", "onednn")
 
