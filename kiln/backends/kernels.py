@@ -4,7 +4,9 @@
 ``triton`` serves CUDA tensors (and CPU tensors through Triton's interpreter, as in CI),
 ``cpp`` CPU tensors, ``evaluate`` runs kernels as PyTorch ops (the scheduler's oracle, and
 the fallback for a kernel Triton cannot take). Kernels with equal signatures are built once.
-A generator that cannot serve this machine raises :class:`Unavailable`.
+A generator that cannot serve this machine raises :class:`Unavailable`. Under
+``mode="max-autotune"`` each Triton kernel is generated once per candidate launch shape
+(``kiln/codegen/triton_candidates.py``) and the runtime picks one (``kiln/runtime/autotune.py``).
 """
 
 from __future__ import annotations

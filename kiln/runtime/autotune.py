@@ -23,6 +23,7 @@ L2 flushed between runs).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -86,6 +87,7 @@ class TuningRecord:
     times: dict[str, float | None] = field(default_factory=dict)
     chosen: str = ""
     cached: bool = False
+    candidates: int = 0  # how many there were (a spent budget measures fewer)
 
     def line(self) -> str:
         """``chosen (time), runner-up (time)``, the count tried and failed, and whether the
@@ -97,7 +99,8 @@ class TuningRecord:
         others = [(t, label) for t, label in measured if label != self.chosen]
         if others:
             text += f", runner-up {others[0][1]} {others[0][0]:.1f} us"
-        text += f" ({len(self.times)} tried" + (f", {failed} failed" if failed else "") + ")"
+        tried = f"{len(self.times)} of {self.candidates}" if self.candidates else len(self.times)
+        text += f" ({tried} tried" + (f", {failed} failed" if failed else "") + ")"
         return text + (" [cached]" if self.cached else "")
 
 
@@ -172,7 +175,7 @@ def load_tuned(
             records.append(cached)
         else:
             chosen.append(list(job.candidates))
-            records.append(TuningRecord(job.kernel_name, key))
+            records.append(TuningRecord(job.kernel_name, key, candidates=len(job.candidates)))
     built = iter(build_triton_kernels([s for group in chosen for s in group], device))
     launchers: dict[str, Launcher] = {}
     for job, group, choice in zip(jobs, chosen, records, strict=True):
@@ -212,10 +215,16 @@ class TunedLauncher:
                 return self.chosen
             tensors = [a for a in arguments if isinstance(a, torch.Tensor)]
             device = tensors[0].device if tensors else torch.device("cpu")
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return self.candidates[0][1]  # (no measuring inside a CUDA graph's capture)
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if capturing or tuning.spent_s >= tuning.total_budget_s:
+                # (nothing measured inside a CUDA graph's capture; nor cached: a later
+                # process may measure)
+                self.record.chosen = self.candidates[0][0]
+                self.chosen = self.candidates[0][1]
+                return self.chosen
             copies = tuple(_copy(a) if i < self.written else a for i, a in enumerate(arguments))
-            times = _measure_all(self.candidates, copies, seed, device)
+            with _on(device):
+                times = _measure_all(self.candidates, copies, seed, device)
             self.record.times = times
             finished = [(t, i) for i, t in enumerate(times.values()) if t is not None]
             if finished:
@@ -258,6 +267,10 @@ def _measure_all(
     with tuning.lock:
         tuning.spent_s += time.perf_counter() - start
     return times
+
+
+def _on(device: torch.device) -> Any:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _runner(launcher: Any, arguments: tuple[Any, ...], seed: Any) -> Callable[[], None]:

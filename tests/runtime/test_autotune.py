@@ -185,3 +185,20 @@ def test_the_default_mode_builds_one_source_a_kernel(
     kernels = records[-1].program.kernels()
     assert sorted(generated) == sorted(k.name for k in kernels)
     assert timer.calls == [] and records[-1].tuned == []
+
+
+def test_budgets_bound_the_search(timer: FakeTimer, tmp_path: Path) -> None:
+    x = torch.randn(8, 1000)
+    autotune.tuning.kernel_budget_s = 0.0  # the heuristic's candidate only
+    result, records = _compile(_softmax, x)
+    torch.testing.assert_close(result, _softmax(x))
+    (choice,) = records[-1].tuned
+    assert timer.calls == [choice.chosen] and f"(1 of {choice.candidates} tried)" in choice.line()
+    kiln.reset()
+    autotune.tuning.total_budget_s = 0.0  # spent: nothing measured, nothing cached
+    for path in (tmp_path / "autotune").iterdir():
+        path.unlink()
+    result, records = _compile(_softmax, x)
+    torch.testing.assert_close(result, _softmax(x))
+    assert len(timer.calls) == 1 and records[-1].tuned[0].times == {}
+    assert not any((tmp_path / "autotune").iterdir())
