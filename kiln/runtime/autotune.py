@@ -170,7 +170,7 @@ def load_tuned(
         cached = read_choice(key)
         by_label = {source_label(s): s for s in job.candidates}
         if cached is not None and cached.chosen in by_label:
-            cached.kernel = job.kernel_name
+            cached.kernel, cached.candidates = job.kernel_name, len(job.candidates)
             chosen.append([by_label[cached.chosen]])
             records.append(cached)
         else:

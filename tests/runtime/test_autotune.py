@@ -140,6 +140,7 @@ def test_the_disk_cache_spares_the_second_compile_its_search(
     assert len(timer.calls) == measured  # nothing measured again
     (choice,) = second[-1].tuned
     assert choice.cached and choice.chosen == first[-1].tuned[0].chosen
+    assert f"of {choice.candidates} tried" in choice.line() and "[cached]" in choice.line()
     assert len(built) == 1  # only the chosen candidate was built
 
 
