@@ -219,9 +219,10 @@ class TunedLauncher:
             if capturing or tuning.spent_s >= tuning.total_budget_s:
                 # (nothing measured inside a CUDA graph's capture; nor cached: a later
                 # process may measure)
-                self.record.chosen = self.candidates[0][0]
-                self.chosen = self.candidates[0][1]
-                return self.chosen
+                self.record.chosen, heuristic = self.candidates[0]
+                heuristic.fallback = self.fallback
+                self.chosen = heuristic
+                return heuristic
             copies = tuple(_copy(a) if i < self.written else a for i, a in enumerate(arguments))
             with _on(device):
                 times = _measure_all(self.candidates, copies, seed, device)
