@@ -4,7 +4,9 @@
 ``triton`` serves CUDA tensors (and CPU tensors through Triton's interpreter, as in CI),
 ``cpp`` CPU tensors, ``evaluate`` runs kernels as PyTorch ops (the scheduler's oracle, and
 the fallback for a kernel Triton cannot take). Kernels with equal signatures are built once.
-A generator that cannot serve this machine raises :class:`Unavailable`.
+A generator that cannot serve this machine raises :class:`Unavailable`. Under
+``mode="max-autotune"`` each Triton kernel is generated once per candidate launch shape
+(``kiln/codegen/triton_candidates.py``) and the runtime picks one (``kiln/runtime/autotune.py``).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from collections.abc import Callable
 import torch
 
 from kiln.codegen.cpp import cpp_library
-from kiln.codegen.signatures import deduplicate
+from kiln.codegen.signatures import deduplicate, kernel_signature
 from kiln.codegen.triton import generate_triton, unsupported_reason
+from kiln.codegen.triton_candidates import candidate_blocks
 from kiln.codegen.wrapper import Launcher
 from kiln.config import logger
 from kiln.errors import BackendError
+from kiln.runtime.autotune import TuningJob, TuningRecord, load_tuned
 from kiln.runtime.cpp_build import cpp_compiler_available, load_kernels
 from kiln.runtime.triton_build import load_triton_kernels, triton_available
 from kiln.schedule.evaluate import evaluate_kernel
@@ -51,15 +55,21 @@ def _cpp(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
     return {name: launchers[original] for name, original in same_as.items()}
 
 
-def _triton(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
+def _triton(
+    kernels: list[Kernel], device: torch.device, tuned: list[TuningRecord] | None = None
+) -> dict[str, Launcher]:
     interpret = device.type != "cuda"  # CPU tensors: Triton's interpreter (tests, CI)
     reason = triton_available(device, interpret=interpret)
     if reason is not None:
         raise Unavailable(reason)
     unique, same_as = deduplicate([k for k in kernels if k.xnumel > 0])
     supported = [k for k in unique if unsupported_reason(k) is None]
-    sources = [generate_triton(kernel, interpret) for kernel in supported]
-    launchers = load_triton_kernels(sources, device) if sources else {}
+    launchers: dict[str, Launcher] = {}
+    if tuned is not None and supported:
+        launchers, records = load_tuned([_tuning_job(k, interpret) for k in supported], device)
+        tuned += records
+    elif supported:
+        launchers = load_triton_kernels([generate_triton(k, interpret) for k in supported], device)
     for kernel in supported:  # (a kernel Triton fails to compile for the GPU: PyTorch ops)
         launcher = launchers.get(kernel.name)
         if hasattr(launcher, "fallback"):
@@ -69,6 +79,17 @@ def _triton(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
         _log.info("%s runs as PyTorch ops: %s", kernel.name, unsupported_reason(kernel))
     launchers.update(_evaluator(others, device))
     return {name: launchers[original] for name, original in same_as.items()}
+
+
+def _tuning_job(kernel: Kernel, interpret: bool) -> TuningJob:
+    """``kernel``'s autotune candidates, and what its choice depends on: its signature (names
+    replaced by positions) and its buffers' sizes, strides and dtypes."""
+    candidates = [
+        generate_triton(kernel, interpret, blocks=b) for b in candidate_blocks(kernel, interpret)
+    ]
+    buffers = [(b.shape, b.strides, str(b.dtype)) for b in kernel_arguments(kernel)]
+    identity = f"{kernel_signature(kernel)}\n{buffers}"
+    return TuningJob(kernel.name, identity, tuple(candidates), len(kernel.writes()))
 
 
 class Unavailable(BackendError):
@@ -89,10 +110,12 @@ def codegen_for(device: torch.device, forced: str = "") -> str:
 
 
 def build_kernels(
-    kernels: list[Kernel], codegen: str = ""
+    kernels: list[Kernel], codegen: str = "", tuned: list[TuningRecord] | None = None
 ) -> tuple[dict[str, Launcher], list[str]]:
     """Launchers of every kernel, each device's kernels built by that device's generator
-    (``codegen`` forces one); also the generators used."""
+    (``codegen`` forces one); also the generators used. ``tuned`` (a list: autotuning on)
+    receives a :class:`TuningRecord` per Triton kernel, its choice made at its first launch
+    (``kiln/runtime/autotune.py``)."""
     launchers: dict[str, Launcher] = {}
     by_device: dict[torch.device, list[Kernel]] = {}
     for kernel in kernels:
@@ -103,5 +126,8 @@ def build_kernels(
         if name not in CODEGENS:
             raise BackendError(f"unknown code generator {name!r} (KILN_CODEGEN)")
         names.append(name)
-        launchers.update(CODEGENS[name](group, device))
+        if name == "triton" and tuned is not None:
+            launchers.update(_triton(group, device, tuned))
+        else:
+            launchers.update(CODEGENS[name](group, device))
     return launchers, names

@@ -32,6 +32,7 @@ from kiln.ops import host_calls
 from kiln.options import Options
 from kiln.random_state import preserved_random_state
 from kiln.recording import record as record_event
+from kiln.runtime.autotune import TuningRecord
 from kiln.runtime.triton_build import start_workers
 from kiln.schedule.loops import Kernel, format_kernel
 from kiln.schedule.program import Program
@@ -40,6 +41,7 @@ from kiln.schedule.scheduler import schedule
 _log = logger("kernels")
 
 Runner = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")  # Triton launch shapes measured
 _WARNED: set[str] = set()  # generator-unavailable reasons already warned about
 
 
@@ -55,6 +57,8 @@ class CompiledProgramRecord:
     phases: dict[str, float] = field(default_factory=dict)  # schedule / build / first run
     unique_kernels: int = 0
     cpu_matmul: str = "auto"  # the options' library of float32 CPU matmuls
+    # max-autotune: each Triton kernel's choice, made at its first launch (kiln/runtime/autotune.py)
+    tuned: list[TuningRecord] = field(default_factory=list)
 
     def kernel_lines(self) -> list[str]:
         """One line per kernel (the ops it fuses and the user lines they come from) and per
@@ -78,6 +82,7 @@ class CompiledProgramRecord:
                 note += f" via {via}" if via else ""
                 origin = f"  [{step.node.origin}]" if step.node.origin.api else ""
                 lines.append(f"{self.graph}: extern {step.node.op.printed_name}{note}{origin}")
+        lines += [f"{self.graph}: {choice.line()}" for choice in self.tuned if choice.chosen]
         return lines
 
 
@@ -120,6 +125,7 @@ class KilnProgram:
     def _compile(self, inputs: Sequence[torch.Tensor]) -> Runner:
         start = time.perf_counter()
         names: list[str] = []
+        self._tuned: list[TuningRecord] = []
         if any(t.device.type == "meta" for t in inputs if isinstance(t, torch.Tensor)):
             # Tensors without data: only types to propagate, which the interpreter does on
             # meta tensors as eager would (a kernel would read memory that does not exist).
@@ -130,7 +136,9 @@ class KilnProgram:
             start_workers(devices, self.options.codegen)
             program = schedule(self.graph, inputs, self.observed)
             scheduled = time.perf_counter()
-            launchers, names = build_kernels(program.kernels(), self.options.codegen)
+            tuned: list[TuningRecord] | None = [] if self.options.mode in AUTOTUNE_MODES else None
+            launchers, names = build_kernels(program.kernels(), self.options.codegen, tuned)
+            self._tuned = tuned or []
             wrapper = Wrapper(program, launchers, self._observe, self.options.cpu_matmul)
             runner = wrapper.compile()
             self._phases = {"schedule": scheduled - start, "build": time.perf_counter() - scheduled}
@@ -164,6 +172,7 @@ class KilnProgram:
         record = CompiledProgramRecord(self.graph.name, codegen, program, seconds, fallback)
         record.phases = getattr(self, "_phases", {})
         record.cpu_matmul = self.options.cpu_matmul
+        record.tuned = self._tuned
         if program is not None:
             record.unique_kernels = len({kernel_signature(k) for k in program.kernels()})
         record_event(record)

@@ -12,6 +12,7 @@ replay reads a fresh one). Nothing here schedules or fuses: a generator prints w
 - :func:`generate_triton` (``triton.py``, spellings in ``triton_math.py``): one ``@triton.jit``
   function per kernel for CUDA tensors (or, generated for the interpreter, for CPU tensors under
   ``TRITON_INTERPRET=1``), built and launched by :mod:`kiln.runtime.triton_build`.
+- ``triton_candidates.py``: the launch shapes ``mode="max-autotune"`` times for a kernel.
 - ``signatures.py``: kernels equal but for names are generated once (``deduplicate``).
 - ``wrapper.py``: the host program; ``debug.py``: the debug directory's listing of a program.
 """

@@ -14,6 +14,8 @@ by the source, the flags and the compiler, so a second process never rebuilds th
   ``triton_available``; :mod:`kiln.runtime.triton_launch` (the launcher and its fast paths),
   :mod:`kiln.runtime.triton_interpret` (``interpret_mode``: CPU tensors through Triton's
   interpreter) and :mod:`kiln.runtime.compile_pool` (persistent compile worker processes).
+- :mod:`kiln.runtime.autotune`: ``mode="max-autotune"``'s search: every candidate of a kernel
+  built, timed at its first launch, the fastest kept; choices cached on disk.
 """
 
 from kiln.runtime.cpp_build import build, cpp_compiler_available, load_kernels

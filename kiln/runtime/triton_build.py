@@ -146,11 +146,22 @@ def load_triton_kernels(
 ) -> dict[str, Launcher]:
     """Build and precompile generated ``sources``; one launcher per kernel name. Sources
     generated for the interpreter run on CPU tensors through Triton's interpreter."""
+    return {
+        s.kernel_name: launcher
+        for s, launcher in zip(sources, build_triton_kernels(sources, device), strict=True)
+    }
+
+
+def build_triton_kernels(
+    sources: Sequence[TritonSource], device: torch.device
+) -> list[TritonLauncher]:
+    """A launcher per source (several may share a kernel name: autotune's candidates), all
+    precompiled in parallel."""
     if not all(source.interpret for source in sources):
         _join_parent_warm_up("gluon")
-    launchers = {s.kernel_name: build_triton(s) for s in sources}
+    launchers = [build_triton(s) for s in sources]
     precompile(sources, [device])
-    return dict(launchers)
+    return launchers
 
 
 # ---------------------------------------------------------------------------------------------
