@@ -4,7 +4,7 @@ Triton, cuBLAS/cuDNN externs, copies, other), GPU-busy time against the step's w
 (the rest is host overhead), and what Kiln compiled.
 
     python benchmarks/profile_gpu.py --models gpt2,resnet50 [--compilers kiln,eager,torch]
-        [--mode infer|train] [--top 15]
+        [--mode infer|train] [--compile-mode reduce-overhead] [--top 15]
 """
 
 from __future__ import annotations
@@ -41,14 +41,20 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile(name: str, compiler: str, mode: str, top: int) -> None:
-    model, inputs, step = prepare(name, mode, torch.device("cuda"))
+def profile(name: str, compiler: str, mode: str, top: int, compile_mode: str | None) -> None:
+    model, inputs, base = prepare(name, mode, torch.device("cuda"))
     if compiler == "kiln":
-        run = kiln.compile(model)
+        run = kiln.compile(model, mode=compile_mode)
     elif compiler == "torch":
-        run = torch.compile(model)
+        run = torch.compile(model, mode=compile_mode)
     else:
         run = model
+
+    def step(runner: object, inputs: object) -> object:
+        if compiler == "torch" and compile_mode in ("reduce-overhead", "max-autotune"):
+            torch.compiler.cudagraph_mark_step_begin()
+        return base(runner, inputs)
+
     records: list = []
     listen(records, CompiledProgramRecord)
     with warnings.catch_warnings(record=True) as caught:
@@ -84,6 +90,9 @@ def profile(name: str, compiler: str, mode: str, top: int) -> None:
         )
         phases = ", ".join(f"{k} {v:.2f} s" for k, v in record.phases.items())
         print(f"   {record.unique_kernels} distinct kernels; {phases}")
+    if compiler == "kiln":
+        for line in kiln.explain().cudagraphs:
+            print(f"   {line}")
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     by_kind: dict[str, float] = defaultdict(float)
     launches: dict[str, int] = defaultdict(int)
@@ -111,10 +120,11 @@ def main() -> None:
     parser.add_argument("--compilers", default="kiln")
     parser.add_argument("--mode", choices=["infer", "train"], default="infer")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--compile-mode", default=None)
     args = parser.parse_args()
     for name in args.models.split(","):
         for compiler in args.compilers.split(","):
-            profile(name, compiler, args.mode, args.top)
+            profile(name, compiler, args.mode, args.top, args.compile_mode)
 
 
 if __name__ == "__main__":

@@ -365,6 +365,7 @@ def _kiln_notes(name: str) -> list[str]:
     ]
     reasons = {f"{record.function}: {record.reason.value}" for record in counters.fallbacks}
     notes += [f"uncompiled {reason}" for reason in sorted(reasons)[:3]]
+    notes += [f"{name}: {line}" for line in kiln.explain().cudagraphs[:4]]  # (reduce-overhead)
     return notes
 
 

@@ -113,7 +113,9 @@ class CudaRecorder:
         self, run: Callable[[], list[torch.Tensor]], pool: Any
     ) -> tuple[Callable[[], None], list[torch.Tensor]]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: a backward records on autograd's device thread while the main thread
+        # waits in the engine; another thread's CUDA calls must not invalidate the capture
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = run()
         return graph.replay, outputs
 
@@ -338,7 +340,8 @@ class CudaGraphRunner:
                 if why:
                     return self._off(why, inputs)
         if self.status.records >= RERECORD_LIMIT:
-            return self._off(f"its parameters moved {RERECORD_LIMIT} times", inputs)
+            why = f"its parameters moved (or inputs changed layout) {RERECORD_LIMIT} times"
+            return self._off(why, inputs)
         if self.recording is None:
             if not self.sizes.take(self.status.graph):
                 return self._off(f"{SIZE_LIMIT} sizes of this graph already have one", inputs)
@@ -443,16 +446,23 @@ class CudaGraphRunner:
         return results, storages, ""
 
     def _moved(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> bool:
-        """Whether a static input is somewhere else now (then the graph records again)."""
+        """Whether a static input is somewhere else now, or a copied input comes in a layout
+        its static buffer cannot take (an expanded one, the recording's was dense, or the
+        other way round): then the graph records again."""
         addresses = recording.addresses
         at = 0
-        for tensor, source in zip(inputs, recording.sources, strict=True):
+        for position, (tensor, source) in enumerate(zip(inputs, recording.sources, strict=True)):
             if source is Source.STATIC:
                 if tensor.data_ptr() != addresses[at]:
                     return True
                 at += 1
             elif source is Source.BORROWED:
                 at += 1
+            elif source is Source.COPIED:
+                static = recording.static[position]
+                assert static is not None
+                if tensor.stride() != static.stride() and (_expanded(static) or _expanded(tensor)):
+                    return True
         return False
 
     # --- replay --------------------------------------------------------------------------
@@ -523,6 +533,11 @@ def _count(storage: torch.UntypedStorage) -> int:
     return int(_use_count(storage._cdata))
 
 
+def _expanded(tensor: torch.Tensor) -> bool:
+    sizes, strides = tensor.size(), tensor.stride()
+    return any(stride == 0 and size > 1 for size, stride in zip(sizes, strides, strict=True))
+
+
 def _buffer_like(tensor: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor with ``tensor``'s size and strides (the layout the compiled
     graph was warmed up with, so recording compiles nothing new)."""
@@ -532,11 +547,13 @@ def _buffer_like(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """``target.copy_(source)``; an expanded layout (stride 0) copies its distinct elements."""
+    """``target.copy_(source)``, returning ``target``; an expanded layout (stride 0) copies
+    its distinct elements."""
+    into, what = target, source
     for dim, (size, stride) in enumerate(zip(target.size(), target.stride(), strict=True)):
         if stride == 0 and size > 1:
-            target, source = target.narrow(dim, 0, 1), source.narrow(dim, 0, 1)
-    target.copy_(source)
+            into, what = into.narrow(dim, 0, 1), what.narrow(dim, 0, 1)
+    into.copy_(what)
     return target
 
 

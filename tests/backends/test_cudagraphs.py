@@ -227,6 +227,18 @@ def test_input_mutation_and_views_of_inputs(recorder: CountingRecorder) -> None:
     assert status.state == "recorded" and status.replays == 4
 
 
+def test_an_expanded_input_then_a_dense_one_records_again(recorder: CountingRecorder) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    compiled = kiln.compile(f, mode="reduce-overhead")
+    inputs = [randn(4, 1).expand(4, 3) for _ in range(3)] + [randn(4, 3) for _ in range(3)]
+    for x in inputs:
+        torch.testing.assert_close(compiled(x), x * 2 + 1)
+    (status,) = _statuses()
+    assert status.records == 2 and status.state == "recorded"
+
+
 def test_moved_parameters_record_again(recorder: CountingRecorder) -> None:
     model = _mlp()
     compiled = kiln.compile(model, mode="reduce-overhead")
@@ -308,7 +320,12 @@ def test_dropout_masks_change_between_replays(recorder: CountingRecorder) -> Non
         grads.append(x.grad)
     masks = {tuple((g != 0).tolist()) for g in grads}
     assert len(masks) == 5  # a fresh mask every call, replays included
-    assert _statuses("_forward")[0].replays == 4
+    (forward,) = _statuses("_forward")
+    (backward,) = _statuses("_backward")
+    assert (forward.line(), backward.line()) == (
+        "f_forward: CUDA graph recorded (1 recording(s), 4 replay(s))",
+        "f_backward: CUDA graph recorded (1 recording(s), 4 replay(s))",
+    )
 
 
 def test_graphs_around_a_break_each_replay(recorder: CountingRecorder) -> None:
