@@ -235,8 +235,28 @@ def test_an_expanded_input_then_a_dense_one_records_again(recorder: CountingReco
     inputs = [randn(4, 1).expand(4, 3) for _ in range(3)] + [randn(4, 3) for _ in range(3)]
     for x in inputs:
         torch.testing.assert_close(compiled(x), x * 2 + 1)
-    (status,) = _statuses()
-    assert status.records == 2 and status.state == "recorded"
+    # (capture guards on strides: each layout is its own graph, its own recording)
+    assert [(s.records, s.state) for s in _statuses()] == [(1, "recorded")] * 2
+
+
+def test_a_cotangent_changing_layout_records_the_backward_again(
+    recorder: CountingRecorder,
+) -> None:
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    reference = _mlp()
+    reference.load_state_dict(model.state_dict())
+    for step in range(6):
+        x = randn(3, 8)
+        for net, run in ((model, compiled), (reference, reference)):
+            net.zero_grad()
+            out = run(x)
+            # sum() gives an expanded cotangent, a weighted sum a dense one
+            (out.sum() if step < 3 else (out * out.detach()).sum()).backward()
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad)
+    (backward,) = _statuses("_backward")
+    assert backward.records == 2 and backward.state == "recorded"
 
 
 def test_moved_parameters_record_again(recorder: CountingRecorder) -> None:
