@@ -5,8 +5,9 @@ those launches is the step's time. A CUDA graph records the launches of one call
 them with one host call. :class:`CudaGraphRunner` wraps one compiled graph (an inference
 graph, or a training graph's forward or backward):
 
-1. **Warm-up.** The first call runs the compiled graph as usual (it compiles and loads the
-   kernels; cuBLAS sets up its workspaces).
+1. **Warm-up.** The first calls run the compiled graph as usual (it compiles and loads the
+   kernels, cuBLAS sets up its workspaces), until one compiles nothing (a program rebuilt
+   after its first call compiles on its second): recording must compile nothing.
 2. **Record.** The second call copies the user's inputs into static buffers, runs the graph
    once on them (that result is the call's result), then records one run into a CUDA graph
    whose memory comes from the family's pool.
@@ -62,12 +63,13 @@ import torch
 
 from kiln.config import logger
 from kiln.ir.graph import Graph, InputKind
-from kiln.recording import keep_live, live
+from kiln.recording import keep_live, live, recording
 from kiln.recording import record as record_event
 
 CompiledGraph = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
 RERECORD_LIMIT = 4  # recordings of one graph (moved parameters) before it gives up
+WARM_UP_LIMIT = 4  # uncaptured calls that each compiled something before it gives up
 SIZE_LIMIT = 16  # recorded sizes of one captured graph (dynamic shapes)
 
 _log = logger("cudagraphs")
@@ -271,7 +273,8 @@ class CudaGraphRunner:
         self.kinds = [value.kind for value in graph.inputs]
         self.status = CudaGraphStatus(graph.name)
         keep_live(self.status)
-        self.calls = 0
+        self.warming = True  # until a call compiles nothing
+        self.warm_ups = 0
         self.recording: Recording | None = None
         self.replays = 0  # tags saved values, so a backward can tell they were overwritten
 
@@ -283,9 +286,8 @@ class CudaGraphRunner:
         if self.status.state == "off":
             return self.compiled(inputs)
         with self.family.lock:
-            self.calls += 1
-            if self.calls == 1:
-                return self.compiled(inputs)  # warm-up: compiles and loads everything
+            if self.warming:
+                return self._warm_up(inputs)
             recording = self.recording
             if recording is None or self._moved(recording, inputs):
                 return self._record(inputs)
@@ -311,6 +313,18 @@ class CudaGraphRunner:
                 "(mode='reduce-overhead'); run the backward before the next step's "
                 "forward, or do not mark the step"
             )
+
+    def _warm_up(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run uncaptured, until a call compiles nothing (a program rebuilt after its first
+        call, a kernel tuned at its first launch): nothing may compile while recording."""
+        self.warm_ups += 1
+        with recording() as events:
+            result = self.compiled(inputs)
+        if not events:
+            self.warming = False
+        elif self.warm_ups >= WARM_UP_LIMIT:
+            self._off(f"it compiled something on each of its first {WARM_UP_LIMIT} calls", [])
+        return result
 
     def _uncaptured(self, inputs: Sequence[torch.Tensor], why: str) -> list[torch.Tensor]:
         self.status.uncaptured_runs += 1

@@ -123,11 +123,11 @@ def test_inference_replays_and_a_held_result_never_changes(recorder: CountingRec
     for out, expected in kept:  # every result still holds its own call's values
         torch.testing.assert_close(out, expected)
     (status,) = _statuses()
-    # call 1 warms up, call 2 records and replays, the others replay (results are copies:
-    # holding them is safe)
+    # calls 1 and 2 warm up (the second compiles nothing), call 3 records and replays, the
+    # others replay (results are copies: holding them is safe)
     assert status.state == "recorded" and status.records == 1
-    assert status.replays == 5 and status.uncaptured_runs == 0
-    assert recorder.captures == 1 and recorder.replays == 5
+    assert status.replays == 4 and status.uncaptured_runs == 0
+    assert recorder.captures == 1 and recorder.replays == 4
     assert kiln.counters.captures == 1
 
 
@@ -140,15 +140,15 @@ def test_mark_step_begin_releases_values_saved_for_an_abandoned_backward(
     for _ in range(4):  # training-mode forwards whose backward never runs, losses kept
         losses.append(compiled(randn(3, 8)).sum())
     (forward,) = _statuses("_forward")
-    # call 2 recorded and replayed; calls 3 and 4 found the last replay's saved values held
-    assert forward.replays == 1 and forward.uncaptured_runs == 2
+    # call 3 recorded and replayed; call 4 found its saved values held
+    assert forward.replays == 1 and forward.uncaptured_runs == 1
     for _ in range(3):
         kiln.mark_step_begin()
         x = randn(3, 8)
         loss = compiled(x).sum()
         torch.testing.assert_close(loss, model(x).sum())
         losses.append(loss)
-    assert forward.replays == 4 and forward.uncaptured_runs == 2
+    assert forward.replays == 4 and forward.uncaptured_runs == 1
     with pytest.raises(RuntimeError, match="mark_step_begin"):
         losses[-2].backward()  # its saved values were overwritten by the last call
     losses[-1].backward()  # the last step's are intact
@@ -183,7 +183,7 @@ def test_training_steps_match_eager(recorder: CountingRecorder) -> None:
             torch.testing.assert_close(got.grad, want.grad)
     forward, backward = _statuses("_forward"), _statuses("_backward")
     assert len(forward) == 1 and len(backward) == 1
-    assert forward[0].replays == 5 and backward[0].replays == 5
+    assert forward[0].replays == 4 and backward[0].replays == 4
     assert forward[0].uncaptured_runs == 0 and backward[0].uncaptured_runs == 0
 
 
@@ -204,7 +204,7 @@ def test_two_forwards_before_one_backward(recorder: CountingRecorder) -> None:
             torch.testing.assert_close(got.grad, want.grad)
     (forward,) = _statuses("_forward")
     # each step's second forward ran without the graph: the first's saved values were held
-    assert forward.uncaptured_runs == 4 and forward.replays == 5
+    assert forward.uncaptured_runs == 4 and forward.replays == 4
     assert "saved for a pending backward" in forward.notes[-1]
 
 
@@ -224,7 +224,7 @@ def test_input_mutation_and_views_of_inputs(recorder: CountingRecorder) -> None:
         flat[0] = 100.0
         assert y[0, 0].item() == 100.0
     (status,) = _statuses()
-    assert status.state == "recorded" and status.replays == 4
+    assert status.state == "recorded" and status.replays == 3
 
 
 def test_an_expanded_input_then_a_dense_one_records_again(recorder: CountingRecorder) -> None:
@@ -343,8 +343,8 @@ def test_dropout_masks_change_between_replays(recorder: CountingRecorder) -> Non
     (forward,) = _statuses("_forward")
     (backward,) = _statuses("_backward")
     assert (forward.line(), backward.line()) == (
-        "f_forward: CUDA graph recorded (1 recording(s), 4 replay(s))",
-        "f_backward: CUDA graph recorded (1 recording(s), 4 replay(s))",
+        "f_forward: CUDA graph recorded (1 recording(s), 3 replay(s))",
+        "f_backward: CUDA graph recorded (1 recording(s), 3 replay(s))",
     )
 
 
@@ -360,7 +360,7 @@ def test_graphs_around_a_break_each_replay(recorder: CountingRecorder) -> None:
         torch.testing.assert_close(compiled(x), f(x))
     statuses = _statuses()
     assert len(statuses) == 2
-    assert all(s.state == "recorded" and s.replays == 4 for s in statuses)
+    assert all(s.state == "recorded" and s.replays == 3 for s in statuses)
 
 
 def test_explain_shows_the_cuda_graphs(recorder: CountingRecorder) -> None:
@@ -371,7 +371,7 @@ def test_explain_shows_the_cuda_graphs(recorder: CountingRecorder) -> None:
             compiled(randn(2, 8))
     report = kiln.explain()
     (status,) = _statuses()
-    line = f"{status.graph}: CUDA graph recorded (1 recording(s), 2 replay(s))"
+    line = f"{status.graph}: CUDA graph recorded (1 recording(s), 1 replay(s))"
     assert line in report.cudagraphs and f"CUDA graphs:\n  {line}" in str(report)
 
 
