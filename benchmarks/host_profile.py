@@ -3,6 +3,7 @@ model from the bench suites, after warm-up, sorted by own time. For launch-bound
 (ResNet-50 training, ViT) this says what a kernel launch or an extern call costs.
 
     python benchmarks/host_profile.py --model resnet50 --mode train [--steps 5] [--top 30]
+        [--compile-mode reduce-overhead]
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ def main() -> None:
     parser.add_argument("--mode", choices=["infer", "train"], default="train")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--compile-mode", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, inputs, step = prepare(args.model, args.mode, device)
-    run = kiln.compile(model)
+    run = kiln.compile(model, mode=args.compile_mode)
     for _ in range(4):
         step(run, inputs)
     if device.type == "cuda":

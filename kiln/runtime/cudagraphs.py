@@ -236,6 +236,10 @@ class Recording:
     # per storage: the step its saved values were last given out (0: never)
     given: list[int] = field(default_factory=list)
     owner: Callable[[], CudaGraphRunner | None] = lambda: None
+    # results copied out in one multi-tensor copy per dtype: the contiguous user-visible
+    # outputs alone in their storage (a backward's gradients), as (numbers, sizes, shapes)
+    batches: list[tuple[list[int], list[int], list[torch.Size]]] = field(default_factory=list)
+    shared: frozenset[int] = frozenset()  # storages holding several user-visible outputs
 
     def held(self) -> bool:
         """Whether autograd holds saved values of this recording's last replay (given out in
@@ -387,6 +391,7 @@ class CudaGraphRunner:
         recording.baselines = [_count(s) for s in storages]
         recording.given = [0] * len(storages)
         recording.owner = weakref.ref(self)
+        self._plan_copies(recording)
         family.add(recording)
         self.recording = recording
         self.status.state = "recorded"
@@ -400,6 +405,30 @@ class CudaGraphRunner:
             sources.count(Source.BORROWED),
         )
         return self._replay(recording, inputs)  # (recording ran nothing: this call's run)
+
+    def _plan_copies(self, recording: Recording) -> None:
+        visible = [
+            (number, at)
+            for number, (kind, at) in enumerate(recording.results)
+            if kind is Result.POOL and number not in self.internal
+        ]
+        users: dict[int, int] = {}
+        for _, at in visible:
+            users[at] = users.get(at, 0) + 1
+        recording.shared = frozenset(at for at, count in users.items() if count > 1)
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for number, at in visible:
+            output = recording.outputs[number]
+            if at not in recording.shared and output.is_contiguous() and output.numel() > 0:
+                groups.setdefault((output.dtype, output.device), []).append(number)
+        recording.batches = [
+            (
+                numbers,
+                [recording.outputs[n].numel() for n in numbers],
+                [recording.outputs[n].shape for n in numbers],
+            )
+            for numbers in groups.values()
+        ]
 
     def _static_inputs(
         self, inputs: Sequence[torch.Tensor]
@@ -525,6 +554,7 @@ class CudaGraphRunner:
         step = _current_step
         results: list[torch.Tensor] = []
         copied: dict[int, torch.Tensor] = {}
+        copies = _copy_batches(recording)
         for number, (kind, at) in enumerate(recording.results):
             output = recording.outputs[number]
             if kind is Result.INPUT_VIEW:
@@ -537,7 +567,10 @@ class CudaGraphRunner:
                 saved._kiln_replay = (id(recording), self.status.replays)  # type: ignore[attr-defined]
                 results.append(saved)
             else:
-                results.append(_copy_out(output, at, copied, recording))
+                copy = copies.get(number)
+                results.append(
+                    copy if copy is not None else _copy_out(output, at, copied, recording)
+                )
         return results
 
 
@@ -580,14 +613,23 @@ def _view_on(
     return given.as_strided(output.size(), output.stride(), offset)
 
 
+def _copy_batches(recording: Recording) -> dict[int, torch.Tensor]:
+    """Copies of the batched outputs: one allocation and one multi-tensor copy per dtype."""
+    copies: dict[int, torch.Tensor] = {}
+    for numbers, sizes, shapes in recording.batches:
+        sources = [recording.outputs[n] for n in numbers]
+        flat = torch.empty(sum(sizes), dtype=sources[0].dtype, device=sources[0].device)
+        views = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
+        torch._foreach_copy_(views, sources)
+        copies.update(zip(numbers, views, strict=True))
+    return copies
+
+
 def _copy_out(
     output: torch.Tensor, storage: int, copied: dict[int, torch.Tensor], recording: Recording
 ) -> torch.Tensor:
     """A copy of ``output`` outside the pool; outputs sharing one storage share the copy."""
-    sharing = [
-        n for n, (k, at) in enumerate(recording.results) if k is Result.POOL and at == storage
-    ]
-    if len(sharing) == 1:
+    if storage not in recording.shared:
         return output.clone(memory_format=torch.preserve_format)
     whole = copied.get(storage)
     if whole is None:
