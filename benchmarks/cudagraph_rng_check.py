@@ -36,5 +36,11 @@ def check(backward: bool) -> None:
 
 
 if __name__ == "__main__":
+    import gc
+
     check(backward=False)
     check(backward=True)
+    kiln.reset()
+    gc.collect()  # (the recorded graphs are destroyed)
+    torch.randn(1, device="cuda")
+    print("ok after the graphs were destroyed")

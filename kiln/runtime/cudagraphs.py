@@ -15,9 +15,10 @@ graph, or a training graph's forward or backward):
 
 Inputs, by how they reach the recorded graph:
 
-- parameters, buffers, constants and ``nn.Parameter`` arguments are **static**: the graph
-  reads them where they are; a changed address records again (at most ``RERECORD_LIMIT``
-  times, then the graph runs without CUDA graphs);
+- parameters, buffers, constants, ``nn.Parameter`` arguments and views of them a forward
+  saved for its backward are **static**: the graph reads them where they are; a changed
+  address records again (at most ``RERECORD_LIMIT`` times, then the graph runs without CUDA
+  graphs);
 - other tensors are **copied** into a static buffer, unless they already are that buffer;
 - an output of a graph of the same family (a forward's saved activation given to its
   backward, the result of the graph before a graph break) is **borrowed**: read in place; a
@@ -441,7 +442,11 @@ class CudaGraphRunner:
                 sources.append(Source.SEED)
                 seed = torch.empty((), dtype=torch.int64, device=self._device(inputs))
                 static.append(seed.fill_(int(tensor)))
-            elif kind is not InputKind.USER or isinstance(tensor, torch.nn.Parameter):
+            elif (
+                kind is not InputKind.USER
+                or isinstance(tensor, torch.nn.Parameter)
+                or getattr(tensor, "_kiln_static", False)
+            ):
                 sources.append(Source.STATIC)
                 static.append(tensor)
             elif tensor.untyped_storage().data_ptr() in self.family.outputs:
@@ -560,7 +565,10 @@ class CudaGraphRunner:
             if kind is Result.INPUT_VIEW:
                 results.append(_view_on(output, recording.static[at], inputs[at]))
             elif kind is Result.ALIAS:
-                results.append(output.detach())
+                alias = output.detach()
+                if recording.sources[at] is Source.STATIC:  # (a parameter's view: static in
+                    alias._kiln_static = True  # type: ignore[attr-defined]  # a backward too)
+                results.append(alias)
             elif number in self.internal:
                 recording.given[at] = step
                 saved = output.detach()
