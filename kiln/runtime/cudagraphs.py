@@ -622,14 +622,19 @@ def _view_on(
 
 
 def _copy_batches(recording: Recording) -> dict[int, torch.Tensor]:
-    """Copies of the batched outputs: one allocation and one multi-tensor copy per dtype."""
+    """Copies of the batched outputs: per dtype, one concatenation into a new buffer and
+    views of it (two calls into PyTorch however many outputs: a backward returns one
+    gradient per parameter)."""
     copies: dict[int, torch.Tensor] = {}
-    for numbers, sizes, shapes in recording.batches:
+    for numbers, _, _ in recording.batches:
         sources = [recording.outputs[n] for n in numbers]
-        flat = torch.empty(sum(sizes), dtype=sources[0].dtype, device=sources[0].device)
-        views = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
-        torch._foreach_copy_(views, sources)
-        copies.update(zip(numbers, views, strict=True))
+        if len(sources) == 1:  # (flattening one tensor is a view of it, not a copy)
+            copies[numbers[0]] = sources[0].clone()
+            continue
+        flat = torch._C._nn.flatten_dense_tensors(sources)
+        copies.update(
+            zip(numbers, torch._C._nn.unflatten_dense_tensors(flat, sources), strict=True)
+        )
     return copies
 
 
