@@ -128,7 +128,18 @@ def explain(fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> 
     (a running program's recompiles, and which sizes they made symbolic, and why)."""
     if fn is None:
         return compiled_so_far()
-    return _explain(lambda: compile(_original(fn)), *args, **kwargs)
+    pipeline = Pipeline(_options_of(fn))
+    return _explain(lambda: _compile(_original(fn), pipeline), *args, **kwargs)
+
+
+def _options_of(fn: Any) -> Options:
+    """The options ``fn`` was compiled with (the defaults for a plain function), so that
+    ``explain`` shows what the user's compile makes (a mode's CUDA graphs and tuning)."""
+    call = getattr(fn, "_kiln_call", None) if isinstance(fn, CompiledModule) else None
+    target = getattr(fn, "__func__", fn)
+    cache = getattr(call if call is not None else target, "_kiln_cache", None)
+    compiler = getattr(cache, "compiler", None)
+    return compiler.options if isinstance(compiler, Pipeline) else Options()
 
 
 def _original(fn: Any) -> Any:

@@ -41,7 +41,6 @@ from kiln.schedule.scheduler import schedule
 _log = logger("kernels")
 
 Runner = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
-AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")  # Triton launch shapes measured
 _WARNED: set[str] = set()  # generator-unavailable reasons already warned about
 
 
@@ -136,7 +135,7 @@ class KilnProgram:
             start_workers(devices, self.options.codegen)
             program = schedule(self.graph, inputs, self.observed)
             scheduled = time.perf_counter()
-            tuned: list[TuningRecord] | None = [] if self.options.mode in AUTOTUNE_MODES else None
+            tuned: list[TuningRecord] | None = [] if self.options.autotune else None
             launchers, names = build_kernels(program.kernels(), self.options.codegen, tuned)
             self._tuned = tuned or []
             wrapper = Wrapper(program, launchers, self._observe, self.options.cpu_matmul)

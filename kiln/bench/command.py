@@ -21,7 +21,7 @@ from kiln.bench.runner import Options, Row, run_suite
 from kiln.bench.table import format_header, format_table
 from kiln.bench.worker import COMPILERS, DTYPES
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

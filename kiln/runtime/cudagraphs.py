@@ -278,6 +278,7 @@ class CudaGraphRunner:
         self.kinds = [value.kind for value in graph.inputs]
         self.status = CudaGraphStatus(graph.name)
         keep_live(self.status)
+        record_event(self.status)  # (kiln.explain of one call shows it warming up)
         self.warming = True  # until a call compiles nothing
         self.warm_ups = 0
         self.recording: Recording | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -91,8 +91,12 @@ def _fresh(recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch) -> Count
 
 
 @pytest.fixture
-def recorder(monkeypatch: pytest.MonkeyPatch) -> CountingRecorder:
-    return _fresh(CountingRecorder(), monkeypatch)
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[CountingRecorder]:
+    yield _fresh(CountingRecorder(), monkeypatch)
+    if DEVICE.type == "cuda":  # PyTorch's own generator still works after the test
+        kiln.reset()
+        gc.collect()
+        torch.randn(1, device=DEVICE)
 
 
 def randn(*shape: int, requires_grad: bool = False) -> torch.Tensor:
@@ -389,6 +393,15 @@ def test_explain_shows_the_cuda_graphs(recorder: CountingRecorder) -> None:
     (status,) = _statuses()
     line = f"{status.graph}: CUDA graph recorded (1 recording(s), 1 replay(s))"
     assert line in report.cudagraphs and f"CUDA graphs:\n  {line}" in str(report)
+
+
+def test_explain_of_a_compiled_function_uses_its_mode(recorder: CountingRecorder) -> None:
+    compiled = kiln.compile(_mlp(), mode="reduce-overhead")
+    report = kiln.explain(compiled, randn(2, 8))  # (a training call: forward and backward)
+    lines = ["call_forward: CUDA graph warming up", "call_backward: CUDA graph warming up"]
+    assert report.cudagraphs == lines
+    assert "CUDA graphs:\n  " + "\n  ".join(lines) in str(report)
+    assert kiln.explain(kiln.compile(_mlp()), randn(2, 8)).cudagraphs == []
 
 
 def test_default_mode_has_no_cuda_graphs(recorder: CountingRecorder) -> None:
