@@ -55,6 +55,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -118,9 +119,26 @@ class CudaRecorder:
         graph = torch.cuda.CUDAGraph()
         # thread_local: a backward records on autograd's device thread while the main thread
         # waits in the engine; another thread's CUDA calls must not invalidate the capture
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            outputs = run()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                outputs = run()
+        except Exception:
+            _leave_capture_mode()
+            raise
         return graph.replay, outputs
+
+
+def _leave_capture_mode() -> None:
+    """After a failed recording: a recording PyTorch begins and does not end leaves its CUDA
+    generator in capture mode ("Offset increment outside graph capture" on the next eager
+    random op). Recording an empty graph ends that mode."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ("the CUDA graph is empty")
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
+    except Exception as error:  # (nothing more to try: the next random op will say so)
+        _log.warning("could not reset PyTorch's CUDA generator after a failed recording: %s", error)
 
 
 RECORDER: Recorder = CudaRecorder()  # (tests swap in an emulation)
