@@ -228,6 +228,10 @@ class Family:
         self.members = [weakref.ref(r) for r in alive]
         return alive[alive.index(recording) :] if recording in alive else [recording]
 
+    def alive(self) -> bool:
+        """Whether a recording of this family still exists (its pool is in use)."""
+        return any(ref() is not None for ref in self.members)
+
     def add(self, recording: Recording) -> None:
         self.members.append(weakref.ref(recording))
         for storage in recording.storages:
@@ -387,7 +391,8 @@ class CudaGraphRunner:
             family.drop(self.recording)
             self.recording = None
         sources, static = self._static_inputs(inputs)
-        if family.pool is None:
+        if family.pool is None or not family.alive():
+            # (a pool whose graphs all died was released by PyTorch: never record into it)
             family.pool = family.recorder.new_pool()
         try:  # (the static buffers have the inputs' layouts: nothing compiles in here)
             replay, outputs = family.recorder.capture(
