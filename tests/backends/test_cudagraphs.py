@@ -404,6 +404,38 @@ def test_explain_of_a_compiled_function_uses_its_mode(recorder: CountingRecorder
     assert kiln.explain(kiln.compile(_mlp()), randn(2, 8)).cudagraphs == []
 
 
+def test_max_autotune_tunes_in_the_warm_up_then_records(
+    recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    pytest.importorskip("triton")
+    from kiln.config import config
+    from kiln.runtime import autotune
+
+    measured: list[str] = []
+
+    def timer(name: str, run: Callable[[], None], device: torch.device) -> float:
+        measured.append(name)
+        run()
+        return float(len(measured))  # the heuristic (measured first) wins
+
+    monkeypatch.setattr(config, "cache_dir", str(tmp_path))
+    monkeypatch.setattr(autotune, "tuning", autotune.Tuning(timer=timer))
+
+    def softmax(x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x * 2, dim=-1)
+
+    options = {"codegen": "triton"} if DEVICE.type == "cpu" else {}
+    compiled = kiln.compile(softmax, mode="max-autotune", options=options)
+    for call in range(5):
+        x = randn(8, 100)
+        torch.testing.assert_close(compiled(x), softmax(x))
+        if call == 0:
+            tuned = len(measured)
+    assert tuned > 1 and len(measured) == tuned  # tuned at the first launch, once
+    (status,) = _statuses()
+    assert status.state == "recorded" and status.replays == 3
+
+
 def test_default_mode_has_no_cuda_graphs(recorder: CountingRecorder) -> None:
     compiled = kiln.compile(_mlp())
     with torch.no_grad():
