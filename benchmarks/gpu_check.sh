@@ -7,3 +7,8 @@ export PYTHONPATH=.
 python -c "import torch, triton, sys; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
 # 12 test processes: compile on threads, not 12 pools of worker processes
 KILN_COMPILE_WORKERS=threads KILN_TEST_DEVICE=cuda python -m pytest -q -n 12 tests/backends/test_kiln_triton.py "$@"
+# Modes (issue 20): the CUDA-graph runner's tests on real CUDA graphs, a failed recording
+# leaving PyTorch's generator usable, random graphs replayed with fresh numbers
+KILN_TEST_DEVICE=cuda python -m pytest -q tests/backends/test_cudagraphs.py
+python benchmarks/cudagraph_failed_capture.py
+python benchmarks/cudagraph_rng_check.py
