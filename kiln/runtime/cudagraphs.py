@@ -263,6 +263,12 @@ class Recording:
     # outputs alone in their storage (a backward's gradients), as (numbers, sizes, shapes)
     batches: list[tuple[list[int], list[int], list[torch.Size]]] = field(default_factory=list)
     shared: frozenset[int] = frozenset()  # storages holding several user-visible outputs
+    # the replay's plan, made once: input positions by source, and per output (its number,
+    # what to hand out: one of the _VIEW.. codes below, its storage or input index)
+    copied: list[int] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    borrowed: list[int] = field(default_factory=list)
+    plan: list[tuple[int, int, int]] = field(default_factory=list)
 
     def held(self) -> bool:
         """Whether autograd holds saved values of this recording's last replay (given out in
@@ -273,6 +279,10 @@ class Recording:
             if self.baselines[at] < 0 or _count(storage) != self.baselines[at]:
                 return True
         return False
+
+
+# What a replay hands out for one output (Recording.plan)
+_VIEW, _PARAMETER_VIEW, _ALIAS, _SAVED, _COPY = range(5)
 
 
 class CudaGraphRunner:
@@ -417,6 +427,7 @@ class CudaGraphRunner:
         recording.given = [0] * len(storages)
         recording.owner = weakref.ref(self)
         self._plan_copies(recording)
+        self._plan_replay(recording)
         family.add(recording)
         self.recording = recording
         self.status.state = "recorded"
@@ -430,6 +441,20 @@ class CudaGraphRunner:
             sources.count(Source.BORROWED),
         )
         return self._replay(recording, inputs)  # (recording ran nothing: this call's run)
+
+    def _plan_replay(self, recording: Recording) -> None:
+        sources = recording.sources
+        recording.copied = [i for i, source in enumerate(sources) if source is Source.COPIED]
+        recording.seeds = [i for i, source in enumerate(sources) if source is Source.SEED]
+        recording.borrowed = [i for i, source in enumerate(sources) if source is Source.BORROWED]
+        for number, (kind, at) in enumerate(recording.results):
+            if kind is Result.INPUT_VIEW:
+                code = _VIEW
+            elif kind is Result.ALIAS:
+                code = _PARAMETER_VIEW if sources[at] is Source.STATIC else _ALIAS
+            else:
+                code = _SAVED if number in self.internal else _COPY
+            recording.plan.append((number, code, at))
 
     def _plan_copies(self, recording: Recording) -> None:
         visible = [
@@ -560,49 +585,48 @@ class CudaGraphRunner:
         return ""
 
     def _replay(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        for position, source in enumerate(recording.sources):
-            target = recording.static[position]
-            if source is Source.COPIED:
-                assert target is not None
-                given = inputs[position]
-                if given.data_ptr() != target.data_ptr() or given.stride() != target.stride():
-                    _copy_into(target, given)
-            elif source is Source.SEED:
-                assert target is not None
-                target.fill_(int(inputs[position]))
-        for position, source in enumerate(recording.sources):
-            if source is Source.BORROWED:  # (an emulated replay reads it; CUDA's does not)
-                recording.static[position] = inputs[position]
+        static = recording.static
+        for position in recording.copied:
+            target, passed = static[position], inputs[position]
+            assert target is not None
+            if passed.data_ptr() != target.data_ptr() or passed.stride() != target.stride():
+                _copy_into(target, passed)
+        for position in recording.seeds:
+            seed = static[position]
+            assert seed is not None
+            seed.fill_(int(inputs[position]))
+        for position in recording.borrowed:  # (an emulated replay reads it; CUDA's does not)
+            static[position] = inputs[position]
         try:
             recording.replay()
         finally:
-            for position, source in enumerate(recording.sources):
-                if source is Source.BORROWED:
-                    recording.static[position] = None
+            for position in recording.borrowed:
+                static[position] = None
         self.status.replays += 1
+        tag = (id(recording), self.status.replays)
         step = _current_step
+        outputs, given = recording.outputs, recording.given
         results: list[torch.Tensor] = []
         copied: dict[int, torch.Tensor] = {}
         copies = _copy_batches(recording)
-        for number, (kind, at) in enumerate(recording.results):
-            output = recording.outputs[number]
-            if kind is Result.INPUT_VIEW:
-                results.append(_view_on(output, recording.static[at], inputs[at]))
-            elif kind is Result.ALIAS:
-                alias = output.detach()
-                if recording.sources[at] is Source.STATIC:  # (a parameter's view: static in
-                    alias._kiln_static = True  # type: ignore[attr-defined]  # a backward too)
-                results.append(alias)
-            elif number in self.internal:
-                recording.given[at] = step
-                saved = output.detach()
-                saved._kiln_replay = (id(recording), self.status.replays)  # type: ignore[attr-defined]
+        for number, code, at in recording.plan:
+            if code == _SAVED:
+                given[at] = step
+                saved = outputs[number].detach()
+                saved._kiln_replay = tag  # type: ignore[attr-defined]
                 results.append(saved)
-            else:
+            elif code == _COPY:
                 copy = copies.get(number)
-                results.append(
-                    copy if copy is not None else _copy_out(output, at, copied, recording)
-                )
+                if copy is None:
+                    copy = _copy_out(outputs[number], at, copied, recording)
+                results.append(copy)
+            elif code == _VIEW:
+                results.append(_view_on(outputs[number], static[at], inputs[at]))
+            else:
+                alias = outputs[number].detach()
+                if code == _PARAMETER_VIEW:  # (static in a backward too)
+                    alias._kiln_static = True  # type: ignore[attr-defined]
+                results.append(alias)
         return results
 
 
