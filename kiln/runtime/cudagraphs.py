@@ -308,6 +308,9 @@ class CudaGraphRunner:
         self.output_count = output_count
         self.internal = frozenset(internal)
         self.kinds = [value.kind for value in graph.inputs]
+        # inputs that may be another graph's saved values (a backward's): user inputs that
+        # are not parameters' views
+        self.users = [i for i, kind in enumerate(self.kinds) if kind is InputKind.USER]
         self.status = CudaGraphStatus(graph.name)
         keep_live(self.status)
         record_event(self.status)  # (kiln.explain of one call shows it warming up)
@@ -337,7 +340,8 @@ class CudaGraphRunner:
     def _check_saved(self, inputs: Sequence[torch.Tensor]) -> None:
         """Raise when an input is a saved value that a later replay overwrote (it was
         released by ``kiln.mark_step_begin()``)."""
-        for tensor in inputs:
+        for position in self.users:
+            tensor = inputs[position]
             tag = getattr(tensor, "_kiln_replay", None)
             if tag is None:
                 continue
