@@ -35,11 +35,15 @@ overwrite those of graphs recorded after it (their memory may lie in its tempora
 - values a forward saves for its backward stay in the pool (the backward borrows them).
   Before each replay the runner checks, by the storages' use counts, whether autograd still
   holds saved values the replay could overwrite (two forwards before one backward): then
-  that call runs without its CUDA graph, in fresh memory.
+  the graph records another instance whose memory cannot overlap them (at most
+  ``INSTANCE_LIMIT``; past that, the call runs without its CUDA graph, in fresh memory), and
+  the backward gets one recording per forward instance whose values it borrows.
 
 ``kiln.mark_step_begin()`` declares the values saved before it dead (a step whose backward
 will never run, a loss kept in a list): replays may then overwrite them, and a backward that
-reads overwritten values raises an error instead of computing wrong gradients.
+reads overwritten values (the family counts replays: one of the owner, or of a graph
+recorded before it, since the values were handed out) raises an error instead of computing
+wrong gradients.
 
 **Fallback.** A graph that reads CPU tensors, whose recording fails (an op that synchronizes
 or cannot be captured), whose parameters keep moving, or that is one size too many
@@ -65,12 +69,14 @@ import torch
 
 from kiln.config import logger
 from kiln.ir.graph import Graph, InputKind
-from kiln.recording import keep_live, live, recording
+from kiln.recording import keep_live, live
 from kiln.recording import record as record_event
+from kiln.recording import recording as listening
 
 CompiledGraph = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
 RERECORD_LIMIT = 4  # recordings of one graph (moved parameters) before it gives up
+INSTANCE_LIMIT = 3  # recordings of one graph alive at once (saved values still held)
 WARM_UP_LIMIT = 4  # uncaptured calls that each compiled something before it gives up
 SIZE_LIMIT = 16  # recorded sizes of one captured graph (dynamic shapes)
 
@@ -220,6 +226,7 @@ class Family:
         # storage address -> the recording whose output lives there
         self.outputs: weakref.WeakValueDictionary[int, Recording] = weakref.WeakValueDictionary()
         self.lock = threading.RLock()
+        self.replays = 0  # replays of the family's graphs so far (tags saved values)
 
     def later_than(self, recording: Recording) -> list[Recording]:
         """``recording`` and the recordings made after it (a replay may overwrite their
@@ -227,6 +234,19 @@ class Family:
         alive = [r for r in (ref() for ref in self.members) if r is not None]
         self.members = [weakref.ref(r) for r in alive]
         return alive[alive.index(recording) :] if recording in alive else [recording]
+
+    def replayed_since(self, owner: Recording, serial: int) -> str | None:
+        """The graph whose replay after ``serial`` may have overwritten ``owner``'s outputs
+        (``owner`` itself, or a recording made before it, whose temporaries its outputs may
+        reuse); None when none did."""
+        for ref in self.members:
+            recording = ref()
+            if recording is not None and recording.last_replay > serial:
+                runner = recording.owner()
+                return runner.status.graph if runner is not None else "another graph"
+            if recording is owner:
+                break
+        return None
 
     def alive(self) -> bool:
         """Whether a recording of this family still exists (its pool is in use)."""
@@ -259,6 +279,7 @@ class Recording:
     # per storage: the step its saved values were last given out (0: never)
     given: list[int] = field(default_factory=list)
     owner: Callable[[], CudaGraphRunner | None] = lambda: None
+    last_replay: int = 0  # the family's replay count at this recording's last replay
     # results copied out in one multi-tensor copy per dtype: the contiguous user-visible
     # outputs alone in their storage (a backward's gradients), as (numbers, sizes, shapes)
     batches: list[tuple[list[int], list[int], list[torch.Size]]] = field(default_factory=list)
@@ -316,8 +337,11 @@ class CudaGraphRunner:
         record_event(self.status)  # (kiln.explain of one call shows it warming up)
         self.warming = True  # until a call compiles nothing
         self.warm_ups = 0
-        self.recording: Recording | None = None
-        self.replays = 0  # tags saved values, so a backward can tell they were overwritten
+        # the graph's recordings alive now: a second one is made when every one's saved values
+        # are still held (two forwards before one backward), and a backward gets one per
+        # forward recording whose values it borrows
+        self.recordings: list[Recording] = []
+        self.moves = 0  # recordings replaced because static inputs moved
 
     # --- calls ---------------------------------------------------------------------------
 
@@ -329,13 +353,18 @@ class CudaGraphRunner:
         with self.family.lock:
             if self.warming:
                 return self._warm_up(inputs)
-            recording = self.recording
-            if recording is None or self._moved(recording, inputs):
-                return self._record(inputs)
-            why = self._cannot_replay(recording, inputs)
-            if why:
-                return self._uncaptured(inputs, why)
-            return self._replay(recording, inputs)
+            fitting = [r for r in self.recordings if not self._moved(r, inputs)]
+            if not fitting:  # (the first recording, or its parameters moved)
+                return self._record(inputs, replace=True)
+            why = "no recording reads these inputs where they are"
+            for recording in fitting:
+                if self._borrows(recording, inputs):
+                    why = self._cannot_replay(recording, inputs)
+                    if not why:
+                        return self._replay(recording, inputs)
+            if len(self.recordings) < INSTANCE_LIMIT:
+                return self._record(inputs, replace=False)
+            return self._uncaptured(inputs, why)
 
     def _check_saved(self, inputs: Sequence[torch.Tensor]) -> None:
         """Raise when an input is a saved value that a later replay overwrote (it was
@@ -346,21 +375,23 @@ class CudaGraphRunner:
             if tag is None:
                 continue
             owner = self.family.outputs.get(tensor.untyped_storage().data_ptr())
-            runner = owner.owner() if owner is not None else None
-            if runner is None or id(owner) != tag[0] or runner.status.replays == tag[1]:
+            writer = self.family.replayed_since(owner, tag) if owner is not None else None
+            if writer is None:
                 continue
+            source = owner.owner() if owner is not None else None
+            name = source.status.graph if source is not None else "another graph"
             raise RuntimeError(
-                f"kiln: {self.status.graph} reads values that {runner.status.graph} "
-                "saved before kiln.mark_step_begin(), and a later call overwrote them "
-                "(mode='reduce-overhead'); run the backward before the next step's "
-                "forward, or do not mark the step"
+                f"kiln: {self.status.graph} reads values that {name} saved before "
+                f"kiln.mark_step_begin(), and a later call of {writer} overwrote them "
+                "(mode='reduce-overhead'); run the backward before the next step's forward, "
+                "or do not mark the step"
             )
 
     def _warm_up(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run uncaptured, until a call compiles nothing (a program rebuilt after its first
         call, a kernel tuned at its first launch): nothing may compile while recording."""
         self.warm_ups += 1
-        with recording() as events:
+        with listening() as events:
             result = self.compiled(inputs)
         if not events:
             self.warming = False
@@ -379,14 +410,16 @@ class CudaGraphRunner:
         self.status.state, self.status.reason = "off", reason
         _log.info("%s runs without CUDA graphs: %s", self.status.graph, reason)
         record_event(self.status)
-        if self.recording is not None:
-            self.family.drop(self.recording)
-            self.recording = None
+        for recording in self.recordings:
+            self.family.drop(recording)
+        self.recordings = []
         return self.compiled(inputs)
 
     # --- recording -----------------------------------------------------------------------
 
-    def _record(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _record(self, inputs: Sequence[torch.Tensor], *, replace: bool) -> list[torch.Tensor]:
+        """Record the graph on ``inputs`` and replay it; ``replace``: the recordings made so
+        far no longer fit (moved parameters), else this one is one more."""
         family = self.family
         for position, tensor in enumerate(inputs):
             if not isinstance(tensor, torch.Tensor):
@@ -395,15 +428,17 @@ class CudaGraphRunner:
                 why = family.recorder.supports(tensor)
                 if why:
                     return self._off(why, inputs)
-        if self.status.records >= RERECORD_LIMIT:
-            why = f"its parameters moved (or inputs changed layout) {RERECORD_LIMIT} times"
-            return self._off(why, inputs)
-        if self.recording is None:
+        if self.status.records == 0:
             if not self.sizes.take(self.status.graph):
                 return self._off(f"{SIZE_LIMIT} sizes of this graph already have one", inputs)
-        else:
-            family.drop(self.recording)
-            self.recording = None
+        elif replace:
+            self.moves += 1
+            if self.moves >= RERECORD_LIMIT:
+                why = f"its parameters moved (or inputs changed layout) {RERECORD_LIMIT} times"
+                return self._off(why, inputs)
+            for old in self.recordings:
+                family.drop(old)
+            self.recordings = []
         sources, static = self._static_inputs(inputs)
         if family.pool is None or not family.alive():
             # (a pool whose graphs all died was released by PyTorch: never record into it)
@@ -433,7 +468,7 @@ class CudaGraphRunner:
         self._plan_copies(recording)
         self._plan_replay(recording)
         family.add(recording)
-        self.recording = recording
+        self.recordings.append(recording)
         self.status.state = "recorded"
         self.status.records += 1
         record_event(self.status)
@@ -547,9 +582,9 @@ class CudaGraphRunner:
         return results, storages, ""
 
     def _moved(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> bool:
-        """Whether a static input is somewhere else now, or a copied input comes in a layout
-        its static buffer cannot take (an expanded one, the recording's was dense, or the
-        other way round): then the graph records again."""
+        """Whether ``recording`` no longer fits ``inputs``: a static input is somewhere else
+        now, or a copied input comes in a layout its static buffer cannot take (an expanded
+        one, the recording's was dense, or the other way round)."""
         addresses = recording.addresses
         at = 0
         for position, (tensor, source) in enumerate(zip(inputs, recording.sources, strict=True)):
@@ -566,17 +601,25 @@ class CudaGraphRunner:
                     return True
         return False
 
-    # --- replay --------------------------------------------------------------------------
-
-    def _cannot_replay(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> str:
+    def _borrows(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> bool:
+        """Whether the borrowed inputs are the outputs ``recording`` was recorded with (a
+        backward has one recording per forward recording whose saved values it reads)."""
+        addresses = recording.addresses
         at = 0
-        for position, source in enumerate(recording.sources):
+        for tensor, source in zip(inputs, recording.sources, strict=True):
             if source is Source.STATIC:
                 at += 1
             elif source is Source.BORROWED:
-                if inputs[position].data_ptr() != recording.addresses[at]:
-                    return f"input {position} is not the output it was recorded with"
+                if tensor.data_ptr() != addresses[at]:
+                    return False
                 at += 1
+        return True
+
+    # --- replay --------------------------------------------------------------------------
+
+    def _cannot_replay(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> str:
+        """Why replaying ``recording`` now could change a tensor someone holds ("": it
+        cannot)."""
         for kind, position in recording.results:
             static = recording.static[position] if kind is Result.INPUT_VIEW else None
             if static is not None and inputs[position].stride() != static.stride():
@@ -607,7 +650,8 @@ class CudaGraphRunner:
             for position in recording.borrowed:
                 static[position] = None
         self.status.replays += 1
-        tag = (id(recording), self.status.replays)
+        self.family.replays += 1
+        recording.last_replay = tag = self.family.replays
         step = _current_step
         outputs, given = recording.outputs, recording.given
         results: list[torch.Tensor] = []

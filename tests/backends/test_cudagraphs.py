@@ -141,18 +141,22 @@ def test_mark_step_begin_releases_values_saved_for_an_abandoned_backward(
     model = _mlp()
     compiled = kiln.compile(model, mode="reduce-overhead")
     losses = []
-    for _ in range(4):  # training-mode forwards whose backward never runs, losses kept
+    for _ in range(5):  # training-mode forwards whose backward never runs, losses kept
         losses.append(compiled(randn(3, 8)).sum())
     (forward,) = _statuses("_forward")
-    # call 3 recorded and replayed; call 4 found its saved values held
-    assert forward.replays == 1 and forward.uncaptured_runs == 1
+    # call 3 recorded; call 4 found its saved values held and recorded a second graph;
+    # call 5 found both held and ran without one (INSTANCE_LIMIT recordings at most)
+    assert cudagraphs.INSTANCE_LIMIT == 3
+    assert (forward.records, forward.replays, forward.uncaptured_runs) == (3, 3, 0)
+    losses.append(compiled(randn(3, 8)).sum())
+    assert forward.uncaptured_runs == 1 and "saved for a pending backward" in forward.notes[-1]
     for _ in range(3):
         kiln.mark_step_begin()
         x = randn(3, 8)
         loss = compiled(x).sum()
         torch.testing.assert_close(loss, model(x).sum())
         losses.append(loss)
-    assert forward.replays == 4 and forward.uncaptured_runs == 1
+    assert (forward.records, forward.replays, forward.uncaptured_runs) == (3, 6, 1)
     with pytest.raises(RuntimeError, match="mark_step_begin"):
         losses[-2].backward()  # its saved values were overwritten by the last call
     losses[-1].backward()  # the last step's are intact
@@ -191,15 +195,19 @@ def test_training_steps_match_eager(recorder: CountingRecorder) -> None:
     assert forward[0].uncaptured_runs == 0 and backward[0].uncaptured_runs == 0
 
 
-def test_two_forwards_before_one_backward(recorder: CountingRecorder) -> None:
-    """The second forward would overwrite what the first saved for its backward: it runs
-    without the graph, and both backwards see their own saved values."""
+@pytest.mark.parametrize("marks", [False, True])
+def test_two_forwards_before_one_backward(recorder: CountingRecorder, marks: bool) -> None:
+    """The second forward would overwrite what the first saved for its backward: it gets a
+    recording of its own (and the backward one per forward recording), and both backwards
+    see their own saved values."""
     model = _mlp()
     reference = _mlp()
     reference.load_state_dict(model.state_dict())
     compiled = kiln.compile(model, mode="reduce-overhead")
     for _ in range(5):
         x1, x2 = randn(4, 8), randn(4, 8)
+        if marks:  # (released values are never the ones a pending backward reads)
+            kiln.mark_step_begin()
         for net, run in ((model, compiled), (reference, reference)):
             net.zero_grad()
             loss = run(x1).square().mean() + run(x2).sin().mean()
@@ -207,9 +215,10 @@ def test_two_forwards_before_one_backward(recorder: CountingRecorder) -> None:
         for got, want in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(got.grad, want.grad)
     (forward,) = _statuses("_forward")
-    # each step's second forward ran without the graph: the first's saved values were held
-    assert forward.uncaptured_runs == 4 and forward.replays == 4
-    assert "saved for a pending backward" in forward.notes[-1]
+    (backward,) = _statuses("_backward")
+    # steps 2-5 replay two forward recordings and two backward ones, nothing uncaptured
+    assert (forward.records, forward.replays, forward.uncaptured_runs) == (2, 8, 0)
+    assert (backward.records, backward.uncaptured_runs) == (2, 0)
 
 
 def test_input_mutation_and_views_of_inputs(recorder: CountingRecorder) -> None:
