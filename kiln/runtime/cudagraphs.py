@@ -280,9 +280,9 @@ class Recording:
     given: list[int] = field(default_factory=list)
     owner: Callable[[], CudaGraphRunner | None] = lambda: None
     last_replay: int = 0  # the family's replay count at this recording's last replay
-    # results copied out in one multi-tensor copy per dtype: the contiguous user-visible
-    # outputs alone in their storage (a backward's gradients), as (numbers, sizes, shapes)
-    batches: list[tuple[list[int], list[int], list[torch.Size]]] = field(default_factory=list)
+    # results copied out together, per dtype: the numbers of the contiguous user-visible
+    # outputs alone in their storage (a backward's gradients)
+    batches: list[list[int]] = field(default_factory=list)
     shared: frozenset[int] = frozenset()  # storages holding several user-visible outputs
     # the replay's plan, made once: input positions by source, and per output (its number,
     # what to hand out: one of the _VIEW.. codes below, its storage or input index)
@@ -510,14 +510,7 @@ class CudaGraphRunner:
             output = recording.outputs[number]
             if at not in recording.shared and output.is_contiguous() and output.numel() > 0:
                 groups.setdefault((output.dtype, output.device), []).append(number)
-        recording.batches = [
-            (
-                numbers,
-                [recording.outputs[n].numel() for n in numbers],
-                [recording.outputs[n].shape for n in numbers],
-            )
-            for numbers in groups.values()
-        ]
+        recording.batches = list(groups.values())
 
     def _static_inputs(
         self, inputs: Sequence[torch.Tensor]
@@ -722,7 +715,7 @@ def _copy_batches(recording: Recording) -> dict[int, torch.Tensor]:
     views of it (two calls into PyTorch however many outputs: a backward returns one
     gradient per parameter)."""
     copies: dict[int, torch.Tensor] = {}
-    for numbers, _, _ in recording.batches:
+    for numbers in recording.batches:
         sources = [recording.outputs[n] for n in numbers]
         if len(sources) == 1:  # (flattening one tensor is a view of it, not a copy)
             copies[numbers[0]] = sources[0].clone()
