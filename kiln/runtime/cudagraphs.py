@@ -321,8 +321,8 @@ class CudaGraphRunner:
     ) -> None:
         """``output_count``: the graph's results before the new values of mutated inputs;
         ``internal``: results only Kiln reads (a forward's values saved for the backward),
-        returned from the pool, not copied; ``sizes``: the recordings of the captured graph's sizes
-        (at most ``SIZE_LIMIT``)."""
+        returned from the pool, not copied; ``sizes``: the recordings of the captured graph's
+        sizes (at most ``SIZE_LIMIT``)."""
         self.compiled = compiled
         self.family = family
         self.sizes = sizes
@@ -396,7 +396,7 @@ class CudaGraphRunner:
         if not events:
             self.warming = False
         elif self.warm_ups >= WARM_UP_LIMIT:
-            self._off(f"it compiled something on each of its first {WARM_UP_LIMIT} calls", [])
+            self._turn_off(f"it compiled something on each of its first {WARM_UP_LIMIT} calls")
         return result
 
     def _uncaptured(self, inputs: Sequence[torch.Tensor], why: str) -> list[torch.Tensor]:
@@ -407,13 +407,17 @@ class CudaGraphRunner:
         return self.compiled(inputs)
 
     def _off(self, reason: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Turn CUDA graphs off for this graph, and run this call without."""
+        self._turn_off(reason)
+        return self.compiled(inputs)
+
+    def _turn_off(self, reason: str) -> None:
         self.status.state, self.status.reason = "off", reason
         _log.info("%s runs without CUDA graphs: %s", self.status.graph, reason)
         record_event(self.status)
         for recording in self.recordings:
             self.family.drop(recording)
         self.recordings = []
-        return self.compiled(inputs)
 
     # --- recording -----------------------------------------------------------------------
 

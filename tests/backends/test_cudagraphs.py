@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -443,6 +444,32 @@ def test_max_autotune_tunes_in_the_warm_up_then_records(
     assert tuned > 1 and len(measured) == tuned  # tuned at the first launch, once
     (status,) = _statuses()
     assert status.state == "recorded" and status.replays == 3
+
+
+def test_a_graph_that_compiles_on_every_call_is_never_recorded(
+    recorder: CountingRecorder,
+) -> None:
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        compiled(randn(2, 8))  # capture, and the first warm-up call
+        with warnings.catch_warnings():  # (isinstance on every object: deprecated modules)
+            warnings.simplefilter("ignore")
+            objects = gc.get_objects()
+            (runner,) = [o for o in objects if isinstance(o, cudagraphs.CudaGraphRunner)]
+        inner = runner.compiled
+
+        def compiles_each_call(inputs: Any) -> list[torch.Tensor]:
+            cudagraphs.record_event(object())  # (what compiling something records)
+            return inner(inputs)
+
+        runner.compiled = compiles_each_call
+        for _ in range(5):
+            x = randn(2, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+    (status,) = _statuses()
+    assert status.state == "off" and "compiled something on each" in status.reason
+    assert recorder.captures == 0
 
 
 def test_default_mode_has_no_cuda_graphs(recorder: CountingRecorder) -> None:
