@@ -28,7 +28,12 @@ DEVICE = torch.device(os.environ.get("KILN_TEST_DEVICE", "cpu"))
 
 
 class EmulatedRecorder:
-    """Records by running once; replays by running again into the recorded outputs."""
+    """Records by running once; replays by running again into the recorded outputs. A CUDA
+    recording runs nothing: tensors in ``protect`` (a model's buffers that the graph updates
+    in place) are put back as they were after the emulated recording's run."""
+
+    def __init__(self) -> None:
+        self.protect: list[torch.Tensor] = []
 
     def supports(self, tensor: torch.Tensor) -> str | None:
         return None
@@ -39,7 +44,10 @@ class EmulatedRecorder:
     def capture(
         self, run: Callable[[], list[torch.Tensor]], pool: Any
     ) -> tuple[Callable[[], None], list[torch.Tensor]]:
+        before = [t.clone() for t in self.protect]
         outputs = run()
+        for tensor, value in zip(self.protect, before, strict=True):
+            tensor.data.copy_(value)
 
         def replay() -> None:
             for static, new in zip(outputs, run(), strict=True):
@@ -287,6 +295,30 @@ def test_outputs_sharing_memory_stay_views_of_one_copy(recorder: CountingRecorde
         whole[1, 0] = 7.0  # as in eager, the second output is a view of the first
         assert tail[0, 0].item() == 7.0
     assert _statuses()[0].replays == 3
+
+
+def test_batch_norm_training_updates_running_statistics_once_a_call(
+    recorder: CountingRecorder,
+) -> None:
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+    model, reference = net().to(DEVICE), net().to(DEVICE)
+    reference.load_state_dict(model.state_dict())
+    if isinstance(recorder.base, EmulatedRecorder):
+        recorder.base.protect = list(model.buffers())
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    for _ in range(6):
+        x = randn(5, 8)
+        for net_, run in ((model, compiled), (reference, reference)):
+            net_.zero_grad()
+            run(x).square().mean().backward()
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad)
+        for got, want in zip(model.buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(got, want)  # running mean, variance, batch count
+    (forward,) = _statuses("_forward")
+    assert forward.state == "recorded" and forward.replays == 4
 
 
 def test_moved_parameters_record_again(recorder: CountingRecorder) -> None:
