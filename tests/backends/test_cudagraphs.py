@@ -68,11 +68,13 @@ class CountingRecorder:
         self.fail = fail
         self.captures = 0
         self.replays = 0
+        self.pools = 0
 
     def supports(self, tensor: torch.Tensor) -> str | None:
         return self.refuse or self.base.supports(tensor)
 
     def new_pool(self) -> Any:
+        self.pools += 1
         return self.base.new_pool()
 
     def capture(
@@ -502,6 +504,33 @@ def test_a_graph_that_compiles_on_every_call_is_never_recorded(
     (status,) = _statuses()
     assert status.state == "off" and "compiled something on each" in status.reason
     assert recorder.captures == 0
+
+
+def test_a_pool_whose_graphs_all_died_is_never_recorded_into(recorder: CountingRecorder) -> None:
+    """Capture's caches share a pipeline (and its pool) among compiles with equal options:
+    resume functions are compiled through the first such pipeline. PyTorch refuses a
+    recording into a pool whose graphs were all destroyed (an internal assert in its caching
+    allocator, seen on the GPU), so such a family starts a new pool."""
+
+    def run_three_calls() -> None:
+        def f(x: torch.Tensor) -> torch.Tensor:
+            y = torch.relu(x) * 2
+            kiln.graph_break()
+            return y.sin() + 1
+
+        compiled = kiln.compile(f, mode="reduce-overhead")
+        for _ in range(3):
+            x = randn(6)
+            torch.testing.assert_close(compiled(x), f(x))
+
+    run_three_calls()
+    first = recorder.pools
+    kiln.reset()
+    gc.collect()  # (the first function's graphs are destroyed)
+    run_three_calls()
+    # the second function's own pipeline starts a pool; so does the first pipeline's family,
+    # which compiles the second function's resume graph and whose graphs all died
+    assert recorder.pools == first + 2 and recorder.captures == 4
 
 
 def test_default_mode_has_no_cuda_graphs(recorder: CountingRecorder) -> None:
