@@ -271,7 +271,9 @@ class Recording:
     replay: Callable[[], None]
     sources: list[Source]
     static: list[torch.Tensor | None]  # per input: its static tensor (None: none needed)
-    addresses: tuple[int, ...]  # data pointers of the static and borrowed inputs
+    # (position, data pointer) of the static inputs, and of the borrowed ones
+    statics: list[tuple[int, int]]
+    borrows: list[tuple[int, int]]
     outputs: list[torch.Tensor]  # the recorded outputs (pool memory)
     results: list[tuple[Result, int]]  # per output: its kind and its storage / input index
     storages: list[torch.UntypedStorage]  # the pool storages of the outputs
@@ -288,7 +290,6 @@ class Recording:
     # what to hand out: one of the _VIEW.. codes below, its storage or input index)
     copied: list[int] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
-    borrowed: list[int] = field(default_factory=list)
     plan: list[tuple[int, int, int]] = field(default_factory=list)
 
     def held(self) -> bool:
@@ -457,15 +458,18 @@ class CudaGraphRunner:
         results, storages, why = self._classify(outputs, static, sources)
         if why:
             return self._off(why, inputs)
-        addresses = tuple(
-            t.data_ptr() if t is not None else 0
-            for t, s in zip(static, sources, strict=True)
-            if s in (Source.STATIC, Source.BORROWED)
-        )
-        for position, source in enumerate(sources):
-            if source is Source.BORROWED:  # (holding it would keep its owner's memory held)
-                static[position] = None
-        recording = Recording(replay, sources, static, addresses, outputs, results, storages)
+
+        def pointers(kind: Source) -> list[tuple[int, int]]:
+            return [
+                (i, t.data_ptr())
+                for i, t in enumerate(static)
+                if sources[i] is kind and t is not None
+            ]
+
+        statics, borrows = pointers(Source.STATIC), pointers(Source.BORROWED)
+        for position, _ in borrows:  # (holding it would keep its owner's memory held)
+            static[position] = None
+        recording = Recording(replay, sources, static, statics, borrows, outputs, results, storages)
         recording.baselines = [_count(s) for s in storages]
         recording.given = [0] * len(storages)
         recording.owner = weakref.ref(self)
@@ -489,7 +493,6 @@ class CudaGraphRunner:
         sources = recording.sources
         recording.copied = [i for i, source in enumerate(sources) if source is Source.COPIED]
         recording.seeds = [i for i, source in enumerate(sources) if source is Source.SEED]
-        recording.borrowed = [i for i, source in enumerate(sources) if source is Source.BORROWED]
         for number, (kind, at) in enumerate(recording.results):
             if kind is Result.INPUT_VIEW:
                 code = _VIEW
@@ -582,35 +585,19 @@ class CudaGraphRunner:
         """Whether ``recording`` no longer fits ``inputs``: a static input is somewhere else
         now, or a copied input comes in a layout its static buffer cannot take (an expanded
         one, the recording's was dense, or the other way round)."""
-        addresses = recording.addresses
-        at = 0
-        for position, (tensor, source) in enumerate(zip(inputs, recording.sources, strict=True)):
-            if source is Source.STATIC:
-                if tensor.data_ptr() != addresses[at]:
-                    return True
-                at += 1
-            elif source is Source.BORROWED:
-                at += 1
-            elif source is Source.COPIED:
-                static = recording.static[position]
-                assert static is not None
-                if tensor.stride() != static.stride() and (_expanded(static) or _expanded(tensor)):
-                    return True
+        if any(inputs[i].data_ptr() != address for i, address in recording.statics):
+            return True
+        for position in recording.copied:
+            static, tensor = recording.static[position], inputs[position]
+            assert static is not None
+            if tensor.stride() != static.stride() and (_expanded(static) or _expanded(tensor)):
+                return True
         return False
 
     def _borrows(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> bool:
         """Whether the borrowed inputs are the outputs ``recording`` was recorded with (a
         backward has one recording per forward recording whose saved values it reads)."""
-        addresses = recording.addresses
-        at = 0
-        for tensor, source in zip(inputs, recording.sources, strict=True):
-            if source is Source.STATIC:
-                at += 1
-            elif source is Source.BORROWED:
-                if tensor.data_ptr() != addresses[at]:
-                    return False
-                at += 1
-        return True
+        return all(inputs[i].data_ptr() == address for i, address in recording.borrows)
 
     # --- replay --------------------------------------------------------------------------
 
@@ -639,12 +626,12 @@ class CudaGraphRunner:
             seed = static[position]
             assert seed is not None
             seed.fill_(int(inputs[position]))
-        for position in recording.borrowed:  # (an emulated replay reads it; CUDA's does not)
+        for position, _ in recording.borrows:  # (an emulated replay reads it; CUDA's not)
             static[position] = inputs[position]
         try:
             recording.replay()
         finally:
-            for position in recording.borrowed:
+            for position, _ in recording.borrows:
                 static[position] = None
         self.status.replays += 1
         self.family.replays += 1
