@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from kiln.backends import get_backend
+from kiln.backends import get_backend, roofline
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.capture.calls.builtins import graph_break
 from kiln.capture.core.breaks import BreakReason, SkipReason
 from kiln.capture.driver.cache import compiled_function, counters, reset
@@ -118,18 +119,36 @@ class CompiledModule(torch.nn.Module):
         return getattr(self._modules["_orig_mod"], name)
 
 
-def explain(fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> ExplainReport:
+def explain(
+    fn: Callable[..., Any] | None = None, *args: Any, profile: bool = False, **kwargs: Any
+) -> ExplainReport:
     """Run ``fn(*args, **kwargs)`` compiled, from fresh caches, and report what capture did:
     graphs, graph breaks (reason, file, line, source text), frames run uncompiled, externs
     and guards, symbolic sizes, and the kernels each graph compiled to (the forward's; a
     backward compiles when it first runs). ``fn`` may be plain or already compiled.
 
     ``kiln.explain()`` without arguments reports every capture this process has made so far
-    (a running program's recompiles, and which sizes they made symbolic, and why)."""
+    (a running program's recompiles, and which sizes they made symbolic, and why).
+
+    ``profile=True`` adds a per-kernel roofline (``kiln/backends/roofline.py``): each GPU
+    kernel's measured time, the bytes it moves and its share of the card's copy bandwidth, or
+    of its matmul FLOP/s for externs."""
     if fn is None:
         return compiled_so_far()
     pipeline = Pipeline(_options_of(fn))
-    return _explain(lambda: _compile(_original(fn), pipeline), *args, **kwargs)
+    profiler = _roofline if profile else None
+    return _explain(lambda: _compile(_original(fn), pipeline), *args, profiler=profiler, **kwargs)
+
+
+def _roofline(call: Callable[[], Any], events: list[Any]) -> list[str]:
+    """The profile lines of a compiled call (its kernels ran once already)."""
+    call()  # a second call: what compiles late (a CUDA graph's recording) is done
+    programs = [e.program for e in events if isinstance(e, CompiledProgramRecord) and e.program]
+    devices = {b.device for p in programs for b in p.inputs if b.device.type == "cuda"}
+    if not devices:
+        return ["per-kernel times are measured on CUDA devices only (this call ran on the CPU)"]
+    device = min(devices, key=str)
+    return roofline.report(roofline.measure(call, programs), device)
 
 
 def _options_of(fn: Any) -> Options:

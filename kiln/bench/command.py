@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, help="torch CPU threads per worker (default: torch's own choice)"
     )
     parser.add_argument(
+        "--profile", action="store_true", help="a per-kernel roofline of Kiln's rows (CUDA)"
+    )
+    parser.add_argument(
         "--json", nargs="?", const="-", metavar="PATH", help="write JSON (- for stdout)"
     )
 
@@ -83,6 +86,7 @@ def resolve(args: argparse.Namespace) -> tuple[Options, list[str]]:
         isolate=not args.in_process,
         budget_s=args.budget,
         threads=args.threads,
+        profile=args.profile,
     )
     modes = ["infer", "train"] if args.mode == "both" else [args.mode]
     return options, modes

@@ -8,9 +8,11 @@ could never match eager's, and a correctness column that always fails would hide
 
 ``reference`` is the suite of ``TARGETS.md`` (GPU, its batch sizes); ``overhead`` the
 host-bound steps that ``mode="reduce-overhead"`` is for (ResNet-50 at 64 images, BERT-base
-and GPT-2 small at batch 1); ``cpu`` holds small models that finish in minutes on two
-cores. Models whose package (torchvision, transformers) is missing are skipped, and the bench
-says so.
+and GPT-2 small at batch 1); ``broad`` the models users run beyond those four (torchvision
+families, transformers encoders, decoders, encoder-decoders and a speech model), at
+realistic sizes, and ``broad-tiny`` the same architectures at toy sizes for the CPU;
+``cpu`` holds small models that finish in minutes on two cores. Models whose package
+(torchvision, transformers) is missing are skipped, and the bench says so.
 """
 
 from __future__ import annotations
@@ -75,6 +77,72 @@ def _torchvision(name: str, size: int, **kwargs: int) -> Callable[[int], Workloa
         return Workload(model, _images(batch, size))
 
     return build
+
+
+class KeywordModel(nn.Module):
+    """A model whose forward takes keyword inputs (an encoder-decoder's ``decoder_input_ids``),
+    called positionally: the suite's inputs are a tuple of tensors."""
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.model = model
+        self.names = names
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.model(**dict(zip(self.names, inputs, strict=True)))
+
+
+def _transformer(
+    kind: str, length: int, decoder_length: int = 0, **config: Any
+) -> Callable[[int], Workload]:
+    """A transformers model ``{kind}Config`` / ``{kind}`` (a ``*For*`` head class after a
+    ``/``) with random weights and dropout off; token inputs of ``length`` (an encoder-decoder
+    also gets ``decoder_length`` decoder tokens; Whisper gets log-mel features)."""
+    config_name, model_name = kind.split("/")
+
+    def build(batch: int) -> Workload:
+        _quiet_transformers()
+        import transformers
+
+        settings = getattr(transformers, config_name)(**config)
+        for name in _DROPOUTS:
+            if hasattr(settings, name):
+                setattr(settings, name, 0.0)
+        model = getattr(transformers, model_name)(settings)
+        vocab = settings.vocab_size
+        if not decoder_length:
+            return Workload(model, _tokens(batch, length, vocab))
+        speech = config_name == "WhisperConfig"
+
+        def make(generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+            shape = (batch, settings.num_mel_bins, length) if speech else (batch, length)
+            encoder = (
+                torch.randn(shape, generator=generator)
+                if speech
+                else torch.randint(0, vocab, shape, generator=generator)
+            )
+            decoder = torch.randint(0, vocab, (batch, decoder_length), generator=generator)
+            return encoder, decoder
+
+        first = "input_features" if speech else "input_ids"
+        return Workload(KeywordModel(model, (first, "decoder_input_ids")), make)
+
+    return build
+
+
+_DROPOUTS = (
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "hidden_dropout",
+    "classifier_dropout",
+    "dropout_rate",
+    "seq_classif_dropout",
+    "qa_dropout",
+    "classifier_dropout_prob",
+)
 
 
 def _gpt2(length: int, **config: Any) -> Callable[[int], Workload]:
@@ -193,10 +261,117 @@ MODELS: dict[str, ModelSpec] = {
     )
 }
 
+# The broad suite: (name, summary, full-size builder, batch, tiny builder, tiny batch). The
+# tiny twin ``{name}_tiny`` keeps the architecture at toy widths (CPU).
+_TV = ("torchvision",)
+_HF = ("transformers",)
+_TINY_HF: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2
+)
+_TINY_DECODER = dict(_TINY_HF, vocab_size=1024, num_key_value_heads=2)
+_TINY_SEQ2SEQ: dict[str, Any] = dict(
+    d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_layers=2, decoder_layers=2,
+    encoder_attention_heads=4, decoder_attention_heads=4, vocab_size=1024,
+)  # fmt: skip
+_LLAMA: dict[str, Any] = dict(
+    hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
+    num_hidden_layers=8, vocab_size=32000,
+)  # fmt: skip
+_DEBERTA: dict[str, Any] = dict(
+    relative_attention=True, position_buckets=256, norm_rel_ebd="layer_norm",
+    share_att_key=True, pos_att_type=["p2c", "c2p"], position_biased_input=False,
+    max_relative_positions=-1,
+)  # fmt: skip
+_BASE: dict[str, Any] = dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072)
+_BART_BASE: dict[str, Any] = dict(
+    d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+    decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072,
+)  # fmt: skip
+_WHISPER_BASE: dict[str, Any] = dict(
+    d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+    decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+)  # fmt: skip
+_T5_TINY: dict[str, Any] = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2)
+_Row = tuple[str, str, Callable[[int], Workload], int, Callable[[int], Workload], int]
+_BROAD_VISION: tuple[_Row, ...] = (
+    ("resnet50", "ResNet-50", _torchvision("resnet50", 224), 64,
+     _torchvision("resnet50", 64, num_classes=10), 2),
+    ("resnext50", "ResNeXt-50 32x4d (grouped convolutions)", _torchvision("resnext50_32x4d", 224),
+     64, _torchvision("resnext50_32x4d", 64, num_classes=10), 2),
+    ("mobilenet_v3", "MobileNetV3-Large (depthwise, SE, hard-swish)",
+     _torchvision("mobilenet_v3_large", 224), 128,
+     _torchvision("mobilenet_v3_large", 64, num_classes=10), 2),
+    ("efficientnet_b0", "EfficientNet-B0 (depthwise, SE, SiLU)",
+     _torchvision("efficientnet_b0", 224), 128,
+     _torchvision("efficientnet_b0", 64, num_classes=10), 2),
+    ("regnet_y", "RegNetY-1.6GF (grouped, SE)", _torchvision("regnet_y_1_6gf", 224), 64,
+     _torchvision("regnet_y_400mf", 64, num_classes=10), 2),
+    ("densenet121", "DenseNet-121 (concatenation)", _torchvision("densenet121", 224), 64,
+     _torchvision("densenet121", 64, num_classes=10), 2),
+    ("convnext_tiny", "ConvNeXt-T (7x7 depthwise, channels-last LayerNorm)",
+     _torchvision("convnext_tiny", 224), 64,
+     _torchvision("convnext_tiny", 64, num_classes=10), 2),
+    ("vit_b_16", "ViT-B/16", _torchvision("vit_b_16", 224), 64,
+     _torchvision("vit_b_16", 64, image_size=64, num_classes=10), 2),
+    ("swin_t", "Swin-T (shifted windows)", _torchvision("swin_t", 224), 64,
+     _torchvision("swin_t", 64, num_classes=10), 2),
+    ("maxvit_t", "MaxViT-T (block and grid attention)", _torchvision("maxvit_t", 224), 32,
+     _torchvision("maxvit_t", 224, num_classes=10), 1),
+)  # fmt: skip
+_BROAD_TEXT: tuple[_Row, ...] = (
+    ("bert_base", "BERT-base MLM, Bx512", _bert(512), 16, _bert(64, **_TINY_BERT), 2),
+    ("roberta_base", "RoBERTa-base MLM, Bx512",
+     _transformer("RobertaConfig/RobertaForMaskedLM", 512, max_position_embeddings=514), 16,
+     _transformer("RobertaConfig/RobertaForMaskedLM", 64, vocab_size=1024, **_TINY_HF), 2),
+    ("distilbert", "DistilBERT MLM, Bx512",
+     _transformer("DistilBertConfig/DistilBertForMaskedLM", 512), 16,
+     _transformer("DistilBertConfig/DistilBertForMaskedLM", 64, dim=64, hidden_dim=128,
+                  n_heads=4, n_layers=2, vocab_size=1024), 2),
+    ("deberta_v3", "DeBERTa-v3-base MLM (disentangled attention), Bx512",
+     _transformer("DebertaV2Config/DebertaV2ForMaskedLM", 512, num_hidden_layers=12,
+                  vocab_size=128100, **_BASE, **_DEBERTA), 8,
+     _transformer("DebertaV2Config/DebertaV2ForMaskedLM", 64, vocab_size=1024, **_TINY_HF,
+                  **_DEBERTA), 2),
+    ("albert_base", "ALBERT-base MLM (shared layers), Bx512",
+     _transformer("AlbertConfig/AlbertForMaskedLM", 512, embedding_size=128, **_BASE), 16,
+     _transformer("AlbertConfig/AlbertForMaskedLM", 64, embedding_size=32, vocab_size=1024,
+                  **_TINY_HF), 2),
+    ("gpt2", "GPT-2 small LM, Bx1024", _gpt2(1024), 8, _gpt2(64, **_TINY_GPT2), 2),
+    ("llama", "Llama-style decoder (RMSNorm, SwiGLU, rotary, GQA), 8 layers x 2048, Bx1024",
+     _transformer("LlamaConfig/LlamaForCausalLM", 1024, **_LLAMA), 4,
+     _transformer("LlamaConfig/LlamaForCausalLM", 64, **_TINY_DECODER), 2),
+    ("mistral", "Mistral-style decoder (sliding window 512), 8 layers x 2048, Bx1024",
+     _transformer("MistralConfig/MistralForCausalLM", 1024, sliding_window=512, **_LLAMA), 4,
+     _transformer("MistralConfig/MistralForCausalLM", 64, sliding_window=16, **_TINY_DECODER),
+     2),
+    ("t5_small", "T5-small (relative position bias), Bx512 -> 128",
+     _transformer("T5Config/T5ForConditionalGeneration", 512, 128), 16,
+     _transformer("T5Config/T5ForConditionalGeneration", 64, 16, vocab_size=1024, **_T5_TINY),
+     2),
+    ("bart_base", "BART-base, Bx512 -> 128",
+     _transformer("BartConfig/BartForConditionalGeneration", 512, 128, **_BART_BASE), 16,
+     _transformer("BartConfig/BartForConditionalGeneration", 64, 16, **_TINY_SEQ2SEQ), 2),
+    ("whisper_base", "Whisper-base (speech), Bx80x3000 -> 128",
+     _transformer("WhisperConfig/WhisperForConditionalGeneration", 3000, 128, **_WHISPER_BASE),
+     8, _transformer("WhisperConfig/WhisperForConditionalGeneration", 64, 16,
+                     max_source_positions=32, num_mel_bins=16, pad_token_id=0,
+                     bos_token_id=0, eos_token_id=0, decoder_start_token_id=0,
+                     **_TINY_SEQ2SEQ), 2),
+)  # fmt: skip
+_BROAD = _BROAD_VISION + _BROAD_TEXT
+for _name, _summary, _full, _batch, _tiny, _tiny_batch in _BROAD:
+    _requires = _TV if (_name, _summary) in {row[:2] for row in _BROAD_VISION} else _HF
+    MODELS.setdefault(_name, ModelSpec(_name, _summary, _full, _batch, _requires))
+    MODELS[f"{_name}_tiny"] = ModelSpec(
+        f"{_name}_tiny", f"{_summary} at toy width", _tiny, _tiny_batch, _requires
+    )
+
 SUITES: dict[str, tuple[str, ...]] = {
     "reference": ("resnet50", "vit_b_16", "bert_base", "gpt2"),
     "overhead": ("resnet50", "bert_base_128", "gpt2_32"),
     "cpu": ("tiny_gpt", "small_cnn", "gpt2_tiny", "bert_tiny", "resnet18_small"),
+    "broad": tuple(row[0] for row in _BROAD),
+    "broad-tiny": tuple(f"{row[0]}_tiny" for row in _BROAD),
 }
 
 

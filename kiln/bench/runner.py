@@ -41,6 +41,7 @@ class Options:
     isolate: bool = True
     budget_s: float = 2.0
     threads: int | None = None
+    profile: bool = False  # Kiln's rows: a per-kernel roofline in the notes (CUDA)
 
 
 @dataclass
@@ -99,6 +100,7 @@ def run_row(spec: ModelSpec, options: Options, progress: Progress, counter: str 
             compile_mode=options.compile_mode,
             budget_s=options.budget_s,
             threads=options.threads,
+            profile=options.profile,
         )
         label = f"{counter} {spec.name} {options.mode}".strip()
         row.measurements["eager"] = _run(base, options, progress, label, scratch)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.backends import roofline
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.bench.compare import (
     TOLERANCES,
     as_close_to_truth,
@@ -38,6 +40,7 @@ from kiln.bench.compare import (
 from kiln.bench.models import MODELS, primary_output, training_loss
 from kiln.bench.timing import PeakMemory, median_seconds, timed
 from kiln.capture.guards import native_guards
+from kiln.recording import recording
 
 PHASE = "kiln-bench-phase "
 RESULT = "kiln-bench-result "
@@ -70,6 +73,7 @@ class Job:
     budget_s: float = 2.0
     threads: int | None = None
     repeat: bool = False
+    profile: bool = False
 
 
 @dataclass
@@ -126,7 +130,7 @@ def _measure(job: Job, report: Report, result: Measurement) -> None:
     step = _step(job.mode, device, dtype, list(model.parameters()), marks)
     reference_run = job.compiler == "eager" and not job.repeat
     report("first call" if job.compiler == "eager" else "compiling + first call")
-    with _compiler_context(job.compiler):
+    with _compiler_context(job.compiler), recording(CompiledProgramRecord) as programs:
         runner, result.first_call_s = timed(lambda: _first_call(job, model, step, inputs), device)
         report("saving reference results" if reference_run else "checking against eager")
         _check(job, model, runner, step, inputs, result, dtype)
@@ -144,6 +148,10 @@ def _measure(job: Job, report: Report, result: Measurement) -> None:
                 lambda x: step(runner, x), inputs, device, budget_s=job.budget_s
             )
             result.median_ms = seconds * 1e3
+            if job.profile and device.type == "cuda" and job.compiler.startswith("kiln"):
+                compiled = [record.program for record in programs if record.program]
+                times = roofline.measure(lambda: step(runner, inputs[0]), compiled)
+                result.notes += roofline.report(times, device, top=12)
     result.peak_mib = memory.peak() / 2**20
     if reference_run:
         report("float64 oracle")

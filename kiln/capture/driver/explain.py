@@ -44,6 +44,8 @@ class ExplainReport:
     sizes: list[str] = field(default_factory=list)
     # reduce-overhead: each graph's CUDA graph (recorded, replays, why off or not replayed)
     cudagraphs: list[str] = field(default_factory=list)
+    # profile=True: each GPU kernel's time and roofline share (kiln/backends/roofline.py)
+    profile: list[str] = field(default_factory=list)
 
     @property
     def graph_count(self) -> int:
@@ -75,6 +77,9 @@ class ExplainReport:
         if self.cudagraphs:
             lines.append("CUDA graphs:")
             lines += [f"  {line}" for line in self.cudagraphs]
+        if self.profile:
+            lines.append("profile:")
+            lines += [f"  {line}" for line in self.profile]
         if self.sizes:
             lines.append("symbolic sizes:")
             lines += [f"  {line}" for line in self.sizes]
@@ -109,13 +114,23 @@ def recording(fresh: bool = True) -> Iterator[list[Any]]:
             cache._WRAPPERS.update(saved_wrappers)
 
 
-def explain(make: Callable[[], Any], *args: Any, **kwargs: Any) -> ExplainReport:
+Profiler = Callable[[Callable[[], Any], list[Any]], list[str]]
+
+
+def explain(
+    make: Callable[[], Any], *args: Any, profiler: Profiler | None = None, **kwargs: Any
+) -> ExplainReport:
     """Compile (``make()``) and call once, from fresh caches; report what was captured and
     the kernels each graph compiled to (the forward's; a backward compiles when it first
-    runs)."""
+    runs). ``profiler(call, events)`` gives the report's profile lines: it may call the
+    compiled function again."""
     with recording() as events:
-        make()(*args, **kwargs)
-    return report_of(events)
+        compiled = make()
+        compiled(*args, **kwargs)
+        lines = profiler(lambda: compiled(*args, **kwargs), events) if profiler else []
+    report = report_of(events)
+    report.profile = lines
+    return report
 
 
 def report_of(events: list[Any]) -> ExplainReport:
