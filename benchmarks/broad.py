@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kiln.bench.models import SUITES  # noqa: E402
-from kiln.bench.runner import Row  # noqa: E402
-from kiln.bench.table import format_header, format_table  # noqa: E402
-from kiln.bench.worker import Measurement  # noqa: E402
+from kiln.bench.models import SUITES
+from kiln.bench.runner import Row
+from kiln.bench.table import format_header, format_table
+from kiln.bench.worker import Measurement
 
 # Rough cost of a model's three workers (relative), so the cards finish together.
 COST = {"llama": 3, "mistral": 3, "deberta_v3": 2, "whisper_base": 2, "maxvit_t": 2}

@@ -26,8 +26,8 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kiln  # noqa: E402
-from kiln.bench.timing import median_seconds  # noqa: E402
+import kiln
+from kiln.bench.timing import median_seconds
 
 ROWS, COLS = 16384, 4096
 
