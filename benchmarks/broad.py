@@ -77,8 +77,11 @@ def rows_of(path: Path) -> tuple[dict, str, list[Row]]:
 
 
 def summary(rows: list[Row]) -> list[str]:
-    lines = ["| mode | rows | geomean kiln/torch | rows > 1.0 | first call kiln/torch (max) "
-             "| peak memory kiln/torch (max) | failed |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| mode | rows | geomean kiln/torch | rows > 1.0 | first call kiln/torch (max) "
+        "| peak memory kiln/torch (max) | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for mode in sorted({row.mode for row in rows}):
         ratios, slower, first, memory, failed = [], [], [], [], []
         for row in (r for r in rows if r.mode == mode and r.skipped is None):
