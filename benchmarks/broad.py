@@ -55,6 +55,8 @@ def launch(
     command += ["--json", str(scratch / f"card{card}.json"), "--compilers", args.compilers]
     if args.compile_mode:
         command += ["--compile-mode", args.compile_mode]
+    if args.profile:
+        command.append("--profile")
     if args.device:
         command += ["--device", args.device]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
@@ -116,6 +118,7 @@ def main() -> int:
     parser.add_argument("--compilers", default="torch,kiln")
     parser.add_argument("--device", help="default cuda (cpu runs the groups on the CPU)")
     parser.add_argument("--budget", type=float, default=1.0)
+    parser.add_argument("--profile", action="store_true", help="Kiln rows: per-kernel roofline")
     parser.add_argument("--keep", help="folder for the per-card JSON and logs")
     args = parser.parse_args()
     models = args.models.split(",") if args.models else list(SUITES[args.suite])
