@@ -142,3 +142,36 @@ def test_tiny_gpt2(train: bool) -> None:
     model = transformers.GPT2LMHeadModel(config)
     make_input = lambda n: torch.randint(0, 100, (n, 10))
     _check(model, make_input, [2], train, output=lambda result: result.logits)
+
+
+class Regions(nn.Module):
+    """Grad-mode and autocast regions inside the Dynamo graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.mixed = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            y = self.frozen(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = self.mixed(x + y)
+        return z.float().relu()
+
+
+def test_grad_mode_and_autocast_regions() -> None:
+    torch.manual_seed(0)
+    model = Regions()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    actual = torch.compile(model, backend="kiln")(x)
+    expected = reference(x)
+    assert actual.dtype == expected.dtype
+    torch.testing.assert_close(actual, expected)
+    actual.sum().backward()
+    expected.sum().backward()
+    assert model.frozen.weight.grad is None
+    for parameter, twin in zip(model.mixed.parameters(), reference.mixed.parameters(), strict=True):
+        torch.testing.assert_close(parameter.grad, twin.grad)
+    assert kiln.counters.dynamo_graphs == 1 and not kiln.counters.dynamo_fallbacks

@@ -55,7 +55,7 @@ class PrimCall:
 
     def __call__(self, *operands: Any) -> Any:
         builder = active_builder()
-        if builder is not None and any(isinstance(o, ProxyTensor) for o in operands):
+        if builder is not None:
             # Traced (from_fx of a to_fx module): the node itself, not its impl's torch calls.
             values = tuple(
                 o.current()
