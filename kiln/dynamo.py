@@ -23,9 +23,10 @@ call's traces and compiles again, logged under ``KILN_LOG=dynamo`` and counted i
 
 from __future__ import annotations
 
+import operator
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,14 +34,12 @@ import torch
 from kiln.capture.driver.cache import counters
 from kiln.config import logger
 from kiln.errors import KilnError
-from kiln.frontends import from_fx, graph_inputs, rebuild_outputs
-from kiln.ir.graph import Graph
+from kiln.frontends import from_fx, rebuild_outputs
+from kiln.ir.graph import Graph, InputKind, Value
 from kiln.options import Options
 from kiln.pipeline import Pipeline
 
 _log = logger("dynamo")
-
-Compiled = tuple[Graph, Any] | None  # the traced graph and its callable; None: run eagerly
 
 
 def backend(
@@ -71,7 +70,7 @@ class DynamoGraph:
     def __init__(self, gm: torch.fx.GraphModule, pipeline: Pipeline) -> None:
         self.gm = gm
         self.pipeline = pipeline
-        self.compiled: dict[tuple[Any, ...], Compiled] = {}
+        self.compiled: dict[tuple[Any, ...], Compiled | None] = {}
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
@@ -81,19 +80,9 @@ class DynamoGraph:
                 if key not in self.compiled:
                     self.compiled[key] = self._compile(args)
         entry = self.compiled[key]
-        if entry is None:
-            return self.gm(*args)
-        graph, compiled = entry
-        inputs = graph_inputs(graph, self.gm, *args)
-        results = compiled(inputs)
-        count = len(graph.outputs)
-        position = {value: index for index, value in enumerate(graph.inputs)}
-        with torch.no_grad():
-            for (target, _), new in zip(graph.mutations, results[count:], strict=True):
-                inputs[position[target]].copy_(new)
-        return rebuild_outputs(graph, results[:count])
+        return self.gm(*args) if entry is None else entry(args)
 
-    def _compile(self, args: tuple[Any, ...]) -> Compiled:
+    def _compile(self, args: tuple[Any, ...]) -> Compiled | None:
         try:
             graph = from_fx(self.gm, args)
         except KilnError as error:
@@ -106,19 +95,59 @@ class DynamoGraph:
             return None
         _log.info("%s: compiling for %s", graph.name, _signature(args))
         counters.dynamo_graphs += 1
-        return graph, self.pipeline(graph)[1]
+        return Compiled(graph, self.pipeline(graph)[1], self.gm, _signature(args))
+
+
+class Compiled:
+    """A traced graph's compiled callable, fed straight from Dynamo's flat arguments."""
+
+    def __init__(self, graph: Graph, run: Any, gm: torch.nn.Module, key: tuple[Any, ...]) -> None:
+        self.graph = graph
+        self.run = run
+        self.output_count = len(graph.outputs)
+        # The k-th distinct tensor argument is the k-th USER input (kiln.trace's order).
+        positions = iter(sorted({k[-1] for k in key[1:] if isinstance(k, tuple)}))
+        self.feed = [_feeder(value, graph, gm, positions) for value in graph.inputs]
+        index = {value: i for i, value in enumerate(graph.inputs)}
+        self.written = [index[target] for target, _ in graph.mutations]
+
+    def __call__(self, args: tuple[Any, ...]) -> Any:
+        inputs = [feed(args) for feed in self.feed]
+        results = self.run(inputs)
+        count = self.output_count
+        with torch.no_grad():
+            for position, new in zip(self.written, results[count:], strict=True):
+                inputs[position].copy_(new)
+        return rebuild_outputs(self.graph, results[:count])
+
+
+def _feeder(
+    value: Value, graph: Graph, gm: torch.nn.Module, positions: Iterator[int]
+) -> Callable[[tuple[Any, ...]], torch.Tensor]:
+    """How a call's arguments give the graph input ``value``."""
+    if value.kind is InputKind.USER:
+        return operator.itemgetter(next(positions))
+    if value.kind is InputKind.RNG_SEED:
+        return lambda args: torch.randint(0, 2**62, (), dtype=torch.int64)
+    if value.kind is InputKind.CONSTANT:
+        tensor = graph.constants[value.name]
+    else:  # the GraphModule's own parameter or buffer (updated in place, never replaced)
+        owner, _, attr = value.source.rpartition(".")
+        tensor = getattr(gm.get_submodule(owner), attr)
+    return lambda args: tensor
 
 
 def _signature(args: Sequence[Any]) -> tuple[Any, ...]:
-    """What a traced graph is specialized to: each tensor's shape, dtype, device,
-    requires_grad and first position (a tensor passed twice is one input), the other
-    arguments' values, and grad mode."""
+    """What a traced graph is specialized to: grad mode, then per argument a tensor's shape,
+    dtype, device, requires_grad and first position (a tensor passed twice is one input),
+    or another argument's value."""
     first: dict[int, int] = {}
-    key: list[Any] = [torch.is_grad_enabled()]
-    for position, arg in enumerate(args):
-        if isinstance(arg, torch.Tensor):
-            where = first.setdefault(id(arg), position)
-            key.append((tuple(arg.shape), arg.dtype, arg.device, arg.requires_grad, where))
-        else:
-            key.append(arg)
-    return tuple(key)
+    return (
+        torch.is_grad_enabled(),
+        *[
+            (a.shape, a.dtype, a.device, a.requires_grad, first.setdefault(id(a), i))
+            if isinstance(a, torch.Tensor)
+            else a
+            for i, a in enumerate(args)
+        ],
+    )
