@@ -175,3 +175,24 @@ def test_grad_mode_and_autocast_regions() -> None:
     for parameter, twin in zip(model.mixed.parameters(), reference.mixed.parameters(), strict=True):
         torch.testing.assert_close(parameter.grad, twin.grad)
     assert kiln.counters.dynamo_graphs == 1 and not kiln.counters.dynamo_fallbacks
+
+
+@pytest.mark.parametrize("backend", ["kiln", "eager"])
+def test_parameters_and_buffers_as_graph_module_attributes(backend: str) -> None:
+    # A graph that reads parameters and buffers as its own attributes (symbolic_trace's):
+    # Kiln takes them from the GraphModule and writes the BatchNorm statistics back there
+    # (the kiln backend's kernels update them in place; the interpreter's results are copied).
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(SmallResNet())
+    reference = copy.deepcopy(gm)
+    x = torch.randn(2, 3, 16, 16)
+    actual = kiln.dynamo.backend(gm, [x], options={"backend": backend})(x)
+    expected = reference(x)
+    torch.testing.assert_close(actual, expected)
+    actual.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, parameter), twin in zip(gm.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(parameter.grad, twin.grad, rtol=1e-4, atol=1e-4, msg=name)
+    for (name, buffer), twin in zip(gm.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(buffer, twin, msg=name)
+    assert kiln.counters.dynamo_graphs == 1
