@@ -193,3 +193,22 @@ def test_symbolic_graph_is_refused() -> None:
     graph.symbols = ("s0",)
     with pytest.raises(kiln.KilnError, match="specialize"):
         kiln.to_fx(graph)
+
+
+def test_from_fx_of_a_dynamo_graph_on_its_example_inputs() -> None:
+    captured: list[Graph] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graph = kiln.from_fx(gm, example_inputs)
+        captured.append(graph)
+        return lambda *args: kiln.run_traced(graph, gm, *args)  # real inputs, same order
+
+    torch.manual_seed(0)
+    model = MLP()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    compiled(torch.randn(4, 12))
+    assert len(captured) == 1 and not [n for n in captured[0].nodes if n.op is Op.EXTERN]
+    x = torch.randn(4, 12)
+    torch.testing.assert_close(compiled(x), model(x))
+    torch._dynamo.reset()
