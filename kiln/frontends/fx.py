@@ -123,11 +123,10 @@ def _call_name(node: Node) -> str:
 def from_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Graph:
     """The Kiln graph of ``gm(*example_inputs)``: traced by :func:`kiln.trace`, after
     retargeting the aten calls that have a translated ``torch`` binding (module docstring).
-    Its inputs are ``gm``'s tensor arguments, then its own parameters and buffers."""
-    retargeted = _retarget_aten(gm)
-    graph = trace(retargeted, *example_inputs)
-    graph.name = type(gm).__name__ if type(gm).__name__.isidentifier() else graph.name
-    return graph
+    Its inputs are in ``kiln.trace``'s order: ``gm``'s own parameters and buffers, then its
+    tensor arguments (``kiln.frontends.graph_inputs(graph, gm, *args)`` lists them). Shapes
+    are the example inputs', specialized (FakeTensors with symbolic sizes are not taken)."""
+    return trace(_retarget_aten(gm), *example_inputs)
 
 
 def _retarget_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
