@@ -97,6 +97,11 @@ def _module_caller() -> types.FunctionType:
     return scope["__call__"]
 
 
+def _compiled_module(module: torch.nn.Module, options: Options) -> CompiledModule:
+    """A pickled or copied ``CompiledModule`` rebuilt: compiled afresh, on its first call."""
+    return CompiledModule(module, Pipeline(options))
+
+
 class CompiledModule(torch.nn.Module):
     """A module whose calls run compiled; it shares parameters and buffers with the original
     (registered as ``_orig_mod``, like ``torch.compile``'s wrapper).
@@ -124,11 +129,6 @@ class CompiledModule(torch.nn.Module):
         if name in ("_orig_mod", "_kiln_call") or name.startswith("_"):
             return super().__getattr__(name)
         return getattr(self._modules["_orig_mod"], name)
-
-
-def _compiled_module(module: torch.nn.Module, options: Options) -> CompiledModule:
-    """A pickled or copied ``CompiledModule`` rebuilt: compiled afresh, on its first call."""
-    return CompiledModule(module, Pipeline(options))
 
 
 def explain(fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> ExplainReport:
