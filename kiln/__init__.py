@@ -28,7 +28,7 @@ from kiln.api import (
     reset,
 )
 from kiln.errors import KilnError, TraceError
-from kiln.frontends import run_traced, trace
+from kiln.frontends import from_fx, run_traced, to_fx, trace
 from kiln.ir import Graph
 
 __version__ = "0.1.0"
@@ -44,11 +44,13 @@ __all__ = [
     "compile",
     "counters",
     "explain",
+    "from_fx",
     "graph_break",
     "mark_dynamic",
     "mark_static",
     "mark_step_begin",
     "reset",
     "run_traced",
+    "to_fx",
     "trace",
 ]

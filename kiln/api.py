@@ -98,14 +98,27 @@ def _module_caller() -> types.FunctionType:
     return scope["__call__"]
 
 
+def _compiled_module(module: torch.nn.Module, options: Options) -> CompiledModule:
+    """A pickled or copied ``CompiledModule`` rebuilt: compiled afresh, on its first call."""
+    return CompiledModule(module, Pipeline(options))
+
+
 class CompiledModule(torch.nn.Module):
     """A module whose calls run compiled; it shares parameters and buffers with the original
-    (registered as ``_orig_mod``, like ``torch.compile``'s wrapper)."""
+    (registered as ``_orig_mod``, like ``torch.compile``'s wrapper).
+
+    Pickling (``torch.save``) and ``copy.deepcopy`` store the original module and the options,
+    as ``torch.compile``'s module does: the loaded or copied object is a ``CompiledModule`` of
+    the loaded or copied module, with caches of its own, and compiles on its first call."""
 
     def __init__(self, module: torch.nn.Module, pipeline: Pipeline) -> None:
         super().__init__()
         self._orig_mod = module
+        self._kiln_options = pipeline.options
         self._kiln_call = compiled_function(_module_caller(), pipeline)
+
+    def __reduce__(self) -> tuple[Any, tuple[torch.nn.Module, Options]]:
+        return (_compiled_module, (self._orig_mod, self._kiln_options))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._kiln_call(self._orig_mod, *args, **kwargs)

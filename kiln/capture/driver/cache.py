@@ -85,6 +85,10 @@ class Counters:
     graph_breaks: list[BreakRecord] = field(default_factory=list)
     fallbacks: list[BreakRecord] = field(default_factory=list)
     graphs: int = 0
+    # torch.compile(backend="kiln") (kiln/dynamo.py): Dynamo graphs Kiln compiled (once per
+    # call signature) and those it ran eagerly (why).
+    dynamo_graphs: int = 0
+    dynamo_fallbacks: list[str] = field(default_factory=list)
 
     @property
     def cache_hits(self) -> int:
