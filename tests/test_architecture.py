@@ -13,6 +13,7 @@ The layers, bottom to top; a module may import its own layer and the layers belo
     passes, autodiff, schedule, codegen, runtime, backends   the stages, in order
     pipeline                the stages after capture, in one sequence
     api, kiln               the public entry points
+    testing                 the conformance kit (kiln.testing: runs backends through the api)
     bench, demo, cli        the tools (the ``kiln`` command)
 """
 
@@ -41,6 +42,7 @@ LAYERS: list[set[str]] = [
     {"backends"},
     {"pipeline"},
     {"api", "kiln"},
+    {"testing"},
     {"bench"},
     {"demo"},
     {"cli", "__main__"},
