@@ -4,16 +4,21 @@ eager, forward and every gradient; fused kernels; its conformance kit on the op 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import kiln
 import kiln.testing
 from kiln.backends import BackendRecord, Capabilities, registry
-from kiln.backends.numpy import counters
-from kiln.ir import Op, interpret
+from kiln.backends.numpy import counters, device
+from kiln.backends.numpy.spellings import NUMPY_DTYPES
+from kiln.ir import Op, TensorType, interpret
 from kiln.recording import recording
+
+device_to_host = device.to_host
 
 
 def mlp() -> torch.nn.Module:
@@ -92,9 +97,31 @@ def test_elementwise_chain_fuses_into_one_kernel() -> None:
     assert "torch" not in kernel.source
 
 
-def test_numpy_passes_its_conformance_kit() -> None:
+def test_dropout_mask_agrees_between_forward_and_backward() -> None:
+    """Random ops run on the default backend in both graphs, from the same seed input."""
+    kiln.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.5))
+    x = torch.randn(5, 6)
+    out = kiln.compile(model, backend="numpy")(x)
+    out.sum().backward()
+    kept = (out != 0).float() * 2  # dropout's scale
+    assert 0 < float(kept.mean()) < 2
+    torch.testing.assert_close(model[0].weight.grad, kept.t() @ x)
+    torch.testing.assert_close(model[0].bias.grad, kept.sum(0))
+
+
+def test_numpy_passes_its_conformance_kit(monkeypatch: pytest.MonkeyPatch) -> None:
+    drift: list[str] = []  # results NumPy computed in another dtype than the graph's
+
+    def to_host(array: Any, type_: TensorType) -> torch.Tensor:
+        if np.asarray(array).dtype != NUMPY_DTYPES[type_.dtype]:
+            drift.append(f"{np.asarray(array).dtype} for {type_}")
+        return device_to_host(array, type_)
+
+    monkeypatch.setattr(device, "to_host", to_host)
     coverage = kiln.testing.check_backend("numpy")
     print(coverage)
+    assert not drift, drift
     assert not coverage.failures, str(coverage)
     assert coverage.count("passed") >= 280 and coverage.on_backend >= 280, str(coverage)
     assert coverage.count("fallback") >= 100  # bfloat16, erf, sort, gather, ... go to kiln

@@ -89,9 +89,9 @@ def generate(
         if node.op in UFUNCS and reused:
             expression = f"{expression[:-1]}, out={_name(reused[0])})"
         lines.append(f"    {_name(out)} = {expression}")
-        if node.op in UFUNCS and out.type.rank > 0:
+        if node.op not in VIEWS and out.type.rank > 0:  # a new array (in-kernel ops make one)
             owned.add(out)
-    lines.append(f"    return ({''.join(_name(v) + ', ' for v in outputs)})")
+    lines.append(f"    return ({', '.join(_name(v) for v in outputs)},)")
     source = "\n".join(lines) + "\n"
     scope: dict[str, Any] = {"np": np}
     exec(compile(source, f"<kiln numpy {name}>", "exec"), scope)

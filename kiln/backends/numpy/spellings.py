@@ -57,7 +57,6 @@ UFUNCS: dict[Op, str] = {op: op.printed_name for op in SAME_NAMES} | {
     Op.ASIN: "arcsin",
     Op.ACOS: "arccos",
     Op.ATAN: "arctan",
-    Op.ROUND: "rint",  # half to even, as torch.round
     Op.BITWISE_NOT: "invert",
     Op.SUB: "subtract",
     Op.MUL: "multiply",
@@ -80,11 +79,17 @@ def _dtype(dtype: torch.dtype) -> str:
     return f"np.{DTYPES[dtype]}"
 
 
-def _sum(attrs: Any, args: list[str], node: Node) -> str:
-    """SUM accumulates float16 in float32, as PyTorch's CPU kernel does (PROD does not)."""
-    dtype = node.output.type.dtype
-    wide = torch.float32 if dtype == torch.float16 else dtype
-    return f"np.sum({args[0]}, axis={attrs.dims}, dtype={_dtype(wide)})"
+def _reduce(function: str) -> Spelling:
+    """SUM and PROD in the result's dtype (NumPy widens int32); a float16 SUM accumulates in
+    float32, as PyTorch's CPU kernel does (PROD does not)."""
+
+    def spelling(attrs: Any, args: list[str], node: Node) -> str:
+        dtype = node.output.type.dtype
+        if function == "sum" and dtype == torch.float16:
+            return f"np.sum({args[0]}, axis={attrs.dims}, dtype=np.float32).astype(np.float16)"
+        return f"np.{function}({args[0]}, axis={attrs.dims}, dtype={_dtype(dtype)})"
+
+    return spelling
 
 
 def _broadcast(attrs: Any, args: list[str], node: Node) -> str:
@@ -116,6 +121,9 @@ def _pad(attrs: Any, args: list[str], node: Node) -> str:
 EXPRESSIONS: dict[Op, Spelling] = {
     Op.RSQRT: lambda attrs, a, node: f"1 / np.sqrt({a[0]})",
     Op.RECIPROCAL: lambda attrs, a, node: f"1 / {a[0]}",
+    Op.ROUND: lambda attrs, a, node: (  # half to even, as torch.round; integers unchanged
+        f"np.rint({a[0]})" if node.output.type.dtype.is_floating_point else f"np.array({a[0]})"
+    ),
     Op.SIGMOID: lambda attrs, a, node: f"1 / (1 + np.exp(-{a[0]}))",
     Op.SIGN: lambda attrs, a, node: (
         f"np.array({a[0]})" if node.output.type.dtype == torch.bool else f"np.sign({a[0]})"
@@ -124,8 +132,8 @@ EXPRESSIONS: dict[Op, Spelling] = {
     Op.SHIFT_RIGHT: lambda attrs, a, node: f"np.right_shift({a[0]}, {a[1]})",
     Op.WHERE: lambda attrs, a, node: f"np.where({a[0]}, {a[1]}, {a[2]})",
     Op.CONVERT: lambda attrs, a, node: f"np.asarray({a[0]}).astype({_dtype(attrs.dtype)})",
-    Op.SUM: _sum,
-    Op.PROD: lambda attrs, a, node: f"np.prod({a[0]}, axis={attrs.dims})",
+    Op.SUM: _reduce("sum"),
+    Op.PROD: _reduce("prod"),
     Op.AMAX: lambda attrs, a, node: f"np.amax({a[0]}, axis={attrs.dims})",
     Op.AMIN: lambda attrs, a, node: f"np.amin({a[0]}, axis={attrs.dims})",
     Op.ARGMAX: lambda attrs, a, node: f"np.argmax({a[0]}, axis={attrs.dim})",
