@@ -2,14 +2,15 @@
 backend declares it supports (:class:`~kiln.backends.registry.Capabilities`).
 
 Each node gets a *stage*: the first stage, not before any of its operands' stages, of its
-kind (even stages for supported nodes, odd ones for the rest). Edges never go to an earlier
-stage, so running the stages in order is a valid schedule, and each stage is as large as the
-dependencies allow: the supported nodes of one stage form one subgraph for the backend, the
-others one subgraph for the default backend. A backend that supports ``add`` and ``mul`` only::
+kind (even stages for supported nodes, odd ones for the rest), then the last such stage its
+readers allow. Edges never go to an earlier stage, so running the stages in order is a valid
+schedule, and each stage is as large as the dependencies allow: the supported nodes of one
+stage form one subgraph for the backend, the others one subgraph for the default backend. A
+backend that supports ``add`` and ``mul`` only::
 
-    t0 = add(x, y)      stage 0: numpy   ──▶  part0(x, y) -> t0      on numpy
-    t1 = erf(t0)        stage 1: kiln    ──▶  part1(t0) -> t1        on kiln
-    t2 = mul(t1, x)     stage 2: numpy   ──▶  part2(t1, x) -> t2     on numpy
+    t0 = add(x, y)      stage 0  ──▶  part0(x, y) -> t0      on the backend
+    t1 = erf(t0)        stage 1  ──▶  part1(t0) -> t1        on kiln
+    t2 = mul(t1, x)     stage 2  ──▶  part2(t1, x) -> t2     on the backend
 
 The parts are separate Kiln graphs; :class:`SplitProgram` runs them in order, passing values
 across. Partitioning runs on each graph the pipeline compiles, after autodiff, so a training
@@ -47,14 +48,22 @@ class SplitProgram:
 
     def __init__(self, graph: Graph, parts: list[Part]) -> None:
         self.graph, self.parts = graph, parts
+        self.wanted = [*graph.outputs, *(new for _, new in graph.mutations)]
+        # What to forget after each part: values no later part or output needs (peak memory).
+        last = {value: index for index, part in enumerate(parts) for value in part.sources}
+        self.dead: list[list[Value]] = [[] for _ in parts]
+        for value, index in last.items():
+            if value not in self.wanted and value not in graph.inputs:
+                self.dead[index].append(value)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         env: dict[Value, torch.Tensor] = dict(zip(self.graph.inputs, inputs, strict=True))
-        for part in self.parts:
+        for part, dead in zip(self.parts, self.dead, strict=True):
             results = part.compiled([env[value] for value in part.sources])
-            env.update(zip(part.results, results, strict=False))
-        wanted = [*self.graph.outputs, *(new for _, new in self.graph.mutations)]
-        return [env[value] for value in wanted]
+            env.update(zip(part.results, results, strict=True))
+            for value in dead:
+                del env[value]
+        return [env[value] for value in self.wanted]
 
 
 def compile_split(
@@ -81,16 +90,24 @@ def compile_split(
 
 
 def assign_stages(graph: Graph, refusals: dict[Node, str]) -> list[list[Node]]:
-    """The graph's nodes grouped by stage (see the module docstring), in stage order."""
+    """The graph's nodes grouped by stage (see the module docstring), in stage order: each
+    node first in the earliest stage of its kind, then moved to the latest one its readers
+    allow, so a node no earlier stage needs joins the part its readers are in."""
     stage_of: dict[Value, int] = {}
-    stages: dict[int, list[Node]] = {}
+    stages: dict[Node, int] = {}
     for node in graph.nodes:
         kind = 1 if refusals[node] else 0
         stage = max((stage_of.get(value, 0) for value in node.input_values()), default=0)
-        stage += (stage - kind) % 2
-        stage_of.update((value, stage) for value in node.outputs)
-        stages.setdefault(stage, []).append(node)
-    return [stages[stage] for stage in sorted(stages)]
+        stages[node] = stage + (stage - kind) % 2
+        stage_of.update((value, stages[node]) for value in node.outputs)
+    last, readers = max(stages.values()), graph.users()
+    for node in reversed(graph.nodes):
+        kind = 1 if refusals[node] else 0
+        users = [stages[user] for value in node.outputs for user in readers[value]]
+        limit = min(users, default=last)
+        stages[node] = limit - (limit - kind) % 2
+    ordered = sorted(set(stages.values()))
+    return [[node for node in graph.nodes if stages[node] == stage] for stage in ordered]
 
 
 def _needed_across(graph: Graph, stages: list[list[Node]]) -> set[Value]:

@@ -91,3 +91,23 @@ def test_training_splits_forward_and_backward(compiled_graphs: list[Any]) -> Non
     torch.testing.assert_close(w.grad, w_eager.grad)
     assert len(records) == 2  # the forward graph and the backward graph, each split
     assert all(NAME in r.pieces and "kiln" in r.pieces for r in records), records
+
+
+def test_work_no_earlier_part_needs_joins_its_readers_part(compiled_graphs: list[Any]) -> None:
+    """``exp`` and ``add`` could run before the sum, but run after it, with the ``mul`` that
+    reads them: two parts, not three."""
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return (x.exp() + 1) * x.sum()
+
+    x = torch.randn(7)
+    compiled = kiln.compile(scaled, backend=NAME, options={"codegen": "evaluate"})
+    with recording(BackendRecord) as records:
+        torch.testing.assert_close(compiled(x), scaled(x))
+    assert records[0].pieces == ["kiln", NAME], records
+    assert [node.op for node in compiled_graphs[-1].nodes] == [
+        Op.EXP,
+        Op.ADD,
+        Op.BROADCAST,
+        Op.MUL,
+    ]
