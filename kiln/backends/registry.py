@@ -123,7 +123,8 @@ class FirstCallCompile:
             with self._lock:
                 if self.run is None:
                     self.run = self._compile(list(inputs))
-        return list(self.run(inputs))
+        with torch.no_grad():  # autodiff ran already: the backward is a graph of its own
+            return list(self.run(inputs))
 
     def _compile(self, inputs: list[torch.Tensor]) -> Callable[..., Any]:
         name = self.backend.name
