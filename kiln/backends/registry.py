@@ -34,7 +34,7 @@ import torch
 from kiln.config import logger
 from kiln.errors import BackendError
 from kiln.ir.graph import Graph, Node
-from kiln.ir.op import Op
+from kiln.ir.op import Op, Tag, op_def
 from kiln.options import Options
 from kiln.recording import record
 
@@ -111,7 +111,7 @@ class FunctionBackend:
 
 class FirstCallCompile:
     """Calls the compile function with the first call's inputs; if it raises, the graph runs on
-    the default backend, with a warning (``Options.strict`` raises instead)."""
+    the default backend, with a warning (``Options.strict``, or random ops, raise instead)."""
 
     def __init__(self, backend: FunctionBackend, graph: Graph, options: Options) -> None:
         self.backend, self.graph, self.options = backend, graph, options
@@ -131,7 +131,10 @@ class FirstCallCompile:
         try:
             return self.backend.compile_fn(self.graph, inputs)
         except Exception as error:
-            if self.options.strict:
+            # A graph with random ops cannot fall back alone: the default backend draws other
+            # numbers, and a forward/backward pair must see the same ones (a dropout mask).
+            random = any(Tag.RANDOM in op_def(node.op).tags for node in self.graph.nodes)
+            if self.options.strict or random:
                 raise BackendError(f"backend {name!r} failed on {self.graph.name}") from error
             reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             message = (

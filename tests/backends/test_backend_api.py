@@ -148,3 +148,17 @@ def test_entry_point_backends_are_discovered(
     torch.testing.assert_close(compiled(x, y), program(x, y))
     assert sys.modules["kiln_test_plugin"].calls == ["program"]
     assert "plugin-chip" in kiln.list_backends()
+
+
+def test_raising_backend_with_random_ops_raises(forget: list[str]) -> None:
+    """The default backend would draw another dropout mask than the backend's backward."""
+    kiln.register_backend("raising-random", _raising)
+    forget.append("raising-random")
+    kiln.reset()
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x * 2, 0.5)
+
+    compiled = kiln.compile(noisy, backend="raising-random")
+    with pytest.raises(BackendError, match="raising-random"):
+        compiled(torch.randn(8, requires_grad=True))
