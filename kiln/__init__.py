@@ -7,7 +7,8 @@ The pipeline (``kiln/pipeline.py``; docs/architecture.md)::
 
 ``kiln.compile(fn)`` compiles a function or module; ``kiln.trace(fn, *inputs)`` gives the graph
 of one call; ``kiln.ir`` prints, verifies and interprets graphs;
-``kiln.backends.get_backend("eager").compile(graph, kiln.options.Options())`` runs one.
+``kiln.get_backend("eager")(graph, inputs)(inputs)`` runs one. ``kiln.register_backend(name,
+compile_fn)`` adds a backend (docs/backends.md); ``kiln.testing.check_backend(name)`` checks one.
 """
 
 from kiln import (
@@ -27,6 +28,7 @@ from kiln.api import (
     mark_step_begin,
     reset,
 )
+from kiln.backends import get_backend, list_backends, register_backend
 from kiln.errors import KilnError, TraceError
 from kiln.frontends import from_fx, run_traced, to_fx, trace
 from kiln.ir import Graph
@@ -45,10 +47,13 @@ __all__ = [
     "counters",
     "explain",
     "from_fx",
+    "get_backend",
     "graph_break",
+    "list_backends",
     "mark_dynamic",
     "mark_static",
     "mark_step_begin",
+    "register_backend",
     "reset",
     "run_traced",
     "to_fx",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kiln.backends import get_backend, roofline
+from kiln.backends import lookup_backend, roofline
 from kiln.backends.kiln import CompiledProgramRecord
 from kiln.capture.calls.builtins import graph_break
 from kiln.capture.core.breaks import BreakReason, SkipReason
@@ -55,7 +55,7 @@ def compile(
     """Compile a function or ``nn.Module``; usable as ``@kiln.compile`` or
     ``@kiln.compile(fullgraph=True)``. The result computes what the original does, faster."""
     settings = Options.of(options, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
-    get_backend(backend)  # unknown names fail here
+    lookup_backend(backend)  # unknown names fail here
     pipeline = Pipeline(settings)
     if fn_or_module is None:
         return functools.partial(_compile, pipeline=pipeline)

@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from kiln.backends import backend_names
+    from kiln.backends import list_backends
     from kiln.demo import run_demo
 
-    known = ["kiln", *backend_names()]
+    known = list_backends()
     if args.backend not in known:
         raise UsageError(f"unknown backend {args.backend!r} (have: {', '.join(known)})")
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -9,8 +9,9 @@ then goes through, top to bottom:
 2. **autodiff** (``kiln/autodiff``), when an output requires grad: the joint forward/backward
    graph from the VJP rows, split by the save-or-recompute partitioner;
 3. **passes after autodiff**: the whole list, on the forward and on the backward graph;
-4. **backend** (``kiln/backends``): the options' backend compiles each graph whole (splitting
-   a graph between backends by what each supports comes with the backend API, issue 23).
+4. **backend** (``kiln/backends``): the options' backend compiles each graph; a backend that
+   declares its capabilities gets the largest subgraphs it supports and the default backend
+   runs the rest (``kiln/backends/split.py``: after autodiff, so training graphs split too).
    The default ``kiln`` backend does so on the graph's first call, per layout of its inputs:
    **schedule** (``kiln/schedule``: fused kernels, extern calls, buffer plan) →
    **codegen** (``kiln/codegen``: Triton or C++ sources, and the host program) →
@@ -33,7 +34,7 @@ from typing import Any
 from kiln.autodiff.partition import Partition, partition
 from kiln.autodiff.reverse import build_joint
 from kiln.autodiff.runtime import TrainingGraph, needs_autodiff
-from kiln.backends import CompiledGraph, get_backend
+from kiln.backends import CompiledGraph, compile_split, lookup_backend
 from kiln.config import logger
 from kiln.ir.graph import Graph
 from kiln.ir.specialize import specialize
@@ -72,7 +73,7 @@ class Pipeline:
             # the reference interpreter runs the graph under eager autograd, which records
             # what each op's PyTorch call records (and raises at backward where eager does).
             _log_autodiff.info("%s: eager autograd through the graph (%s)", graph.name, error)
-            return graph, get_backend("eager").compile(graph, self.options)
+            return graph, lookup_backend("eager").compile(graph, self.options)
         plan.forward = run_passes(plan.forward)
         plan.backward = run_passes(plan.backward)
         forward, backward = self.compile_graph(plan.forward), self.compile_graph(plan.backward)
@@ -85,7 +86,10 @@ class Pipeline:
 
     def compile_graph(self, graph: Graph) -> CompiledGraph:
         """The backend stage (it schedules, generates and loads code on the first call)."""
-        return get_backend(self.options.backend).compile(graph, self.options)
+        backend = lookup_backend(self.options.backend)
+        if getattr(backend, "capabilities", None) is None:
+            return backend.compile(graph, self.options)
+        return compile_split(graph, backend, self.options, lookup_backend("kiln"))
 
     def replayed(
         self,

@@ -13,6 +13,7 @@ The layers, bottom to top; a module may import its own layer and the layers belo
     passes, autodiff, schedule, codegen, runtime, backends   the stages, in order
     pipeline                the stages after capture, in one sequence
     api, kiln, dynamo       the public entry points (dynamo: torch.compile's backend)
+    testing                 the conformance kit (kiln.testing: runs backends through the api)
     bench, demo, cli        the tools (the ``kiln`` command)
 """
 
@@ -41,6 +42,7 @@ LAYERS: list[set[str]] = [
     {"backends"},
     {"pipeline"},
     {"api", "kiln", "dynamo"},
+    {"testing"},
     {"bench"},
     {"demo"},
     {"cli", "__main__"},

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.backends.registry import CompiledGraph, register_backend
+from kiln.backends.registry import CompiledGraph, add_backend
 from kiln.ir.graph import Graph
 from kiln.ir.interpreter import interpret
 from kiln.options import Options
@@ -28,4 +28,4 @@ class EagerBackend:
         return run
 
 
-register_backend(EagerBackend())
+add_backend(EagerBackend())

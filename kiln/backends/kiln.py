@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.backends.kernels import Unavailable, build_kernels
-from kiln.backends.registry import CompiledGraph, register_backend
+from kiln.backends.registry import CompiledGraph, add_backend
 from kiln.codegen.debug import dump_program
 from kiln.codegen.signatures import kernel_signature
 from kiln.codegen.wrapper import Wrapper
@@ -206,4 +206,4 @@ class KilnBackend:
         return KilnProgram(graph, options)
 
 
-register_backend(KilnBackend())
+add_backend(KilnBackend())

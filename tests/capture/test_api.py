@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.backends.registry import _BACKENDS, register_backend
+from kiln.backends.registry import _BACKENDS, add_backend
 from kiln.capture.core.breaks import FullGraphError
 from kiln.ir.graph import Graph
 
@@ -87,7 +87,7 @@ class FailingBackend:
 def failing_backend() -> str:
     backend = FailingBackend()
     if backend.name not in _BACKENDS:
-        register_backend(backend)
+        add_backend(backend)
     return backend.name
 
 

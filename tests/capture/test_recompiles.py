@@ -388,17 +388,17 @@ def test_backend_of_a_second_compile_applies() -> None:
     x = torch.randn(4)
     kiln.compile(program, backend="kiln")(x)
     used: list[str] = []
-    original = kiln.pipeline.get_backend
+    original = kiln.pipeline.lookup_backend
 
     def spy(name: str) -> Any:
         used.append(name)
         return original(name)
 
-    kiln.pipeline.get_backend = spy  # type: ignore[assignment]
+    kiln.pipeline.lookup_backend = spy  # type: ignore[assignment]
     try:
         torch.testing.assert_close(kiln.compile(program, backend="eager")(x), program(x))
     finally:
-        kiln.pipeline.get_backend = original  # type: ignore[assignment]
+        kiln.pipeline.lookup_backend = original  # type: ignore[assignment]
     assert used and set(used) == {"eager"}, used
 
 

@@ -46,6 +46,9 @@ class ExplainReport:
     cudagraphs: list[str] = field(default_factory=list)
     # profile=True: each GPU kernel's time and roofline share (kiln/backends/roofline.py)
     profile: list[str] = field(default_factory=list)
+    # Graphs split between a backend and the default one (why each op was left out), and
+    # backends that failed to compile a graph (``kiln/backends/split.py``, ``registry.py``)
+    backends: list[str] = field(default_factory=list)
 
     @property
     def graph_count(self) -> int:
@@ -71,6 +74,9 @@ class ExplainReport:
         if self.saved:
             lines.append("saved for the backward:")
             lines += [f"  {name}" for name in self.saved]
+        if self.backends:
+            lines.append("backends:")
+            lines += [f"  {line}" for line in self.backends]
         if self.kernels:
             lines.append("kernels:")
             lines += [f"  {line}" for line in self.kernels]
@@ -141,6 +147,9 @@ def report_of(events: list[Any]) -> ExplainReport:
         line for e in events if hasattr(e, "kernel_lines") for line in e.kernel_lines()
     ]
     report.cudagraphs = _cudagraph_lines(events)
+    report.backends = [
+        line for e in events if hasattr(e, "backend_lines") for line in e.backend_lines()
+    ]
     for name, item in (e for e in events if isinstance(e, Captured)):
         if isinstance(item, BreakRecord):
             report.skips.append(item)
