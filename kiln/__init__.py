@@ -28,7 +28,7 @@ from kiln.api import (
     reset,
 )
 from kiln.errors import KilnError, TraceError
-from kiln.frontends import run_traced, trace
+from kiln.frontends import register_lowering, run_traced, trace
 from kiln.ir import Graph
 
 __version__ = "0.1.0"
@@ -48,6 +48,7 @@ __all__ = [
     "mark_dynamic",
     "mark_static",
     "mark_step_begin",
+    "register_lowering",
     "reset",
     "run_traced",
     "trace",
