@@ -12,6 +12,7 @@ of one call; ``kiln.ir`` prints, verifies and interprets graphs;
 
 from kiln import (
     backends,  # noqa: F401  (registers the built-in backends)
+    lazy,  # noqa: F401  (kiln.lazy: the lazy-tensor frontend)
     ops,  # noqa: F401  (registers every op row and translation)
 )
 from kiln.api import (

@@ -12,7 +12,7 @@ The layers, bottom to top; a module may import its own layer and the layers belo
     capture                 bytecode capture
     passes, autodiff, schedule, codegen, runtime, backends   the stages, in order
     pipeline                the stages after capture, in one sequence
-    api, kiln               the public entry points
+    api, kiln, lazy         the public entry points (lazy: the lazy-tensor frontend)
     bench, demo, cli        the tools (the ``kiln`` command)
 """
 
@@ -40,7 +40,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"backends"},
     {"pipeline"},
-    {"api", "kiln"},
+    {"api", "kiln", "lazy"},
     {"bench"},
     {"demo"},
     {"cli", "__main__"},
