@@ -124,6 +124,10 @@ class LazyTensor(torch.Tensor):
         owner = getattr(getattr(func, "__self__", None), "__name__", None)
         if owner == "grad" and name in ("__get__", "__set__", "__delete__"):
             return _grad_attribute(name, *args)
+        if owner == "data" and name == "__set__":  # p.data = new: new values, not recorded
+            with torch.no_grad():
+                args[0].copy_(args[1])
+            return None
         if (name == "__get__" and owner in _METADATA_PROPERTIES) or name in _METADATA_METHODS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)

@@ -1,0 +1,154 @@
+"""``kiln.lazy``: training and inference on lazy tensors against eager, with the compile and
+cache-hit counts that show each step is one graph compiled once per structure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln import lazy
+from kiln.errors import KilnError
+
+
+@pytest.fixture(autouse=True)
+def fresh() -> Iterator[None]:
+    lazy.reset()
+    yield
+    lazy.reset()
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+def _batches(count: int, rows: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(rows, 8), torch.randn(rows, 2)) for _ in range(count)]
+
+
+Update = Callable[[torch.nn.Module, torch.optim.Optimizer | None], None]
+
+
+def _train(
+    model: torch.nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    update: Update,
+    *,
+    lazy_mode: bool,
+    optimizer: bool,
+) -> list[float]:
+    """The same ordinary PyTorch loop, eager or on lazy tensors (plus mark_step)."""
+    move = lazy.to_lazy if lazy_mode else (lambda t: t)
+    model = move(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False) if optimizer else None
+    losses = []
+    for x, y in batches:
+        loss = F.mse_loss(model(move(x)), move(y))
+        loss.backward()
+        update(model, sgd)
+        if lazy_mode:
+            lazy.mark_step()
+        losses.append(loss.item())
+    return losses
+
+
+def _optimizer_step(model: torch.nn.Module, sgd: torch.optim.Optimizer | None) -> None:
+    assert sgd is not None
+    sgd.step()
+    sgd.zero_grad()
+
+
+def _manual_step(model: torch.nn.Module, sgd: torch.optim.Optimizer | None) -> None:
+    # (gradients never zeroed: they accumulate, so step 2 differs from step 1, then repeats)
+    for p in model.parameters():
+        p.data -= 0.05 * p.grad
+
+
+@pytest.mark.parametrize(
+    "update, optimizer, compiles",
+    [(_optimizer_step, True, 1), (_manual_step, False, 2)],
+    ids=["torch.optim.SGD", "p.data -= lr * p.grad"],
+)
+def test_a_training_loop_on_lazy_tensors_matches_eager(
+    update: Update, optimizer: bool, compiles: int
+) -> None:
+    batches = _batches(10)
+    eager_model, lazy_model = _mlp(), _mlp()
+    expected = _train(eager_model, batches, update, lazy_mode=False, optimizer=optimizer)
+    got = _train(lazy_model, batches, update, lazy_mode=True, optimizer=optimizer)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for (name, p_eager), p_lazy in zip(
+        eager_model.named_parameters(), lazy_model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(lazy.to_eager(p_lazy), p_eager.detach(), msg=name)
+    counters = lazy.counters
+    assert (counters.compiles, counters.cache_hits) == (compiles, 10 - compiles)
+    assert counters.steps == 10 and counters.syncs == 0  # (.item() read materialized losses)
+    report = lazy.explain()
+    assert report is not None and report.cache_hit and "mm(" in str(report)
+
+
+def test_inference_with_item_in_the_middle() -> None:
+    model = _mlp(1)
+
+    def program(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        hidden = model[1](model[0](x))
+        scale = hidden.abs().mean().item()  # forces the pending step
+        out = model[2](hidden * scale)
+        if out.sum() > 0:  # Python control flow on a value (bool of a lazy tensor)
+            out = out * 2.0
+        out = out - 1.0
+        print(out)  # printing reads the value
+        return out, scale
+
+    x = torch.randn(4, 8)
+    expected, expected_scale = program(x)
+    lazy.to_lazy(model)
+    with torch.no_grad():
+        out, scale = program(lazy.to_lazy(x))
+    assert isinstance(out, lazy.LazyTensor)
+    assert scale == pytest.approx(expected_scale, rel=1e-5)
+    torch.testing.assert_close(lazy.to_eager(out), expected.detach())
+    assert lazy.counters.syncs == 3 and lazy.counters.compiles == 3  # three different graphs
+
+
+def test_identical_steps_hit_the_cache_and_a_new_shape_recompiles() -> None:
+    model = lazy.to_lazy(_mlp(2))
+    eager_model = _mlp(2)
+    for rows in (8, 8, 8, 4, 4):
+        x = torch.randn(rows, 8)
+        with torch.no_grad():
+            out = model(lazy.to_lazy(x)).relu()
+        lazy.mark_step()
+        torch.testing.assert_close(lazy.to_eager(out), eager_model(x).relu().detach())
+    assert (lazy.counters.compiles, lazy.counters.cache_hits) == (2, 3)
+
+
+def test_a_step_reads_fresh_data_and_writes_in_place_updates() -> None:
+    state = lazy.to_lazy(torch.randn(6))
+    expected = lazy.to_eager(state).clone()
+    for _ in range(3):
+        noise = torch.randn(6)
+        state.mul_(0.5).add_(lazy.to_lazy(noise))
+        expected = expected * 0.5 + noise
+        lazy.mark_step()
+        torch.testing.assert_close(lazy.to_eager(state), expected)
+    assert (lazy.counters.compiles, lazy.counters.cache_hits) == (1, 2)
+    assert lazy.to_eager(state).requires_grad is False
+
+
+def test_backward_after_the_loss_was_read_is_an_error() -> None:
+    w = lazy.to_lazy(torch.randn(3, requires_grad=True))
+    loss = (w * w).sum()
+    assert loss.item() == pytest.approx(float((lazy.to_eager(w) ** 2).sum()), rel=1e-5)
+    with pytest.raises(KilnError, match="whose step already ran"):
+        loss.backward()
+
+
+def test_lazy_is_part_of_the_public_api() -> None:
+    assert kiln.lazy is lazy
+    assert {"to_lazy", "to_eager", "mark_step", "counters", "explain"} <= set(lazy.__all__)
