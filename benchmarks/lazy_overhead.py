@@ -70,8 +70,8 @@ def main() -> None:
     lazy_model = lazy.to_lazy(_mlp(options.width))
     rows = {
         "eager": _measure(_loop(eager, eager, identity), batches),
-        "kiln.compile(model)": _measure(_loop(compiled, kiln.compile(compiled), identity), batches),
         "kiln.lazy": _measure(_loop(lazy_model, lazy_model, lazy.to_lazy), batches),
+        "kiln.compile(model)": _measure(_loop(compiled, kiln.compile(compiled), identity), batches),
     }
     print(f"MLP {options.width}-{options.width}-2, batch {options.batch}, one thread, median us")
     print(f"{'loop':<22}{'step':>10}{'record':>10}{'mark_step':>11}")

@@ -40,9 +40,10 @@ class LazyCounters:
     cache_hits: int = 0  # steps that reused a compiled graph of the same structural hash
     steps: int = 0  # mark_steps that ran a graph
     syncs: int = 0  # of those, forced by reading a value (.item(), print, bool)
+    eager_calls: int = 0  # calls PyTorch ran between steps (results shaped by data)
 
     def reset(self) -> None:
-        self.compiles = self.cache_hits = self.steps = self.syncs = 0
+        self.compiles = self.cache_hits = self.steps = self.syncs = self.eager_calls = 0
 
 
 counters = LazyCounters()

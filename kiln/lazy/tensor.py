@@ -27,11 +27,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kiln.autodiff.reverse import sweep
-from kiln.errors import KilnError
+from kiln.config import logger
+from kiln.errors import KilnError, TraceError
 from kiln.frontends.proxy import ProxyTensor, dispatch
 from kiln.frontends.source import user_location
 from kiln.ir.types import hint_shape
-from kiln.lazy.step import PendingStep, run_step
+from kiln.lazy.step import PendingStep, counters, run_step
+from kiln.ops.translations import api_name
+
+_log = logger("lazy")
 
 # Metadata the wrapper answers itself (its shape, dtype, device and flags are the value's).
 _METADATA_PROPERTIES = frozenset(
@@ -139,10 +143,35 @@ class LazyTensor(torch.Tensor):
             data_args, data_kwargs = pytree.tree_map(_data_of, (args, kwargs))
             return func(*data_args, **data_kwargs)
         step = _pending[0]
-        with step.builder:
-            proxies = pytree.tree_map(lambda item: _proxy_of(item, step), (args, kwargs))
-            result = dispatch(func, tuple(proxies[0]), proxies[1])
-            return pytree.tree_map(_lazy_of, result)
+        try:
+            with step.builder:
+                proxies = pytree.tree_map(lambda item: _proxy_of(item, step), (args, kwargs))
+                result = dispatch(func, tuple(proxies[0]), proxies[1])
+                return pytree.tree_map(_lazy_of, result)
+        except TraceError as error:
+            return _run_eagerly(func, args, kwargs, error)
+
+
+def _run_eagerly(func: Any, args: Any, kwargs: dict[str, Any], error: TraceError) -> Any:
+    """A call no graph node can hold (a result shaped by data: ``nonzero``, ``x[mask]``): the
+    pending step runs, PyTorch runs the call on the data, its tensors come back lazy. Not when
+    it would write a lazy tensor or cut a gradient's path: then the error stands."""
+    leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, LazyTensor)]
+    name = api_name(func)
+    differentiable = torch.is_grad_enabled() and any(map(_native_flag, leaves))
+    in_place = name.endswith("_") and not name.endswith("__")
+    if differentiable or in_place or not leaves:
+        raise error
+    _log.info("%s runs eagerly between steps: %s", name, error.message)
+    counters.eager_calls += 1
+    mark_step(reason=name)
+    data_args, data_kwargs = pytree.tree_map(_data_of, (args, kwargs))
+    result = func(*data_args, **data_kwargs)
+    return pytree.tree_map(lambda t: LazyTensor(t) if _real(t) else t, result)
+
+
+def _real(item: Any) -> bool:
+    return isinstance(item, torch.Tensor) and not isinstance(item, LazyTensor)
 
 
 def _native_flag(tensor: torch.Tensor) -> bool:

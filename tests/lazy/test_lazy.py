@@ -141,6 +141,18 @@ def test_a_step_reads_fresh_data_and_writes_in_place_updates() -> None:
     assert lazy.to_eager(state).requires_grad is False
 
 
+def test_a_result_shaped_by_data_runs_eagerly_between_steps() -> None:
+    x = torch.randn(64)
+    lazy_x = lazy.to_lazy(x)
+    picked = (lazy_x * 3.0)[lazy_x > 0]  # (boolean indexing: its size depends on the data)
+    out = picked.exp().sum()
+    torch.testing.assert_close(lazy.to_eager(out), (x * 3.0)[x > 0].exp().sum())
+    assert lazy.counters.eager_calls == 1 and lazy.counters.steps == 2
+    w = lazy.to_lazy(torch.randn(8, requires_grad=True))
+    with pytest.raises(KilnError, match="data"):  # (PyTorch would cut the gradient's path)
+        w[w > 0].sum()
+
+
 def test_backward_after_the_loss_was_read_is_an_error() -> None:
     w = lazy.to_lazy(torch.randn(3, requires_grad=True))
     loss = (w * w).sum()
