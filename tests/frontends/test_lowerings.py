@@ -96,24 +96,36 @@ def test_a_lowered_op_differentiates_through_its_prims(lowered: None) -> None:
     assert kiln.counters.graphs >= 1 and not kiln.counters.fallbacks
 
 
-def test_a_mutating_custom_op_writes_its_argument_back() -> None:
-    def step(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        accumulate(total, x.cos())
-        return total * 3.0
+def _accumulating_step(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    accumulate(total, x.cos())
+    return total * 3.0
 
+
+def _check_accumulating_step() -> None:
+    compiled = kiln.compile(lambda total, x: _accumulating_step(total, x))
+    for _ in range(2):  # the second call reads what the first wrote
+        total, x = torch.randn(16), torch.randn(16)
+        total_eager = total.clone()
+        out = compiled(total, x)
+        torch.testing.assert_close(out, _accumulating_step(total_eager, x))
+        torch.testing.assert_close(total, total_eager)
+
+
+def test_without_lowering_a_mutating_custom_op_runs_eagerly_at_a_graph_break() -> None:
+    kiln.reset()
+    _check_accumulating_step()
+    assert kiln.counters.graph_breaks
+
+
+def test_a_mutating_custom_op_writes_its_argument_back() -> None:
+    step = _accumulating_step
     kiln.register_lowering(accumulate, lambda total, x: total.add_(x * x))
     try:
         graph = kiln.trace(step, torch.randn(16), torch.randn(16))
         assert Op.EXTERN not in [node.op for node in graph.nodes]
         assert len(graph.mutations) == 1
         kiln.reset()
-        compiled = kiln.compile(step)
-        for _ in range(2):  # the second call reads what the first wrote
-            total, x = torch.randn(16), torch.randn(16)
-            total_eager = total.clone()
-            out = compiled(total, x)
-            torch.testing.assert_close(out, step(total_eager, x))
-            torch.testing.assert_close(total, total_eager)
+        _check_accumulating_step()
         assert not kiln.counters.graph_breaks and not kiln.counters.fallbacks
     finally:
         kiln.register_lowering(accumulate, None)

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 import kiln
 from kiln import lazy
+from kiln.backends.kiln import CompiledProgramRecord
 from kiln.errors import KilnError
+from kiln.recording import recording
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +81,8 @@ def test_a_training_loop_on_lazy_tensors_matches_eager(
     batches = _batches(10)
     eager_model, lazy_model = _mlp(), _mlp()
     expected = _train(eager_model, batches, update, lazy_mode=False, optimizer=optimizer)
-    got = _train(lazy_model, batches, update, lazy_mode=True, optimizer=optimizer)
+    with recording(CompiledProgramRecord) as programs:
+        got = _train(lazy_model, batches, update, lazy_mode=True, optimizer=optimizer)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for (name, p_eager), p_lazy in zip(
         eager_model.named_parameters(), lazy_model.parameters(), strict=True
@@ -88,6 +91,8 @@ def test_a_training_loop_on_lazy_tensors_matches_eager(
     counters = lazy.counters
     assert (counters.compiles, counters.cache_hits) == (compiles, 10 - compiles)
     assert counters.steps == 10 and counters.syncs == 0  # (.item() read materialized losses)
+    # the backend built one program per compile (no layout recompiles), none on the interpreter
+    assert len(programs) == compiles and not any(record.fallback for record in programs)
     report = lazy.explain()
     assert report is not None and report.cache_hit and "mm(" in str(report)
 
