@@ -110,7 +110,7 @@ def run_step(step: PendingStep, outputs: list[Value], reason: str) -> list[torch
     counters.cache_hits += hit
     if compiled is None:
         counters.compiles += 1
-        _, compiled = Pipeline(cache.options)(graph)
+        _, compiled = Pipeline(cache.options)(verify(graph))
         cache.compiled[key] = compiled
     cache.last = StepReport(graph, key, hit, reason)
     return list(compiled([_feed(step, graph, value) for value in graph.inputs]))
@@ -118,14 +118,15 @@ def run_step(step: PendingStep, outputs: list[Value], reason: str) -> list[torch
 
 def _closed(graph: Graph, outputs: list[Value]) -> Graph:
     """``graph`` with ``outputs``, without inputs nothing reads, as an inference graph (the
-    gradients it needs are already among its nodes)."""
+    gradients it needs are already among its nodes). Verified only when it compiles: a graph
+    of a known structure was verified when its twin compiled."""
     graph.outputs = list(outputs)
     used = {value for node in graph.nodes for value in node.input_values()} | set(outputs)
     graph.inputs = [value for value in graph.inputs if value in used]
     for value in [*graph.inputs, *(out for node in graph.nodes for out in node.outputs)]:
         if value.type.requires_grad:
             value.type = value.type.with_(requires_grad=False)
-    return verify(graph)
+    return graph
 
 
 def _feed(step: PendingStep, graph: Graph, value: Value) -> torch.Tensor:
