@@ -79,13 +79,14 @@ class LazyTensor(torch.Tensor):
         leaf: bool = False,
         name: str = "t",
     ) -> LazyTensor:
-        kind = proxy._value.type if proxy is not None else None
+        if data is not None:
+            shape, dtype, device = tuple(data.shape), data.dtype, data.device
+        else:
+            assert proxy is not None, "a lazy tensor holds data or a recorded value"
+            kind = proxy._value.type
+            shape, dtype, device = hint_shape(kind.shape), kind.dtype, kind.device
         tensor = torch.Tensor._make_wrapper_subclass(
-            cls,
-            data.shape if data is not None else hint_shape(kind.shape),  # type: ignore[union-attr]
-            dtype=data.dtype if data is not None else kind.dtype,  # type: ignore[union-attr]
-            device=data.device if data is not None else kind.device,  # type: ignore[union-attr]
-            requires_grad=requires_grad,
+            cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
         )
         tensor._data, tensor._proxy, tensor._epoch = data, None, 0
         tensor._leaf, tensor._lazy_grad, tensor._name = leaf, None, name
