@@ -4,8 +4,9 @@ design: record ops, compile at a step boundary).
 Tensors moved with :func:`to_lazy` record every torch call into a Kiln graph instead of running
 it; :func:`mark_step` compiles the graph recorded since the last step (once per structure: a
 training loop's steps share one compiled graph) and runs it. Reading a value (``.item()``,
-``print``, ``bool`` in an ``if``, :func:`to_eager`) runs the pending step first. ``backward()``
-and an optimizer's update are recorded too::
+``print``, ``bool`` in an ``if``, :func:`to_eager`) first runs the work that value depends on
+(a graph of its own, cached the same way; the step stays pending). ``backward()`` and an
+optimizer's update are recorded too::
 
     model = kiln.lazy.to_lazy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -15,12 +16,12 @@ and an optimizer's update are recorded too::
         opt.step()
         opt.zero_grad()
         kiln.lazy.mark_step()
-    kiln.lazy.counters   # LazyCounters(compiles=1, cache_hits=9, steps=10, syncs=0)
+    kiln.lazy.counters   # LazyCounters(compiles=1, cache_hits=9, steps=10, syncs=0, ...)
     print(kiln.lazy.explain())  # the last step's graph, its hash, compiled or cache hit
 
-Known limits: a read of any value runs the whole pending step (not only what the value
-depends on); views are materialized as their own data at a step (they no longer alias their
-base across steps); ``backward()`` must come before the loss's value is read.
+Known limits: work a value read ran runs again in the step (its graph computes only the
+step's results); views are materialized as their own data at a step (they no longer alias
+their base across steps); ``backward()`` must come before the ``mark_step`` of its loss.
 """
 
 from kiln.lazy.step import LazyCounters, StepReport, counters
@@ -34,7 +35,9 @@ def explain() -> StepReport | None:
 
 
 def reset() -> None:
-    """Forget compiled steps and zero the counters."""
+    """Run the pending step (no value is lost), then forget compiled steps and zero the
+    counters."""
+    mark_step()
     _cache.compiled.clear()
     _cache.last = None
     counters.reset()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,9 +25,11 @@ from kiln.backends import CompiledGraph
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.hashing import graph_hash
+from kiln.ir.specialize import specialize
 from kiln.ir.types import TensorType
 from kiln.ir.verify import verify
 from kiln.options import Options
+from kiln.passes.dce import eliminate_dead_code
 from kiln.pipeline import Pipeline
 
 _epochs = itertools.count(1)
@@ -38,8 +41,8 @@ class LazyCounters:
 
     compiles: int = 0  # steps whose graph structure was new: the pipeline ran
     cache_hits: int = 0  # steps that reused a compiled graph of the same structural hash
-    steps: int = 0  # mark_steps that ran a graph
-    syncs: int = 0  # of those, forced by reading a value (.item(), print, bool)
+    steps: int = 0  # graphs run (by mark_step and by value reads)
+    syncs: int = 0  # of those, value reads (.item(), print, bool): only their work, kept pending
     eager_calls: int = 0  # calls PyTorch ran between steps (results shaped by data)
 
     def reset(self) -> None:
@@ -74,6 +77,7 @@ class PendingStep:
     graph: Graph = field(default_factory=lambda: Graph(name="lazy_step"))
     data: dict[Value, torch.Tensor] = field(default_factory=dict)
     epoch: int = field(default_factory=lambda: next(_epochs))
+    seed: torch.Tensor | None = None  # the random seed of every run of this step
 
     def __post_init__(self) -> None:
         self.builder = GraphBuilder(self.graph)
@@ -98,40 +102,50 @@ class StepCache:
 cache = StepCache()
 
 
-def run_step(step: PendingStep, outputs: list[Value], reason: str) -> list[torch.Tensor]:
+def run_step(
+    step: PendingStep, outputs: list[Value], reason: str, *, keep: bool = False
+) -> list[torch.Tensor]:
     """Compile ``step``'s graph with ``outputs`` (or reuse the compiled graph of its structure)
-    and run it on the step's data; the values of ``outputs``, in order."""
-    graph = _closed(step.graph, outputs)
+    and run it on the step's data; the values of ``outputs``, in order. ``keep``: the step
+    stays pending (a value was read), so a copy of its graph is compiled (passes rewrite nodes
+    in place), and only the work ``outputs`` depend on runs."""
+    graph, feed = _closed(step, outputs, keep)
     key = graph_hash(graph)
     compiled = cache.compiled.get(key)
     hit = compiled is not None
     counters.steps += 1
-    counters.syncs += reason != "mark_step"
+    counters.syncs += keep
     counters.cache_hits += hit
     if compiled is None:
         counters.compiles += 1
         _, compiled = Pipeline(cache.options)(verify(graph))
         cache.compiled[key] = compiled
     cache.last = StepReport(graph, key, hit, reason)
-    return list(compiled([_feed(step, graph, value) for value in graph.inputs]))
+    return list(compiled(feed))
 
 
-def _closed(graph: Graph, outputs: list[Value]) -> Graph:
-    """``graph`` with ``outputs``, without inputs nothing reads, as an inference graph (the
-    gradients it needs are already among its nodes). Verified only when it compiles: a graph
-    of a known structure was verified when its twin compiled."""
-    graph.outputs = list(outputs)
-    used = {value for node in graph.nodes for value in node.input_values()} | set(outputs)
-    graph.inputs = [value for value in graph.inputs if value in used]
+def _closed(step: PendingStep, outputs: list[Value], keep: bool) -> tuple[Graph, list[Any]]:
+    """The step's graph with ``outputs``, without work or inputs they do not need, as an
+    inference graph (the gradients it needs are among its nodes), and the tensors its inputs
+    take. Verified only when it compiles: a graph of a known structure was verified when its
+    twin compiled."""
+    step.graph.outputs = list(outputs)
+    live = eliminate_dead_code(step.graph)  # (what runs is what is hashed and reported)
+    graph = specialize(live, {}) if keep else live
+    used = {value for node in graph.nodes for value in node.input_values()} | set(graph.outputs)
+    kept = [pair for pair in zip(graph.inputs, step.graph.inputs, strict=True) if pair[0] in used]
+    graph.inputs = [value for value, _ in kept]
     for value in [*graph.inputs, *(out for node in graph.nodes for out in node.outputs)]:
         if value.type.requires_grad:
             value.type = value.type.with_(requires_grad=False)
-    return graph
+    return graph, [_feed(step, value) for _, value in kept]
 
 
-def _feed(step: PendingStep, graph: Graph, value: Value) -> torch.Tensor:
+def _feed(step: PendingStep, value: Value) -> torch.Tensor:
     if value.kind is InputKind.CONSTANT:
-        return graph.constants[value.name]
-    if value.kind is InputKind.RNG_SEED:
-        return torch.randint(0, 2**62, (), dtype=torch.int64)
+        return step.graph.constants[value.name]
+    if value.kind is InputKind.RNG_SEED:  # (one seed a step: a value read sees its numbers)
+        if step.seed is None:
+            step.seed = torch.randint(0, 2**62, (), dtype=torch.int64)
+        return step.seed
     return step.data[value]

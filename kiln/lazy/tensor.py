@@ -5,10 +5,11 @@ step's graph. Each torch call on lazy tensors goes to the frontend's ``dispatch`
 translation table ``kiln.trace`` and bytecode capture use) on their proxies, inside the
 pending step's builder; its results come back as new lazy tensors, or as the operand itself
 for in-place ops (the proxy was rebound). Metadata (shape, dtype, ``requires_grad``) is
-answered at once; a read of values (``.item()``, ``print``, ``bool`` in an ``if``) runs the
-pending step first. ``loss.backward()`` records the reverse sweep of the step's graph into
-the same graph (each op's VJP, in prims) and sets the leaves' ``.grad``; an optimizer's update
-under ``no_grad`` is recorded too, so forward, backward and update compile as one graph::
+answered at once; a read of values (``.item()``, ``print``, ``bool`` in an ``if``) first
+runs the work it depends on (the step stays pending). ``loss.backward()`` records the reverse
+sweep of the step's graph into the same graph (each op's VJP, in prims) and sets the leaves'
+``.grad``; an optimizer's update under ``no_grad`` is recorded too, so forward, backward and
+update compile as one graph::
 
     model = kiln.lazy.to_lazy(model)           # parameters become lazy tensors
     loss = F.mse_loss(model(to_lazy(x)), to_lazy(y))
@@ -139,8 +140,7 @@ class LazyTensor(torch.Tensor):
         if func is torch.Tensor.backward:
             return _backward(*args, **kwargs)
         if name in _VALUE_READS:
-            if any(_pending_of(leaf) for leaf in pytree.tree_leaves((args, kwargs))):
-                mark_step(reason=name)
+            _sync(pytree.tree_leaves((args, kwargs)), name)
             data_args, data_kwargs = pytree.tree_map(_data_of, (args, kwargs))
             return func(*data_args, **data_kwargs)
         step = _pending[0]
@@ -165,7 +165,7 @@ def _run_eagerly(func: Any, args: Any, kwargs: dict[str, Any], error: TraceError
         raise error
     _log.info("%s runs eagerly between steps: %s", name, error.message)
     counters.eager_calls += 1
-    mark_step(reason=name)
+    _sync(leaves, name)
     data_args, data_kwargs = pytree.tree_map(_data_of, (args, kwargs))
     result = func(*data_args, **data_kwargs)
     return pytree.tree_map(lambda t: LazyTensor(t) if _real(t) else t, result)
@@ -184,8 +184,17 @@ def _proxy_of(item: Any, step: PendingStep) -> Any:
     return item._proxy_in(step) if isinstance(item, LazyTensor) else item
 
 
-def _pending_of(item: Any) -> bool:
-    return isinstance(item, LazyTensor) and item._pending_work()
+def _sync(items: list[Any], reason: str) -> None:
+    """Compute the pending values of the lazy tensors among ``items``: only the work they
+    depend on runs, and the step stays pending (``backward()`` may still follow)."""
+    waiting = [item for item in items if isinstance(item, LazyTensor) and item._pending_work()]
+    if not waiting:
+        return
+    step = _pending[0]
+    with step.builder:
+        outputs = [tensor._proxy.current() for tensor in waiting]  # type: ignore[union-attr]
+    for tensor, data in zip(waiting, run_step(step, outputs, reason, keep=True), strict=True):
+        tensor._data = data
 
 
 def _data_of(item: Any) -> Any:
@@ -226,10 +235,10 @@ def _backward(
     step = _pending[0]
     if create_graph or inputs is not None:
         raise NotImplementedError("lazy backward() with create_graph or inputs")
-    if loss._epoch != step.epoch or loss._data is not None or loss._proxy is None:
+    if loss._epoch != step.epoch or loss._proxy is None:
         raise KilnError(
-            "backward() of a lazy tensor whose step already ran (its value was read, or "
-            "mark_step was called, before backward): the graph it came from is gone",
+            "backward() of a lazy tensor whose step already ran (mark_step came between the "
+            "loss and its backward): the graph it came from is gone",
             user_location(),
         )
     leaves = [
@@ -252,7 +261,7 @@ def _backward(
         leaf._lazy_grad = new
 
 
-def mark_step(reason: str = "mark_step") -> None:
+def mark_step() -> None:
     """Compile (or reuse, by structural hash) and run the pending step; every live lazy tensor
     it made or changed holds its new data afterwards."""
     step = _pending[0]
@@ -265,7 +274,7 @@ def mark_step(reason: str = "mark_step") -> None:
         tensor._proxy = None
     if not outputs:
         return
-    for tensor, data in zip(changed, run_step(step, outputs, reason), strict=True):
+    for tensor, data in zip(changed, run_step(step, outputs, "mark_step"), strict=True):
         tensor._data = data
 
 
@@ -296,7 +305,6 @@ def to_lazy(target: Any) -> Any:
 
 def to_eager(tensor: LazyTensor) -> torch.Tensor:
     """The data of a lazy tensor, running the pending step first if it changes it."""
-    if tensor._pending_work():
-        mark_step(reason="to_eager")
+    _sync([tensor], "to_eager")
     assert tensor._data is not None
     return tensor._data

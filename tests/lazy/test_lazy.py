@@ -42,19 +42,24 @@ def _train(
     *,
     lazy_mode: bool,
     optimizer: bool,
+    read_first: bool = False,
 ) -> list[float]:
-    """The same ordinary PyTorch loop, eager or on lazy tensors (plus mark_step)."""
+    """The same ordinary PyTorch loop, eager or on lazy tensors (plus mark_step); the loss is
+    read after the step, or (``read_first``) before its backward."""
     move = lazy.to_lazy if lazy_mode else (lambda t: t)
     model = move(model)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False) if optimizer else None
     losses = []
     for x, y in batches:
         loss = F.mse_loss(model(move(x)), move(y))
+        if read_first:
+            losses.append(loss.item())
         loss.backward()
         update(model, sgd)
         if lazy_mode:
             lazy.mark_step()
-        losses.append(loss.item())
+        if not read_first:
+            losses.append(loss.item())
     return losses
 
 
@@ -71,30 +76,37 @@ def _manual_step(model: torch.nn.Module, sgd: torch.optim.Optimizer | None) -> N
 
 
 @pytest.mark.parametrize(
-    "update, optimizer, compiles",
-    [(_optimizer_step, True, 1), (_manual_step, False, 2)],
-    ids=["torch.optim.SGD", "p.data -= lr * p.grad"],
+    "update, optimizer, read_first, compiles",
+    [
+        (_optimizer_step, True, False, 1),
+        (_manual_step, False, False, 2),
+        (_optimizer_step, True, True, 2),  # (the loss's own graph, and the step's)
+    ],
+    ids=["torch.optim.SGD", "p.data -= lr * p.grad", "loss.item() before backward"],
 )
 def test_a_training_loop_on_lazy_tensors_matches_eager(
-    update: Update, optimizer: bool, compiles: int
+    update: Update, optimizer: bool, read_first: bool, compiles: int
 ) -> None:
     batches = _batches(10)
     eager_model, lazy_model = _mlp(), _mlp()
-    expected = _train(eager_model, batches, update, lazy_mode=False, optimizer=optimizer)
+    options = {"optimizer": optimizer, "read_first": read_first}
+    expected = _train(eager_model, batches, update, lazy_mode=False, **options)
     with recording(CompiledProgramRecord) as programs:
-        got = _train(lazy_model, batches, update, lazy_mode=True, optimizer=optimizer)
+        got = _train(lazy_model, batches, update, lazy_mode=True, **options)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for (name, p_eager), p_lazy in zip(
         eager_model.named_parameters(), lazy_model.parameters(), strict=True
     ):
         torch.testing.assert_close(lazy.to_eager(p_lazy), p_eager.detach(), msg=name)
     counters = lazy.counters
-    assert (counters.compiles, counters.cache_hits) == (compiles, 10 - compiles)
-    assert counters.steps == 10 and counters.syncs == 0  # (.item() read materialized losses)
+    syncs = 10 if read_first else 0  # (after the step, .item() reads a materialized loss)
+    assert (counters.steps, counters.syncs) == (10 + syncs, syncs)
+    assert (counters.compiles, counters.cache_hits) == (compiles, 10 + syncs - compiles)
     # the backend built one program per compile (no layout recompiles), none on the interpreter
     assert len(programs) == compiles and not any(record.fallback for record in programs)
     report = lazy.explain()
     assert report is not None and report.cache_hit and "mm(" in str(report)
+    assert report.reason == "mark_step"
 
 
 def test_inference_with_item_in_the_middle() -> None:
@@ -102,7 +114,7 @@ def test_inference_with_item_in_the_middle() -> None:
 
     def program(x: torch.Tensor) -> tuple[torch.Tensor, float]:
         hidden = model[1](model[0](x))
-        scale = hidden.abs().mean().item()  # forces the pending step
+        scale = hidden.abs().mean().item()  # runs the work it depends on
         out = model[2](hidden * scale)
         if out.sum() > 0:  # Python control flow on a value (bool of a lazy tensor)
             out = out * 2.0
@@ -158,10 +170,25 @@ def test_a_result_shaped_by_data_runs_eagerly_between_steps() -> None:
         w[w > 0].sum()
 
 
-def test_backward_after_the_loss_was_read_is_an_error() -> None:
+def test_a_value_read_runs_only_its_work_and_the_step_goes_on() -> None:
     w = lazy.to_lazy(torch.randn(3, requires_grad=True))
+    other = lazy.to_lazy(torch.randn(3)).exp()  # (not needed by the read: left pending)
     loss = (w * w).sum()
     assert loss.item() == pytest.approx(float((lazy.to_eager(w) ** 2).sum()), rel=1e-5)
+    report = lazy.explain()
+    assert report is not None and report.reason == "item" and "exp" not in str(report)
+    loss.backward()  # (the loss's step is still pending: its graph is there to differentiate)
+    lazy.mark_step()
+    assert w.grad is not None
+    torch.testing.assert_close(lazy.to_eager(w.grad), 2 * lazy.to_eager(w))
+    assert lazy.to_eager(other).shape == (3,)
+    assert (lazy.counters.steps, lazy.counters.syncs) == (2, 1)
+
+
+def test_backward_after_the_step_of_its_loss_is_an_error() -> None:
+    w = lazy.to_lazy(torch.randn(3, requires_grad=True))
+    loss = (w * w).sum()
+    lazy.mark_step()
     with pytest.raises(KilnError, match="whose step already ran"):
         loss.backward()
 
