@@ -185,6 +185,18 @@ def test_a_value_read_runs_only_its_work_and_the_step_goes_on() -> None:
     assert (lazy.counters.steps, lazy.counters.syncs) == (2, 1)
 
 
+def test_a_value_read_sees_the_random_numbers_of_its_step() -> None:
+    x = lazy.to_lazy(torch.rand(4096) + 0.5)
+    dropped = F.dropout(x, 0.5)
+    total = dropped.sum().item()  # (its own graph, run with the step's seed)
+    lazy.mark_step()
+    data = lazy.to_eager(dropped)
+    kept = data != 0
+    assert 0.4 < kept.float().mean().item() < 0.6  # (dropout ran: about half the elements)
+    torch.testing.assert_close(data[kept], 2 * lazy.to_eager(x)[kept])
+    assert total == pytest.approx(data.sum().item(), rel=1e-5)
+
+
 def test_backward_after_the_step_of_its_loss_is_an_error() -> None:
     w = lazy.to_lazy(torch.randn(3, requires_grad=True))
     loss = (w * w).sum()
