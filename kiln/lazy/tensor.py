@@ -146,9 +146,9 @@ class LazyTensor(torch.Tensor):
         step = _pending[0]
         try:
             with step.builder:
-                proxies = pytree.tree_map(lambda item: _proxy_of(item, step), (args, kwargs))
-                result = dispatch(func, tuple(proxies[0]), proxies[1])
-                return pytree.tree_map(_lazy_of, result)
+                proxy_args, proxy_kwargs = _map(lambda item: _proxy_of(item, step), args, kwargs)
+                result = dispatch(func, tuple(proxy_args), proxy_kwargs)
+                return _lazy_of(result) if _flat(result) else pytree.tree_map(_lazy_of, result)
         except TraceError as error:
             return _run_eagerly(func, args, kwargs, error)
 
@@ -173,6 +173,17 @@ def _run_eagerly(func: Any, args: Any, kwargs: dict[str, Any], error: TraceError
 
 def _real(item: Any) -> bool:
     return isinstance(item, torch.Tensor) and not isinstance(item, LazyTensor)
+
+
+def _flat(item: Any) -> bool:
+    return not isinstance(item, list | tuple | dict)
+
+
+def _map(fn: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``pytree.tree_map`` over a call's arguments, without pytree for the usual flat call."""
+    if all(map(_flat, args)) and all(map(_flat, kwargs.values())):
+        return tuple(map(fn, args)), {key: fn(value) for key, value in kwargs.items()}
+    return pytree.tree_map(fn, (tuple(args), kwargs))
 
 
 def _native_flag(tensor: torch.Tensor) -> bool:
