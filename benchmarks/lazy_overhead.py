@@ -7,11 +7,11 @@ optimizer's eager update.
 
     python benchmarks/lazy_overhead.py [--steps 50] [--width 16]
 
-Seen on the shared 2-core CPU dev box (torch 2.13 CPU, one thread, load ~5, 2026-11-27), median
-us a step, 16-16-2 / 256-256-2: eager 95 / 380, kiln.compile(model) 125 / 370-460, kiln.lazy
-2,700-7,400 / 7,500-9,800 (recording 2,100-6,500, mark_step 500-1,200); one compile, every
-other step a cache hit. Recording (the frontend's dispatch, per torch call) dominates; the
-spread between runs is the machine's load.
+Seen on the shared 2-core CPU dev box (torch 2.13 CPU, one thread, load ~2.7, 2026-11-27),
+median us a step, 16-16-2 / 256-256-2 (batch 32 / 64): eager 88 / 315, kiln.compile(model)
+114 / 297, kiln.lazy 1,491 / 1,715 (recording 1,204 / 1,252, mark_step 286 / 463); one
+compile, every other step a cache hit. Recording (the frontend's dispatch, ~50 us a torch
+call, and the backward's VJPs) dominates; under load (~5) the same runs measured 2-4x more.
 """
 
 from __future__ import annotations
