@@ -49,7 +49,7 @@ _METADATA_METHODS = frozenset(
     | {"is_floating_point", "is_complex", "is_signed", "element_size", "get_device"}
     | {"requires_grad_", "__hash__"}
 )
-# Reads of values: the pending step runs first, then the call runs on the data.
+# Reads of values: the pending work they depend on runs first, then the call, on the data.
 _VALUE_READS = frozenset(
     {"item", "tolist", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__"}
     | {"__complex__", "__repr__", "__str__", "__format__", "data_ptr"}
@@ -63,7 +63,7 @@ _pending = [PendingStep()]  # (one step at a time; a list so that mark_step can 
 class LazyTensor(torch.Tensor):
     """A tensor of the lazy frontend: data after a step, a recorded value during one."""
 
-    _data: torch.Tensor | None  # its value after the last step (None: made in this one)
+    _data: torch.Tensor | None  # its value as last computed (None: made in this step, not yet)
     _proxy: ProxyTensor | None  # its value in the pending step's graph
     _epoch: int  # the step ``_proxy`` belongs to
     _leaf: bool  # an autograd leaf: backward() sets its .grad
