@@ -21,7 +21,10 @@ optimizer's update are recorded too::
 
 Known limits: work a value read ran runs again in the step (its graph computes only the
 step's results); views are materialized as their own data at a step (they no longer alias
-their base across steps); ``backward()`` must come before the ``mark_step`` of its loss.
+their base across steps); ``backward()`` must come before the ``mark_step`` of its loss;
+Python numbers are constants of a step's graph, so one that changes every step (Adam's bias
+corrections, a learning-rate schedule) makes every step compile (``KILN_LOG=lazy`` logs
+each compile).
 """
 
 from kiln.lazy.step import LazyCounters, StepReport, counters

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kiln.backends import CompiledGraph
+from kiln.config import logger
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.hashing import graph_hash
@@ -33,6 +34,7 @@ from kiln.passes.dce import eliminate_dead_code
 from kiln.pipeline import Pipeline
 
 _epochs = itertools.count(1)
+_log = logger("lazy")
 
 
 @dataclass
@@ -118,6 +120,7 @@ def run_step(
     counters.cache_hits += hit
     if compiled is None:
         counters.compiles += 1
+        _log.info("step %s (%s): a new structure, compiling", key[:12], reason)
         _, compiled = Pipeline(cache.options)(verify(graph))
         cache.compiled[key] = compiled
     cache.last = StepReport(graph, key, hit, reason)
