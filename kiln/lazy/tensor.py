@@ -20,6 +20,7 @@ update compile as one graph::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from typing import Any
@@ -32,6 +33,7 @@ from kiln.config import logger
 from kiln.errors import KilnError, TraceError
 from kiln.frontends.proxy import ProxyTensor, dispatch
 from kiln.frontends.source import user_location
+from kiln.ir.builder import active_builder
 from kiln.ir.types import hint_shape
 from kiln.lazy.step import PendingStep, counters, run_step
 from kiln.ops.translations import api_name
@@ -114,7 +116,7 @@ class LazyTensor(torch.Tensor):
         proxy = self._proxy
         if self._epoch != _pending[0].epoch or proxy is None:
             return False
-        with _pending[0].builder:
+        with _recording(_pending[0]):
             return self._data is None or proxy.current() is not proxy._initial
 
     @classmethod
@@ -145,7 +147,7 @@ class LazyTensor(torch.Tensor):
             return func(*data_args, **data_kwargs)
         step = _pending[0]
         try:
-            with step.builder:
+            with _recording(step):
                 proxy_args, proxy_kwargs = _map(lambda item: _proxy_of(item, step), args, kwargs)
                 result = dispatch(func, tuple(proxy_args), proxy_kwargs)
                 return _lazy_of(result) if _flat(result) else pytree.tree_map(_lazy_of, result)
@@ -175,6 +177,11 @@ def _real(item: Any) -> bool:
     return isinstance(item, torch.Tensor) and not isinstance(item, LazyTensor)
 
 
+def _recording(step: PendingStep) -> contextlib.AbstractContextManager[Any]:
+    """The step's builder, made active unless it is already (a lowering's calls, a read)."""
+    return contextlib.nullcontext() if active_builder() is step.builder else step.builder
+
+
 def _flat(item: Any) -> bool:
     return not isinstance(item, list | tuple | dict)
 
@@ -198,14 +205,17 @@ def _proxy_of(item: Any, step: PendingStep) -> Any:
 def _sync(items: list[Any], reason: str) -> None:
     """Compute the pending values of the lazy tensors among ``items``: only the work they
     depend on runs, and the step stays pending (``backward()`` may still follow)."""
-    waiting = [item for item in items if isinstance(item, LazyTensor) and item._pending_work()]
-    if not waiting:
-        return
     step = _pending[0]
-    with step.builder:
-        outputs = [tensor._proxy.current() for tensor in waiting]  # type: ignore[union-attr]
-    for tensor, data in zip(waiting, run_step(step, outputs, reason, keep=True), strict=True):
-        tensor._data = data
+    with _recording(step):
+        waiting = [
+            (item, item._proxy.current())  # type: ignore[union-attr]
+            for item in items
+            if isinstance(item, LazyTensor) and item._pending_work()
+        ]
+    if waiting:
+        results = run_step(step, [value for _, value in waiting], reason, keep=True)
+        for (tensor, _), data in zip(waiting, results, strict=True):
+            tensor._data = data
 
 
 def _data_of(item: Any) -> Any:
@@ -255,7 +265,7 @@ def _backward(
     leaves = [
         t for t in _live.values() if t._leaf and t._epoch == step.epoch and t._proxy is not None
     ]
-    with step.builder, torch.no_grad():
+    with _recording(step), torch.no_grad():
         seed = _proxy_of(gradient, step) if gradient is not None else None
         if seed is None:
             seed = dispatch(torch.ones_like, (loss._proxy,), {})
@@ -278,7 +288,7 @@ def mark_step() -> None:
     step = _pending[0]
     bound = [t for t in _live.values() if t._epoch == step.epoch and t._proxy is not None]
     changed = [t for t in bound if t._pending_work()]
-    with step.builder:
+    with _recording(step):
         outputs = [t._proxy.current() for t in changed]  # type: ignore[union-attr]
     _pending[0] = PendingStep()
     for tensor in bound:

@@ -109,6 +109,32 @@ def test_a_training_loop_on_lazy_tensors_matches_eager(
     assert report.reason == "mark_step"
 
 
+def test_batchnorm_statistics_and_momentum_buffers_are_updated_lazily() -> None:
+    def model() -> torch.nn.Module:
+        torch.manual_seed(4)
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, 16),
+            torch.nn.BatchNorm1d(16),
+            torch.nn.ReLU(),
+            torch.nn.Linear(16, 2),
+        )
+
+    eager_model, lazy_model = model(), lazy.to_lazy(model())
+    batches = _batches(4)
+    for net, move in ((eager_model, lambda t: t), (lazy_model, lazy.to_lazy)):
+        sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        for x, y in batches:
+            F.mse_loss(net(move(x)), move(y)).backward()
+            sgd.step()
+            sgd.zero_grad()
+            lazy.mark_step()
+    assert lazy.counters.compiles == 2  # (the first step makes the momentum buffers)
+    for (name, eager), state in zip(
+        eager_model.state_dict().items(), lazy_model.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(lazy.to_eager(state), eager, msg=name)
+
+
 def test_adam_matches_eager_but_its_changing_numbers_compile_every_step() -> None:
     batches = _batches(3)
     losses = {}
