@@ -13,6 +13,7 @@ compile_fn)`` adds a backend (docs/backends.md); ``kiln.testing.check_backend(na
 
 from kiln import (
     backends,  # noqa: F401  (registers the built-in backends)
+    lazy,  # noqa: F401  (kiln.lazy: the lazy-tensor frontend)
     ops,  # noqa: F401  (registers every op row and translation)
 )
 from kiln.api import (
@@ -30,7 +31,7 @@ from kiln.api import (
 )
 from kiln.backends import get_backend, list_backends, register_backend
 from kiln.errors import KilnError, TraceError
-from kiln.frontends import from_fx, run_traced, to_fx, trace
+from kiln.frontends import from_fx, register_lowering, run_traced, to_fx, trace
 from kiln.ir import Graph
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "mark_static",
     "mark_step_begin",
     "register_backend",
+    "register_lowering",
     "reset",
     "run_traced",
     "to_fx",

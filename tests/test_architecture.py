@@ -12,7 +12,8 @@ The layers, bottom to top; a module may import its own layer and the layers belo
     capture                 bytecode capture
     passes, autodiff, schedule, codegen, runtime, backends   the stages, in order
     pipeline                the stages after capture, in one sequence
-    api, kiln, dynamo       the public entry points (dynamo: torch.compile's backend)
+    api, kiln, dynamo, lazy the public entry points (dynamo: torch.compile's backend; lazy:
+                            the lazy-tensor frontend)
     testing                 the conformance kit (kiln.testing: runs backends through the api)
     bench, demo, cli        the tools (the ``kiln`` command)
 """
@@ -41,7 +42,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"backends"},
     {"pipeline"},
-    {"api", "kiln", "dynamo"},
+    {"api", "kiln", "dynamo", "lazy"},
     {"testing"},
     {"bench"},
     {"demo"},

@@ -18,7 +18,7 @@ import torch
 
 from kiln.autodiff.rules import vjp_of
 from kiln.ir.builder import GraphBuilder
-from kiln.ir.graph import Graph, Value
+from kiln.ir.graph import Graph, Node, Value
 from kiln.ops import prims
 
 
@@ -56,15 +56,22 @@ def build_joint(graph: Graph) -> Joint:
             cotangents.append(cotangent)
             positions.append(position)
             _accumulate(grads, output, cotangent)
-        for node in reversed(graph.nodes):
-            output_grads = [grads.get(out) for out in node.outputs]
-            if all(g is None for g in output_grads):
-                continue
-            for operand, grad in zip(node.inputs, vjp_of(node, output_grads), strict=True):
-                if grad is not None and isinstance(operand, Value) and operand.type.requires_grad:
-                    _accumulate(grads, operand, grad)
+        sweep(graph.nodes, grads)
     input_grads = [grads.get(value) if value.type.requires_grad else None for value in graph.inputs]
     return Joint(joint, len(graph.nodes), cotangents, positions, input_grads)
+
+
+def sweep(nodes: list[Node], grads: dict[Value, Value]) -> dict[Value, Value]:
+    """Extend ``grads`` (cotangents of some values) backwards through ``nodes``, emitting each
+    node's VJP into the active builder: the reverse sweep, also run on a lazy step's graph."""
+    for node in reversed(nodes):
+        output_grads = [grads.get(out) for out in node.outputs]
+        if all(g is None for g in output_grads):
+            continue
+        for operand, grad in zip(node.inputs, vjp_of(node, output_grads), strict=True):
+            if grad is not None and isinstance(operand, Value) and operand.type.requires_grad:
+                _accumulate(grads, operand, grad)
+    return grads
 
 
 def _accumulate(grads: dict[Value, Value], value: Value, grad: Value) -> None:

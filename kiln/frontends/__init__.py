@@ -6,6 +6,15 @@ Input: a function or ``nn.Module`` and example inputs. Output: a verified ``kiln
 """
 
 from kiln.frontends.fx import from_fx, to_fx
+from kiln.frontends.lowerings import register_lowering
 from kiln.frontends.trace import graph_inputs, rebuild_outputs, run_traced, trace
 
-__all__ = ["from_fx", "graph_inputs", "rebuild_outputs", "run_traced", "to_fx", "trace"]
+__all__ = [
+    "from_fx",
+    "graph_inputs",
+    "rebuild_outputs",
+    "register_lowering",
+    "run_traced",
+    "to_fx",
+    "trace",
+]

@@ -43,6 +43,7 @@ from kiln.ops.translations.table import (
     entries,
     finish_assignments,
     lookup,
+    override,
     translation,
 )
 
@@ -56,5 +57,6 @@ __all__ = [
     "entries",
     "finish_assignments",
     "lookup",
+    "override",
     "translation",
 ]

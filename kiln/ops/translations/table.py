@@ -130,6 +130,19 @@ def translation(
     return register
 
 
+def override(key: Any, fn: Callable[..., Any] | None) -> None:
+    """Make ``fn`` the translation of ``key`` (a user's lowering), replacing any built-in one;
+    ``fn=None`` restores the built-in translation (or none). Not listed by ``entries()``: a
+    lowering has no samples."""
+    builtin = next((entry for entry in _ENTRIES if key in entry.keys), None)
+    if fn is not None:
+        _TABLE[_key(key)] = Translation((key,), fn, dtypes=frozenset())
+    elif builtin is not None:
+        _TABLE[_key(key)] = builtin
+    else:
+        _TABLE.pop(_key(key), None)
+
+
 def lookup(fn: Any) -> Translation | None:
     """The translation of torch callable ``fn``, or ``None`` (it becomes an extern node)."""
     try:
