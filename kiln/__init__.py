@@ -6,7 +6,8 @@ The pipeline (``kiln/pipeline.py``; docs/architecture.md)::
               kiln/capture  kiln/ir, kiln/ops                      schedule -> codegen -> runtime
 
 ``kiln.compile(fn)`` compiles a function or module; ``kiln.trace(fn, *inputs)`` gives the graph
-of one call; ``kiln.ir`` prints, verifies and interprets graphs;
+of one call; ``kiln.export(fn, args)`` gives it as a program to save and ``kiln.load``
+elsewhere; ``kiln.ir`` prints, verifies and interprets graphs;
 ``kiln.backends.get_backend("eager").compile(graph, kiln.options.Options())`` runs one.
 """
 
@@ -28,6 +29,7 @@ from kiln.api import (
     reset,
 )
 from kiln.errors import KilnError, TraceError
+from kiln.export import Dim, ExportedProgram, export, load
 from kiln.frontends import run_traced, trace
 from kiln.ir import Graph
 
@@ -36,6 +38,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BreakReason",
     "CompiledModule",
+    "Dim",
+    "ExportedProgram",
     "Graph",
     "KilnError",
     "SkipReason",
@@ -44,7 +48,9 @@ __all__ = [
     "compile",
     "counters",
     "explain",
+    "export",
     "graph_break",
+    "load",
     "mark_dynamic",
     "mark_static",
     "mark_step_begin",

@@ -36,6 +36,17 @@ def trace(fn_or_module: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
     closes over become ``CONSTANT`` inputs. In-place updates of inputs (BatchNorm running stats)
     become ``graph.mutations``.
     """
+    return trace_call(fn_or_module, args, kwargs)
+
+
+def trace_call(
+    fn_or_module: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    type_of: Callable[[torch.Tensor], TensorType] = TensorType.of,
+) -> Graph:
+    """:func:`trace`, each tensor argument's input typed by ``type_of`` (``kiln.export`` gives
+    some dims symbolic sizes; an active ``ShapeEnv`` then records what tracing decided on them)."""
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     target = module.forward if module is not None else fn_or_module
     graph = Graph(name=_graph_name(fn_or_module))
@@ -52,7 +63,7 @@ def trace(fn_or_module: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
         for leaf, name in zip(leaves, names, strict=True):
             if isinstance(leaf, torch.Tensor):
                 if id(leaf) not in proxies:
-                    value = graph.add_input(TensorType.of(leaf), name=name, source=name)
+                    value = graph.add_input(type_of(leaf), name=name, source=name)
                     proxies[id(leaf)] = ProxyTensor(value)
                 traced_leaves.append(proxies[id(leaf)])
             else:
