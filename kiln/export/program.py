@@ -173,12 +173,15 @@ def load(path: str | os.PathLike[str]) -> ExportedProgram:
     try:
         data = json.loads(members["graph.json"])
         decoder = Decoder(data["symbols"])
-        graph = verify(decode_graph(data["graph"], decoder))
+        weights = safetensors.torch.load(members["weights.safetensors"])
+        graph = decode_graph(data["graph"], decoder)
+        constants = [v.name for v in graph.inputs if v.kind is InputKind.CONSTANT]
+        graph.constants = {name: weights[name] for name in constants}
+        verify(graph)
         plan = [s if isinstance(s, int) else decoder.value(s) for s in data["out_plan"]]
         graph.output_spec = (pytree.treespec_loads(data["out_spec"]), plan)
         leaves = [s if isinstance(s, int) else decoder.value(s) for s in data["leaves"]]
         relations = tuple(decoder.relation(item) for item in data["relations"])
-        weights = safetensors.torch.load(members["weights.safetensors"])
         program = ExportedProgram(
             graph, weights, pytree.treespec_loads(data["in_spec"]), leaves, relations
         )

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from kiln.frontends.proxy import ProxyTensor, TraceMode
+from kiln.frontends.proxy import ProxyTensor, TraceMode, dispatch
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.interpreter import run
+from kiln.ir.symbolic import Sym
 from kiln.ir.types import TensorType
 from kiln.ir.verify import verify
 
@@ -54,6 +55,7 @@ def trace_call(
         GraphBuilder(graph),
         _compiling(),
         _module_proxies(module, graph) as state_proxies,
+        _sized_factories(),
         TraceMode(),
     ):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -127,6 +129,34 @@ def _compiling() -> Iterator[None]:
         yield
     finally:
         compiler._is_compiling_flag = previous
+
+
+# torch functions whose Number arguments torch's argument parser checks before any override
+# sees them (``torch.arange(x.size(1))`` with a symbolic size): bytecode capture routes such a
+# call at its call site; tracing routes it here, while tracing.
+_SIZED_FACTORIES = ("arange", "full", "linspace")
+
+
+@contextlib.contextmanager
+def _sized_factories() -> Iterator[None]:
+    """Route calls of ``_SIZED_FACTORIES`` given a symbolic size to the proxies' dispatch."""
+    originals = {name: getattr(torch, name) for name in _SIZED_FACTORIES}
+
+    def routed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(leaf, Sym) for leaf in pytree.tree_leaves((args, kwargs))):
+                return dispatch(fn, args, kwargs)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(torch, name, routed(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch, name, fn)
 
 
 @contextlib.contextmanager
