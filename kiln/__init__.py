@@ -29,7 +29,7 @@ from kiln.api import (
     reset,
 )
 from kiln.errors import KilnError, TraceError
-from kiln.export import Dim, ExportedProgram, export, load
+from kiln.exported import Dim, ExportedProgram, ExportError, ExportFileError, export, load
 from kiln.frontends import run_traced, trace
 from kiln.ir import Graph
 
@@ -39,6 +39,8 @@ __all__ = [
     "BreakReason",
     "CompiledModule",
     "Dim",
+    "ExportError",
+    "ExportFileError",
     "ExportedProgram",
     "Graph",
     "KilnError",

@@ -12,7 +12,7 @@ The layers, bottom to top; a module may import its own layer and the layers belo
     capture                 bytecode capture
     passes, autodiff, schedule, codegen, runtime, backends   the stages, in order
     pipeline                the stages after capture, in one sequence
-    api, export, kiln       the public entry points (export: kiln.export and kiln.load)
+    api, exported, kiln     the public entry points (exported: kiln.export and kiln.load)
     bench, demo, cli        the tools (the ``kiln`` command)
 """
 
@@ -40,7 +40,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"backends"},
     {"pipeline"},
-    {"api", "export", "kiln"},
+    {"api", "exported", "kiln"},
     {"bench"},
     {"demo"},
     {"cli", "__main__"},

@@ -4,7 +4,7 @@ symbols of the graph.
 Capture is ``kiln.trace`` (proxy tracing: one graph by construction, and each tensor argument
 maps to one graph input, which is the input spec). What would be a graph break under
 ``kiln.compile`` (control flow on tensor values, a call no node can hold) is an
-:class:`~kiln.export.program.ExportError` naming the user's line. A dim named in
+:class:`~kiln.exported.program.ExportError` naming the user's line. A dim named in
 ``dynamic_shapes`` becomes a symbol (``f32[batch, 8]``); what tracing decided about one
 (``batch > 8``) is checked on every call, and a size it had to specialize (``int(batch)``) is
 an error here::
@@ -23,7 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kiln.errors import TraceError
-from kiln.export.program import ExportedProgram, ExportError
+from kiln.exported.program import ExportedProgram, ExportError
 from kiln.frontends.source import user_location
 from kiln.frontends.trace import trace_call
 from kiln.ir.graph import Graph, InputKind

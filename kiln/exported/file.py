@@ -3,7 +3,7 @@
 Members (``docs/export-format.md``)::
 
     kiln-export           {"format": 1, "torch": "2.13.0", "python": "3.11"} (stored first)
-    graph.json            the graph and input spec (kiln/export/graph_format.py)
+    graph.json            the graph and input spec (kiln/exported/graph_format.py)
     weights.safetensors   parameters, buffers and constants, by graph input name
     program.txt           the printed program, for reading (never executed)
     kernels/cpp/*         C++ cache entries: source, shared library, build record

@@ -1,9 +1,9 @@
 """An exported program: one graph, its weights as data and its input spec, run by Kiln's
-pipeline; saved to and loaded from one file (``kiln/export/file.py``).
+pipeline; saved to and loaded from one file (``kiln/exported/file.py``).
 
 ::
 
-    prog = kiln.export(model, (x,))   # kiln/export/tracing.py
+    prog = kiln.export(model, (x,))   # kiln/exported/tracing.py
     print(prog)                       # the input spec, weights, outputs and the graph as Python
     prog(x2)                          # checked against the spec, then compiled code
     prog.save("model.kiln")
@@ -27,8 +27,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kiln.errors import KilnError
-from kiln.export.file import ExportFileError, read_archive, seed_cache, write_archive
-from kiln.export.graph_format import (
+from kiln.exported.file import ExportFileError, read_archive, seed_cache, write_archive
+from kiln.exported.graph_format import (
     Decoder,
     Encoder,
     decode_graph,
@@ -61,7 +61,7 @@ class ExportedProgram:
 
     def __post_init__(self) -> None:
         self.user = [v for v in self.graph.inputs if v.kind is InputKind.USER]
-        self.kernel_files: dict[str, str] = {}  # archive name -> file (kiln/export/file.py)
+        self.kernel_files: dict[str, str] = {}  # archive name -> file (kiln/exported/file.py)
         self._compiled: Any = None
         self._sizes_seen: set[tuple[int, ...]] = set()
 
@@ -108,7 +108,9 @@ class ExportedProgram:
         :class:`ExportError` saying what differs when the call does not fit the spec."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
-            raise ExportError(f"arguments structured as {spec}, the program takes {self.in_spec}")
+            want, got = _arguments(self.in_spec), _arguments(spec)
+            detail = f"got {got}" if got != want else f"nested as {spec}, not {self.in_spec}"
+            raise ExportError(f"the program takes {want}: {detail}")
         tensors: list[Any] = [None] * len(self.user)
         for leaf, slot in zip(leaves, self.leaves, strict=True):
             if isinstance(slot, int):
@@ -167,8 +169,8 @@ class ExportedProgram:
 
 def load(path: str | os.PathLike[str]) -> ExportedProgram:
     """The program :meth:`ExportedProgram.save` wrote to ``path``; its kernels go into the
-    kernel cache (``kiln/export/file.py``). A damaged file, or one of another format version,
-    raises :class:`~kiln.export.file.ExportFileError`."""
+    kernel cache (``kiln/exported/file.py``). A damaged file, or one of another format version,
+    raises :class:`~kiln.exported.file.ExportFileError`."""
     members = read_archive(path)
     try:
         data = json.loads(members["graph.json"])
@@ -189,6 +191,12 @@ def load(path: str | os.PathLike[str]) -> ExportedProgram:
         raise ExportFileError(f"{path}: the saved program does not read back: {error!r}") from error
     seed_cache(members)
     return program
+
+
+def _arguments(spec: pytree.TreeSpec) -> str:
+    """What a call's ``(args, kwargs)`` tree spec holds, in words."""
+    positional, keywords = spec.children()
+    return f"{positional.num_children} positional arguments, keywords {list(keywords.context)}"
 
 
 def _symbols(dim: Any) -> list[Symbol]:
