@@ -64,14 +64,26 @@ class ExportedProgram:
         self.kernel_files: dict[str, str] = {}  # archive name -> file (kiln/exported/file.py)
         self._compiled: Any = None
         self._sizes_seen: set[tuple[int, ...]] = set()
+        # Per graph input: the tensor held (a weight), or None for a user input; seeds drawn.
+        self._held = [self.weights.get(v.name) for v in self.graph.inputs]
+        self._seeds = [i for i, v in enumerate(self.graph.inputs) if v.kind is InputKind.RNG_SEED]
+        for i in self._seeds:
+            self._held[i] = torch.empty((), dtype=torch.int64)
+        # The fast path: a call of plain tensor arguments, and static types to compare with.
+        count = len(self.leaves)
+        plain = pytree.tree_flatten((tuple(range(count)), {}))[1]
+        self._plain = self.in_spec == plain and self.leaves == list(range(count))
+        self._static = [
+            None if v.type.is_symbolic else (v.type.shape, v.type.dtype, v.type.device)
+            for v in self.user
+        ]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors, sizes = self.check(args, kwargs)
         feed = iter(tensors)
-        inputs = [
-            next(feed) if value.kind is InputKind.USER else self._held(value)
-            for value in self.graph.inputs
-        ]
+        inputs = [next(feed) if held is None else held for held in self._held]
+        for i in self._seeds:
+            inputs[i] = torch.randint(0, 2**62, (), dtype=torch.int64)
         key = tuple(sizes[name] for name in self.graph.symbols)
         with torch.no_grad():
             results = (
@@ -98,15 +110,11 @@ class ExportedProgram:
                 self.kernel_files[f"kernels/{entry.kind}/{os.path.basename(path)}"] = path
         return results
 
-    def _held(self, value: Value) -> torch.Tensor:
-        if value.kind is InputKind.RNG_SEED:
-            return torch.randint(0, 2**62, (), dtype=torch.int64)
-        return self.weights[value.name]
-
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], dict]:
         """The tensors of the graph's user inputs and the symbols' values of a call; an
         :class:`ExportError` saying what differs when the call does not fit the spec."""
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        plain = self._plain and not kwargs and len(args) == len(self.leaves)
+        leaves, spec = (args, self.in_spec) if plain else pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
             want, got = _arguments(self.in_spec), _arguments(spec)
             detail = f"got {got}" if got != want else f"nested as {spec}, not {self.in_spec}"
@@ -118,8 +126,18 @@ class ExportedProgram:
             elif isinstance(leaf, torch.Tensor) or leaf != slot[1]:
                 raise ExportError(f"argument {leaf!r:.60} differs from the exported {slot[1]!r}")
         sizes: dict[str, int] = {}
-        for value, tensor in zip(self.user, tensors, strict=True):
-            _check_tensor(value, tensor, sizes)
+        for value, tensor, static in zip(self.user, tensors, self._static, strict=True):
+            if (
+                static is None
+                or not isinstance(tensor, torch.Tensor)
+                or static
+                != (
+                    tensor.shape,
+                    tensor.dtype,
+                    tensor.device,
+                )
+            ):
+                _check_tensor(value, tensor, sizes)
         for relation in self.relations:
             if not relation.holds(sizes):
                 raise ExportError(f"sizes {sizes} break {relation.text()} ({relation.why})")
