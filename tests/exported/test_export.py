@@ -295,3 +295,24 @@ def test_flipped_bytes_raise_or_change_nothing(small_file: Path) -> None:
             continue
         torch.testing.assert_close(program(linear_input), expected)  # (an unused field)
     assert errors >= 20
+
+
+def test_triton_kernels_travel_in_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton kernels (CPU tensors run them in Triton's interpreter): their modules are saved
+    and seeded into an empty cache on load, where nothing is written again."""
+    pytest.importorskip("triton")
+    from kiln.config import config
+    from kiln.runtime.kernel_files import KernelFiles
+
+    monkeypatch.setattr(config, "codegen", "triton")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    with recording(CompiledProgramRecord) as records:
+        program = kiln.export(model.eval(), (torch.randn(4, 8),), dynamic_shapes=({0: "b"},))
+    assert [(r.codegen, r.fallback) for r in records] == [("triton", "")]
+    program.save(tmp_path / "triton.kiln")
+    monkeypatch.setattr(config, "cache_dir", str(tmp_path / "empty-cache"))
+    loaded = kiln.load(tmp_path / "triton.kiln")
+    x = torch.randn(4, 8)
+    with recording(KernelFiles) as used:
+        torch.testing.assert_close(loaded(x), model(x).detach())
+    assert used and all(entry.kind == "triton" and not entry.built for entry in used)
