@@ -90,7 +90,8 @@ def seed_cache(members: dict[str, bytes]) -> int:
     written = 0
     for name, data in members.items():
         kind, _, file_name = name.removeprefix("kernels/").partition("/")
-        if not name.startswith("kernels/") or "/" in file_name or kind not in ("cpp", "triton"):
+        unsafe = "/" in file_name or file_name.startswith(".")
+        if not name.startswith("kernels/") or unsafe or kind not in ("cpp", "triton"):
             continue
         target = Path(config.cache_dir) / kind / file_name
         if target.exists() and target.read_bytes() == data:

@@ -112,9 +112,10 @@ def _marks(
         if unknown:
             raise ExportError(f"dynamic_shapes names {sorted(unknown)}, not arguments")
     else:
-        pairs = [
-            (arg, spec, f"arg{i}") for i, (arg, spec) in enumerate(zip(args, dynamic, strict=False))
-        ]
+        if len(dynamic) > len(args):
+            raise ExportError(f"dynamic_shapes has {len(dynamic)} entries for {len(args)} args")
+        named = [(arg, f"arg{i}") for i, arg in enumerate(args)]
+        pairs = [(arg, spec, name) for (arg, name), spec in zip(named, dynamic, strict=False)]
     marks: dict[int, dict[int, Sym]] = {}
     symbols: dict[str, Sym] = {}
     for value, spec, name in pairs:
