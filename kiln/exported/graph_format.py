@@ -90,7 +90,11 @@ class Encoder:
         if isinstance(item, enum.Enum):
             return {"enum": _class_name(type(item)), "name": item.name}
         if dataclasses.is_dataclass(item) and not isinstance(item, type):
-            fields = {f.name: self.value(getattr(item, f.name)) for f in dataclasses.fields(item)}
+            fields = {
+                f.name: self.value(getattr(item, f.name))
+                for f in dataclasses.fields(item)
+                if f.init
+            }
             return {"dataclass": _class_name(type(item)), "fields": fields}
         if callable(item):
             name = callable_name(item)

@@ -49,7 +49,7 @@ class ExportError(KilnError):
     """The program cannot be exported, or a call does not fit the exported input spec."""
 
 
-@dataclass
+@dataclass(eq=False)
 class ExportedProgram:
     """A graph plus its weights and input spec; called like the original (see module doc)."""
 
@@ -127,16 +127,13 @@ class ExportedProgram:
                 raise ExportError(f"argument {leaf!r:.60} differs from the exported {slot[1]!r}")
         sizes: dict[str, int] = {}
         for value, tensor, static in zip(self.user, tensors, self._static, strict=True):
-            if (
-                static is None
-                or not isinstance(tensor, torch.Tensor)
-                or static
-                != (
-                    tensor.shape,
-                    tensor.dtype,
-                    tensor.device,
-                )
-            ):
+            # (one tuple compare for a static input; any mismatch is described by the slow path)
+            same = isinstance(tensor, torch.Tensor) and static == (
+                tensor.shape,
+                tensor.dtype,
+                tensor.device,
+            )
+            if not same:
                 _check_tensor(value, tensor, sizes)
         for relation in self.relations:
             if not relation.holds(sizes):
