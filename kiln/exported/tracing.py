@@ -68,7 +68,8 @@ def export(
         with torch.no_grad(), active_env(env):
             graph = trace_call(fn_or_module, args, kwargs, type_of)
     except TraceError as error:
-        raise ExportError(f"kiln.export needs one whole graph: {error}") from error
+        message = f"kiln.export needs one whole graph: {error.message}"
+        raise ExportError(message, error.location) from error
     if env.specializations:
         what = "; ".join(f"{expr} ({why})" for expr, why in env.specializations)
         raise ExportError(f"kiln.export: dynamic sizes were specialized: {what}")

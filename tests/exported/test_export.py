@@ -94,6 +94,7 @@ def test_graph_break_is_an_error_naming_the_line(fn: object) -> None:
     with pytest.raises(kiln.ExportError, match="one whole graph") as info:
         kiln.export(fn, (torch.randn(4),))  # type: ignore[arg-type]
     assert f"test_export.py:{line}" in str(info.value)
+    assert info.value.location is not None and info.value.location.line == line
 
 
 def test_dynamic_batch_at_several_sizes_and_its_range() -> None:
@@ -163,6 +164,18 @@ def test_save_and_load_in_process(tmp_path: Path) -> None:
         names = archive.namelist()
     assert names[:3] == ["kiln-export", "graph.json", "weights.safetensors"]
     assert any(name.startswith("kernels/cpp/") and name.endswith(".so") for name in names)
+
+
+def _with_externs(x: torch.Tensor) -> torch.Tensor:
+    return torch.special.i1e(x.tanh()) + torch.cummax(x, 1)[0]
+
+
+def test_extern_calls_are_saved_by_name(tmp_path: Path) -> None:
+    program = kiln.export(_with_externs, (torch.randn(3, 5),))
+    assert "fn=torch.special.i1e" in str(program) and "fn=torch.cummax" in str(program)
+    program.save(tmp_path / "externs.kiln")
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(kiln.load(tmp_path / "externs.kiln")(x), _with_externs(x))
 
 
 MODEL_SOURCE = """
