@@ -17,8 +17,11 @@ kernel cache entries it used are remembered, so :meth:`ExportedProgram.save` can
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +199,7 @@ def load(path: str | os.PathLike[str]) -> ExportedProgram:
         graph.constants = {name: weights[name] for name in constants}
         verify(graph)
         plan = [s if isinstance(s, int) else decoder.value(s) for s in data["out_plan"]]
+        _import_containers(data["out_spec"])
         graph.output_spec = (pytree.treespec_loads(data["out_spec"]), plan)
         leaves = [s if isinstance(s, int) else decoder.value(s) for s in data["leaves"]]
         relations = tuple(decoder.relation(item) for item in data["relations"])
@@ -206,6 +210,14 @@ def load(path: str | os.PathLike[str]) -> ExportedProgram:
         raise ExportFileError(f"{path}: the saved program does not read back: {error!r}") from error
     seed_cache(members)
     return program
+
+
+def _import_containers(spec: str) -> None:
+    """Import the modules that define the containers a tree spec names (a library's output
+    classes, such as transformers' ``BaseModelOutput``), which register them with pytree."""
+    for match in re.finditer(r'"type": "([\w.]+)\.\w+"', spec):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(match.group(1))
 
 
 def _arguments(spec: pytree.TreeSpec) -> str:

@@ -64,18 +64,34 @@ def test_cnn_matches_eager() -> None:
     torch.testing.assert_close(program(x), model(x).detach(), rtol=1e-4, atol=1e-5)
 
 
-def test_transformer_with_dynamic_sequence_length() -> None:
+GPT2_LOAD_SCRIPT = """
+import sys, torch, kiln
+assert "transformers" not in sys.modules
+program = kiln.load(sys.argv[1])
+data = torch.load(sys.argv[2])
+for ids, expected in zip(data["ids"], data["expected"], strict=True):
+    got = program(ids, use_cache=False)  # a transformers output class, imported by kiln.load
+    torch.testing.assert_close(got.last_hidden_state, expected, rtol=1e-4, atol=1e-5)
+"""
+
+
+def test_transformer_with_dynamic_sequence_length(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2Model(tiny_gpt2_config()).eval()
     seq = kiln.Dim(2, 32, name="seq")
     ids = torch.randint(0, 99, (2, 8))
     program = _export(model, (ids,), {"use_cache": False}, dynamic_shapes={"input_ids": {1: seq}})
     assert "input_ids: i64[2, seq]" in str(program)
-    for length in (3, 8, 13):
-        ids = torch.randint(0, 99, (2, length))
-        expected = model(ids, use_cache=False).last_hidden_state
+    inputs, outputs = [torch.randint(0, 99, (2, n)) for n in (3, 8, 13)], []
+    for ids in inputs:
+        expected = model(ids, use_cache=False).last_hidden_state.detach()
         got = program(ids, use_cache=False).last_hidden_state
-        torch.testing.assert_close(got, expected.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        outputs.append(expected)
+    program.save(tmp_path / "gpt2.kiln")  # loaded by a process that has not imported transformers
+    torch.save({"ids": inputs, "expected": outputs}, tmp_path / "data.pt")
+    (tmp_path / "load_it.py").write_text(textwrap.dedent(GPT2_LOAD_SCRIPT))
+    _python(tmp_path / "load_it.py", "gpt2.kiln", "data.pt", cache=tmp_path / "cache")
 
 
 def _branchy(x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +248,12 @@ print(json.dumps({"built": sum(u.built for u in used), "entries": len(used)}))
 def _python(script: Path, *args: str, cache: Path) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), KILN_CACHE_DIR=str(cache))
     result = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=script.parent,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
