@@ -158,7 +158,12 @@ class ProxyTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return dispatch(func, tuple(args), dict(kwargs or {}))
+        return dispatch(ROUTED.get(func, func), tuple(args), dict(kwargs or {}))
+
+
+# The wrappers ``kiln.trace`` puts on torch.Tensor's sized methods while it traces -> the
+# methods they wrap (``frontends/trace.py``: ``_sized_calls``); overrides are handed the wrapper.
+ROUTED: dict[Any, Any] = {}
 
 
 # Factories that draw random numbers: traced even with no proxy argument, so each call of the
@@ -205,6 +210,7 @@ class TraceMode(torch.overrides.TorchFunctionMode):
         self.writable = writable  # whether a constant may become a graph value when written
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        func = ROUTED.get(func, func)
         kwargs = dict(kwargs or {})
         leaves = pytree.tree_leaves((args, kwargs))
         real = [a for a in leaves if isinstance(a, torch.Tensor) and not isinstance(a, ProxyTensor)]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from kiln.frontends.proxy import ProxyTensor, TraceMode, dispatch
+from kiln.frontends.proxy import ROUTED, ProxyTensor, TraceMode, dispatch
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.interpreter import run
@@ -55,7 +55,7 @@ def trace_call(
         GraphBuilder(graph),
         _compiling(),
         _module_proxies(module, graph) as state_proxies,
-        _sized_factories(),
+        _sized_calls(),
         TraceMode(),
     ):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -131,16 +131,22 @@ def _compiling() -> Iterator[None]:
         compiler._is_compiling_flag = previous
 
 
-# torch functions whose Number arguments torch's argument parser checks before any override
-# sees them (``torch.arange(x.size(1))`` with a symbolic size): bytecode capture routes such a
-# call at its call site; tracing routes it here, while tracing.
-_SIZED_FACTORIES = ("arange", "full", "linspace")
+# torch functions and tensor methods whose size arguments torch's argument parser reads before
+# any override sees them (``torch.arange(n)``: a Number; ``x.expand(b, -1)``: a first list item
+# is read with ``__index__``, which specializes a symbolic size). Bytecode capture routes such
+# calls at the call site; tracing routes them here, while tracing.
+_SIZED_FACTORIES = ("arange", "full", "linspace", "zeros", "ones", "empty", "rand", "randn")
+_SIZED_METHODS = (
+    *("view", "reshape", "expand", "repeat", "broadcast_to", "unflatten", "tile"),
+    *("new_zeros", "new_ones", "new_empty", "new_full"),
+)
 
 
 @contextlib.contextmanager
-def _sized_factories() -> Iterator[None]:
-    """Route calls of ``_SIZED_FACTORIES`` given a symbolic size to the proxies' dispatch."""
-    originals = {name: getattr(torch, name) for name in _SIZED_FACTORIES}
+def _sized_calls() -> Iterator[None]:
+    """Route the sized calls above given a symbolic size to the proxies' dispatch."""
+    owners = ((torch, _SIZED_FACTORIES), (torch.Tensor, _SIZED_METHODS))
+    patched = [(owner, name, vars(owner).get(name)) for owner, names in owners for name in names]
 
     def routed(fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -148,15 +154,20 @@ def _sized_factories() -> Iterator[None]:
                 return dispatch(fn, args, kwargs)
             return fn(*args, **kwargs)
 
+        ROUTED[call] = fn  # (torch hands overrides the method it finds: this wrapper)
         return call
 
-    for name, fn in originals.items():
-        setattr(torch, name, routed(fn))
+    for owner, name, _ in patched:
+        setattr(owner, name, routed(getattr(owner, name)))
     try:
         yield
     finally:
-        for name, fn in originals.items():
-            setattr(torch, name, fn)
+        for owner, name, own in patched:
+            ROUTED.pop(getattr(owner, name), None)
+            if own is None:
+                delattr(owner, name)  # (a method torch.Tensor inherits from its C base)
+            else:
+                setattr(owner, name, own)
 
 
 @contextlib.contextmanager

@@ -78,11 +78,11 @@ for ids, expected in zip(data["ids"], data["expected"], strict=True):
 def test_transformer_with_dynamic_sequence_length(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2Model(tiny_gpt2_config()).eval()
-    seq = kiln.Dim(2, 32, name="seq")
+    dims = {0: kiln.Dim(name="batch"), 1: kiln.Dim(2, 32, name="seq")}
     ids = torch.randint(0, 99, (2, 8))
-    program = _export(model, (ids,), {"use_cache": False}, dynamic_shapes={"input_ids": {1: seq}})
-    assert "input_ids: i64[2, seq]" in str(program)
-    inputs, outputs = [torch.randint(0, 99, (2, n)) for n in (3, 8, 13)], []
+    program = _export(model, (ids,), {"use_cache": False}, dynamic_shapes={"input_ids": dims})
+    assert "input_ids: i64[batch, seq]" in str(program)
+    inputs, outputs = [torch.randint(0, 99, size) for size in ((2, 3), (3, 8), (2, 13))], []
     for ids in inputs:
         expected = model(ids, use_cache=False).last_hidden_state.detach()
         got = program(ids, use_cache=False).last_hidden_state
