@@ -158,7 +158,7 @@ class ProxyTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return dispatch(ROUTED.get(func, func), tuple(args), dict(kwargs or {}))
+        return dispatch(func, tuple(args), dict(kwargs or {}))
 
 
 # The wrappers ``kiln.trace`` puts on torch.Tensor's sized methods while it traces -> the
@@ -292,6 +292,7 @@ symbolic.as_tensor = _size_tensor
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on proxies: answer metadata natively, translate everything else."""
+    func = ROUTED.get(func, func)
     sized = args and isinstance(args[0], ProxyTensor) and args[0]._value.type.is_symbolic
     if sized and _native(func):
         answer = size_query(func, args[0]._value.type.shape, args, kwargs)

@@ -24,6 +24,7 @@ from kiln.frontends.proxy import ROUTED, ProxyTensor, TraceMode, dispatch
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.interpreter import run
+from kiln.ir.printer import public_name
 from kiln.ir.symbolic import Sym
 from kiln.ir.types import TensorType
 from kiln.ir.verify import verify
@@ -145,6 +146,7 @@ _SIZED_METHODS = (
 @contextlib.contextmanager
 def _sized_calls() -> Iterator[None]:
     """Route the sized calls above given a symbolic size to the proxies' dispatch."""
+    public_name(torch.zeros)  # (the printer's cached names are those of the unwrapped calls)
     owners = ((torch, _SIZED_FACTORIES), (torch.Tensor, _SIZED_METHODS))
     patched = [(owner, name, vars(owner).get(name)) for owner, names in owners for name in names]
 

@@ -140,6 +140,21 @@ def test_named_dims_are_one_size_and_decisions_are_checked() -> None:
         program(torch.randn(3, 3), torch.randn(3, 3))
 
 
+def _sized(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[0]
+    return x + torch.zeros(n, 1) + torch.arange(n).view(n, 1) + x.new_ones(n, 3) * n
+
+
+def test_sizes_passed_to_torch_stay_symbolic_through_save_and_load(tmp_path: Path) -> None:
+    program = kiln.export(_sized, (torch.randn(4, 3),), dynamic_shapes=({0: "n"},))
+    assert "iota(length=n" in str(program) and "full(shape=(n, 1)" in str(program)
+    program.save(tmp_path / "sized.kiln")
+    loaded = kiln.load(tmp_path / "sized.kiln")
+    for size in (2, 9):
+        x = torch.randn(size, 3)
+        torch.testing.assert_close(loaded(x), _sized(x))
+
+
 def test_a_specialized_dynamic_size_is_an_error() -> None:
     def sized(x: torch.Tensor) -> torch.Tensor:
         return x + torch.ones(int(x.shape[0]), 1)
