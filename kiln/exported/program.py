@@ -124,10 +124,13 @@ class ExportedProgram:
             raise ExportError(f"the program takes {want}: {detail}")
         tensors: list[Any] = [None] * len(self.user)
         for leaf, slot in zip(leaves, self.leaves, strict=True):
-            if isinstance(slot, int):
-                tensors[slot] = leaf if tensors[slot] is None else tensors[slot]
-            elif isinstance(leaf, torch.Tensor) or leaf != slot[1]:
-                raise ExportError(f"argument {leaf!r:.60} differs from the exported {slot[1]!r}")
+            if not isinstance(slot, int):
+                if isinstance(leaf, torch.Tensor) or leaf != slot[1]:
+                    raise ExportError(f"argument {leaf!r:.60} is not the exported {slot[1]!r}")
+            elif tensors[slot] is None:
+                tensors[slot] = leaf
+            elif tensors[slot] is not leaf:
+                raise ExportError(f"{self.user[slot].name} was one tensor passed twice at export")
         sizes: dict[str, int] = {}
         for value, tensor, static in zip(self.user, tensors, self._static, strict=True):
             # (one tuple compare for a static input; any mismatch is described by the slow path)

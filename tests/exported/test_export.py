@@ -88,6 +88,8 @@ def test_transformer_with_dynamic_sequence_length(tmp_path: Path) -> None:
         got = program(ids, use_cache=False).last_hidden_state
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         outputs.append(expected)
+    with pytest.raises(kiln.ExportError, match="True is not the exported False"):
+        program(ids, use_cache=True)  # (the graph was traced for use_cache=False)
     program.save(tmp_path / "gpt2.kiln")  # loaded by a process that has not imported transformers
     torch.save({"ids": inputs, "expected": outputs}, tmp_path / "data.pt")
     (tmp_path / "load_it.py").write_text(textwrap.dedent(GPT2_LOAD_SCRIPT))
@@ -153,6 +155,14 @@ def test_sizes_passed_to_torch_stay_symbolic_through_save_and_load(tmp_path: Pat
     for size in (2, 9):
         x = torch.randn(size, 3)
         torch.testing.assert_close(loaded(x), _sized(x))
+
+
+def test_one_tensor_passed_twice_must_stay_one() -> None:
+    x = torch.randn(3)
+    program = kiln.export(torch.mul, (x, x))  # one graph input, read twice
+    torch.testing.assert_close(program(x, x), x * x)
+    with pytest.raises(kiln.ExportError, match="passed twice"):
+        program(x, torch.randn(3))
 
 
 def test_a_specialized_dynamic_size_is_an_error() -> None:
