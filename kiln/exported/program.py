@@ -198,6 +198,9 @@ def load(path: str | os.PathLike[str]) -> ExportedProgram:
         decoder = Decoder(data["symbols"])
         weights = safetensors.torch.load(members["weights.safetensors"])
         graph = decode_graph(data["graph"], decoder)
+        for value in graph.inputs:  # (safetensors loads to the CPU: weights go to their device)
+            if value.name in weights:
+                weights[value.name] = weights[value.name].to(value.type.device)
         constants = [v.name for v in graph.inputs if v.kind is InputKind.CONSTANT]
         graph.constants = {name: weights[name] for name in constants}
         verify(graph)
