@@ -87,7 +87,8 @@ def export(
 def _weights(graph: Graph, module: torch.nn.Module | None) -> dict[str, torch.Tensor]:
     """Copies of the tensors the graph holds (parameters, buffers, constants), by input name;
     every input typed as not requiring grad (an exported program is for inference)."""
-    weights: dict[str, torch.Tensor] = dict(graph.constants)
+    graph.constants = {name: t.detach().clone() for name, t in graph.constants.items()}
+    weights = dict(graph.constants)
     for value in graph.inputs:
         value.type = value.type.with_(requires_grad=False)
         if module is not None and value.kind is InputKind.PARAMETER:

@@ -207,6 +207,22 @@ def test_save_and_load_in_process(tmp_path: Path) -> None:
     assert any(name.startswith("kernels/cpp/") and name.endswith(".so") for name in names)
 
 
+def test_closed_over_tensors_are_weights(tmp_path: Path) -> None:
+    scale = torch.randn(3)
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * scale + torch.tensor([1.0, 2.0, 3.0])
+
+    program = kiln.export(scaled, (torch.randn(2, 3),))
+    assert len(program.weights) == 2
+    program.save(tmp_path / "scaled.kiln")
+    x = torch.randn(2, 3)
+    expected = scaled(x)
+    scale.zero_()  # the program holds copies, not the closure's tensor
+    torch.testing.assert_close(program(x), expected)
+    torch.testing.assert_close(kiln.load(tmp_path / "scaled.kiln")(x), expected)
+
+
 def _with_externs(x: torch.Tensor) -> torch.Tensor:
     return torch.special.i1e(x.tanh()) + torch.cummax(x, 1)[0]
 
