@@ -78,9 +78,17 @@ def read_archive(path: str | os.PathLike[str]) -> dict[str, bytes]:
         raise
     except FileNotFoundError:
         raise
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, zlib.error) as error:
-        raise ExportFileError(f"{path} is damaged or not a saved Kiln program: {error}") from None
-    except (ValueError, KeyError, AttributeError, UnicodeDecodeError) as error:
+    except (
+        zipfile.BadZipFile,
+        OSError,
+        EOFError,
+        zlib.error,
+        NotImplementedError,
+        RuntimeError,
+    ) as e:
+        # (a damaged zip header can name a compression method, a version or encryption)
+        raise ExportFileError(f"{path} is damaged or not a saved Kiln program: {e}") from None
+    except (ValueError, KeyError, AttributeError) as error:
         raise ExportFileError(f"{path} has a damaged header: {error}") from None
 
 
