@@ -92,16 +92,16 @@ def read_archive(path: str | os.PathLike[str]) -> dict[str, bytes]:
         raise ExportFileError(f"{path} has a damaged header: {error}") from None
 
 
-def seed_cache(members: dict[str, bytes]) -> int:
+def seed_cache(members: dict[str, bytes]) -> dict[str, str]:
     """Write the ``kernels/`` members into the kernel cache (missing or different files only);
-    returns how many were written."""
-    written = 0
+    returns each member's file there."""
+    files = {}
     for name, data in members.items():
         kind, _, file_name = name.removeprefix("kernels/").partition("/")
         unsafe = "/" in file_name or file_name.startswith(".")
         if not name.startswith("kernels/") or unsafe or kind not in ("cpp", "triton"):
             continue
-        target = Path(config.cache_dir) / kind / file_name
+        target = files[name] = Path(config.cache_dir) / kind / file_name
         if target.exists() and target.read_bytes() == data:
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -109,5 +109,4 @@ def seed_cache(members: dict[str, bytes]) -> int:
         with os.fdopen(handle, "wb") as out:
             out.write(data)
         os.replace(temporary, target)
-        written += 1
-    return written
+    return {name: str(path) for name, path in files.items()}

@@ -214,7 +214,7 @@ def load(path: str | os.PathLike[str]) -> ExportedProgram:
         )
     except Exception as error:  # (any damage the CRC did not catch, or a foreign file)
         raise ExportFileError(f"{path}: the saved program does not read back: {error!r}") from error
-    seed_cache(members)
+    program.kernel_files = seed_cache(members)  # (saving the loaded program keeps them)
     return program
 
 

@@ -205,6 +205,9 @@ def test_save_and_load_in_process(tmp_path: Path) -> None:
         names = archive.namelist()
     assert names[:3] == ["kiln-export", "graph.json", "weights.safetensors"]
     assert any(name.startswith("kernels/cpp/") and name.endswith(".so") for name in names)
+    loaded.save(tmp_path / "again.kiln")  # what it loaded, and the kernels of size 7
+    with zipfile.ZipFile(tmp_path / "again.kiln") as archive:
+        assert set(names) < set(archive.namelist())
 
 
 def test_closed_over_tensors_are_weights(tmp_path: Path) -> None:
