@@ -12,8 +12,8 @@ The layers, bottom to top; a module may import its own layer and the layers belo
     capture                 bytecode capture
     passes, autodiff, schedule, codegen, runtime, backends   the stages, in order
     pipeline                the stages after capture, in one sequence
-    api, kiln, dynamo, lazy the public entry points (dynamo: torch.compile's backend; lazy:
-                            the lazy-tensor frontend)
+    api, kiln, dynamo,      the public entry points (dynamo: torch.compile's backend; lazy:
+    lazy, exported          the lazy-tensor frontend; exported: kiln.export and kiln.load)
     testing                 the conformance kit (kiln.testing: runs backends through the api)
     bench, demo, cli        the tools (the ``kiln`` command)
 """
@@ -42,7 +42,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"backends"},
     {"pipeline"},
-    {"api", "kiln", "dynamo", "lazy"},
+    {"api", "kiln", "dynamo", "lazy", "exported"},
     {"testing"},
     {"bench"},
     {"demo"},

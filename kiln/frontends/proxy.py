@@ -161,6 +161,11 @@ class ProxyTensor(torch.Tensor):
         return dispatch(func, tuple(args), dict(kwargs or {}))
 
 
+# The wrappers ``kiln.trace`` puts on torch.Tensor's sized methods while it traces -> the
+# methods they wrap (``frontends/trace.py``: ``_sized_calls``); overrides are handed the wrapper.
+ROUTED: dict[Any, Any] = {}
+
+
 # Factories that draw random numbers: traced even with no proxy argument, so each call of the
 # graph draws new numbers instead of replaying the ones drawn while tracing.
 RANDOM_FACTORIES = {
@@ -205,6 +210,7 @@ class TraceMode(torch.overrides.TorchFunctionMode):
         self.writable = writable  # whether a constant may become a graph value when written
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        func = ROUTED.get(func, func)
         kwargs = dict(kwargs or {})
         leaves = pytree.tree_leaves((args, kwargs))
         real = [a for a in leaves if isinstance(a, torch.Tensor) and not isinstance(a, ProxyTensor)]
@@ -286,6 +292,7 @@ symbolic.as_tensor = _size_tensor
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on proxies: answer metadata natively, translate everything else."""
+    func = ROUTED.get(func, func)
     sized = args and isinstance(args[0], ProxyTensor) and args[0]._value.type.is_symbolic
     if sized and _native(func):
         answer = size_query(func, args[0]._value.type.shape, args, kwargs)

@@ -20,10 +20,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from kiln.frontends.proxy import ProxyTensor, TraceMode
+from kiln.frontends.proxy import ROUTED, ProxyTensor, TraceMode, dispatch
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, InputKind, Value
 from kiln.ir.interpreter import run
+from kiln.ir.printer import public_name
+from kiln.ir.symbolic import Sym
 from kiln.ir.types import TensorType
 from kiln.ir.verify import verify
 
@@ -36,6 +38,17 @@ def trace(fn_or_module: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
     closes over become ``CONSTANT`` inputs. In-place updates of inputs (BatchNorm running stats)
     become ``graph.mutations``.
     """
+    return trace_call(fn_or_module, args, kwargs)
+
+
+def trace_call(
+    fn_or_module: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    type_of: Callable[[torch.Tensor], TensorType] = TensorType.of,
+) -> Graph:
+    """:func:`trace`, each tensor argument's input typed by ``type_of`` (``kiln.export`` gives
+    some dims symbolic sizes; an active ``ShapeEnv`` then records what tracing decided on them)."""
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     target = module.forward if module is not None else fn_or_module
     graph = Graph(name=_graph_name(fn_or_module))
@@ -43,6 +56,8 @@ def trace(fn_or_module: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
         GraphBuilder(graph),
         _compiling(),
         _module_proxies(module, graph) as state_proxies,
+        # (symbolic inputs only: the routing patches torch for the whole process while it traces)
+        _sized_calls() if type_of is not TensorType.of else contextlib.nullcontext(),
         TraceMode(),
     ):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -52,7 +67,7 @@ def trace(fn_or_module: Callable[..., Any], *args: Any, **kwargs: Any) -> Graph:
         for leaf, name in zip(leaves, names, strict=True):
             if isinstance(leaf, torch.Tensor):
                 if id(leaf) not in proxies:
-                    value = graph.add_input(TensorType.of(leaf), name=name, source=name)
+                    value = graph.add_input(type_of(leaf), name=name, source=name)
                     proxies[id(leaf)] = ProxyTensor(value)
                 traced_leaves.append(proxies[id(leaf)])
             else:
@@ -116,6 +131,46 @@ def _compiling() -> Iterator[None]:
         yield
     finally:
         compiler._is_compiling_flag = previous
+
+
+# torch functions and tensor methods whose size arguments torch's argument parser reads before
+# any override sees them (``torch.arange(n)``: a Number; ``x.expand(b, -1)``: a first list item
+# is read with ``__index__``, which specializes a symbolic size). Bytecode capture routes such
+# calls at the call site; tracing routes them here, while tracing.
+_SIZED_FACTORIES = ("arange", "full", "linspace", "zeros", "ones", "empty", "rand", "randn")
+_SIZED_METHODS = (
+    *("view", "reshape", "expand", "repeat", "broadcast_to", "unflatten", "tile"),
+    *("new_zeros", "new_ones", "new_empty", "new_full"),
+)
+
+
+@contextlib.contextmanager
+def _sized_calls() -> Iterator[None]:
+    """Route the sized calls above given a symbolic size to the proxies' dispatch."""
+    public_name(torch.zeros)  # (the printer's cached names are those of the unwrapped calls)
+    owners = ((torch, _SIZED_FACTORIES), (torch.Tensor, _SIZED_METHODS))
+    patched = [(owner, name, vars(owner).get(name)) for owner, names in owners for name in names]
+
+    def routed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(leaf, Sym) for leaf in pytree.tree_leaves((args, kwargs))):
+                return dispatch(fn, args, kwargs)
+            return fn(*args, **kwargs)
+
+        ROUTED[call] = fn  # (torch hands overrides the method it finds: this wrapper)
+        return call
+
+    for owner, name, _ in patched:
+        setattr(owner, name, routed(getattr(owner, name)))
+    try:
+        yield
+    finally:
+        for owner, name, own in patched:
+            ROUTED.pop(getattr(owner, name), None)
+            if own is None:
+                delattr(owner, name)  # (a method torch.Tensor inherits from its C base)
+            else:
+                setattr(owner, name, own)
 
 
 @contextlib.contextmanager

@@ -42,6 +42,8 @@ import torch
 from kiln.codegen.sources import CppSource
 from kiln.config import config, logger
 from kiln.errors import CompilerNotFoundError, IndexOutOfBounds, KernelBuildError
+from kiln.recording import record
+from kiln.runtime.kernel_files import KernelFiles
 
 COMPILER = "g++"
 COMMON_FLAGS = (
@@ -132,15 +134,17 @@ def build(
     stem = directory / f"{safe}_{cache_key(source, compiler)[:32]}"
     _copy_to_debug_dir(source, safe)
     library = _load_cached(stem, symbols)
-    if library is not None:
-        return library
-    with _locked(stem):
-        library = _load_cached(stem, symbols)  # another process may have built it meanwhile
-        if library is None:
-            _compile(compiler, source, stem)
-            library = _load_cached(stem, symbols)
+    built = False
+    if library is None:
+        with _locked(stem):
+            library = _load_cached(stem, symbols)  # another process may have built it meanwhile
+            if library is None:
+                _compile(compiler, source, stem)
+                library, built = _load_cached(stem, symbols), True
     if library is None:
         raise KernelBuildError(f"the library built from {stem}.cpp does not load")
+    paths = tuple(str(stem.with_suffix(suffix)) for suffix in (".cpp", ".so", ".json"))
+    record(KernelFiles("cpp", paths, built))
     return library
 
 

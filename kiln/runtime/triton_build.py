@@ -37,6 +37,8 @@ import torch
 from kiln.codegen.sources import TritonSource
 from kiln.config import config, logger
 from kiln.errors import BackendError
+from kiln.recording import record
+from kiln.runtime.kernel_files import KernelFiles
 from kiln.runtime.triton_interpret import LOCK, interpret_mode
 from kiln.runtime.triton_launch import OPTIONS, TritonLauncher, _version
 
@@ -93,7 +95,9 @@ def write_module(source: TritonSource) -> Path:
     """The module file of ``source`` in the cache (written once, atomically), and a readable
     copy in the debug directory when one is set."""
     path = module_path(source)
-    if not path.exists() or path.read_text() != source.source:
+    written = not path.exists() or path.read_text() != source.source
+    record(KernelFiles("triton", (str(path),), written))
+    if written:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
             f.write(source.source)
