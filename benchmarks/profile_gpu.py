@@ -4,7 +4,7 @@ Triton, cuBLAS/cuDNN externs, copies, other), GPU-busy time against the step's w
 (the rest is host overhead), and what Kiln compiled.
 
     python benchmarks/profile_gpu.py --models gpt2,resnet50 [--compilers kiln,eager,torch]
-        [--mode infer|train] [--compile-mode reduce-overhead] [--top 15]
+        [--mode infer|train] [--compile-mode reduce-overhead] [--top 15] [--roofline 20]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections import defaultdict
 import torch
 
 import kiln
+from kiln.backends import roofline
 from kiln.backends.kiln import CompiledProgramRecord
 from kiln.bench.worker import prepare
 from kiln.recording import listen, unlisten
@@ -41,7 +42,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile(name: str, compiler: str, mode: str, top: int, compile_mode: str | None) -> None:
+def profile(
+    name: str, compiler: str, mode: str, top: int, compile_mode: str | None, roofline_top: int = 0
+) -> None:
     model, inputs, base = prepare(name, mode, torch.device("cuda"))
     if compiler == "kiln":
         run = kiln.compile(model, mode=compile_mode)
@@ -111,6 +114,11 @@ def profile(name: str, compiler: str, mode: str, top: int, compile_mode: str | N
             f"   {event.self_device_time_total / STEPS / 1e3:8.3f} ms  x{event.count // STEPS:<4d} "
             f"[{kind_of(event.key)}] {event.key[:110]}"
         )
+    if compiler == "kiln" and roofline_top:
+        programs = [record.program for record in records if record.program]
+        times = roofline.measure(lambda: step(run, inputs), programs)
+        for line in roofline.report(times, torch.device("cuda"), top=roofline_top):
+            print(f"   {line}")
     print(flush=True)
 
 
@@ -121,10 +129,11 @@ def main() -> None:
     parser.add_argument("--mode", choices=["infer", "train"], default="infer")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--compile-mode", default=None)
+    parser.add_argument("--roofline", type=int, default=0, help="Kiln: the N slowest kernels")
     args = parser.parse_args()
     for name in args.models.split(","):
         for compiler in args.compilers.split(","):
-            profile(name, compiler, args.mode, args.top, args.compile_mode)
+            profile(name, compiler, args.mode, args.top, args.compile_mode, args.roofline)
 
 
 if __name__ == "__main__":
