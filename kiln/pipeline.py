@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.autodiff.buckets import SplitGraph, active_bucket_bytes, bucket_cuts, split
 from kiln.autodiff.partition import Partition, partition
 from kiln.autodiff.reverse import build_joint
 from kiln.autodiff.runtime import TrainingGraph, needs_autodiff
@@ -65,6 +66,22 @@ class Pipeline:
         if not training:
             compiled = self.compile_graph(graph)
             return graph, self.replayed(graph, compiled, len(graph.outputs), sizes)
+        bucket_bytes = active_bucket_bytes()
+        cuts = bucket_cuts(graph, bucket_bytes) if bucket_bytes and not graph.mutations else []
+        if not cuts:
+            return graph, self.train(graph, sizes)
+        # Under DDP: one training graph per bucket region, so that each region's gradients
+        # reach DDP's hooks as its backward returns (autodiff/buckets.py says why).
+        pieces = split(graph, cuts)
+        _log_autodiff.info("%s: split in %d at DDP's buckets", graph.name, len(pieces))
+        compiled = [
+            self.train(p.graph, sizes) if needs_autodiff(p.graph) else self.compile_graph(p.graph)
+            for p in pieces
+        ]
+        return graph, SplitGraph(graph, pieces, compiled)
+
+    def train(self, graph: Graph, sizes: SizeBudget) -> Any:
+        """The callable of a graph whose outputs require grad (its passes have run)."""
         try:
             plan = differentiate(graph)
         except NotImplementedError as error:
@@ -72,7 +89,7 @@ class Pipeline:
             # the reference interpreter runs the graph under eager autograd, which records
             # what each op's PyTorch call records (and raises at backward where eager does).
             _log_autodiff.info("%s: eager autograd through the graph (%s)", graph.name, error)
-            return graph, get_backend("eager").compile(graph, self.options)
+            return get_backend("eager").compile(graph, self.options)
         plan.forward = run_passes(plan.forward)
         plan.backward = run_passes(plan.backward)
         forward, backward = self.compile_graph(plan.forward), self.compile_graph(plan.backward)
@@ -81,7 +98,7 @@ class Pipeline:
             plan.forward, forward, len(plan.forward.outputs), sizes, internal=saved
         )
         backward = self.replayed(plan.backward, backward, len(plan.backward.outputs), sizes)
-        return graph, TrainingGraph(graph, plan, forward, backward)
+        return TrainingGraph(graph, plan, forward, backward)
 
     def compile_graph(self, graph: Graph) -> CompiledGraph:
         """The backend stage (it schedules, generates and loads code on the first call)."""
