@@ -88,10 +88,15 @@ def _compile(target: Any, pipeline: Pipeline) -> Any:
     raise TypeError(f"kiln.compile expects a callable or nn.Module, got {type(target).__name__}")
 
 
+_CALLER_GLOBALS: dict[str, Any] = {}
+
+
 def _module_caller() -> types.FunctionType:
     """A fresh ``lambda self, *args, **kwargs: self(*args, **kwargs)`` (its own code object,
-    so each compiled module or callable has its own cache)."""
-    scope: dict[str, Any] = {}
+    so each compiled module or callable has its own cache). The callers share one globals
+    dict: the resume function after a break at the call (a data-parallel module) is one code
+    object for all of them, and its guard on the globals then holds for every caller."""
+    scope = _CALLER_GLOBALS
     source = "def __call__(self, *args, **kwargs):\n    return self(*args, **kwargs)\n"
     exec(builtins.compile(source, "<kiln module call>", "exec"), scope)
     return scope["__call__"]
@@ -105,6 +110,17 @@ class CompiledModule(torch.nn.Module):
         super().__init__()
         self._orig_mod = module
         self._kiln_call = compiled_function(_module_caller(), pipeline)
+        self._register_load_state_dict_pre_hook(_into_original)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The original module's state dict: its keys, without ``_orig_mod.`` (so checkpoints
+        load into the uncompiled model, and ``torch.distributed.checkpoint`` sees its names)."""
+        return self._orig_mod.state_dict(*args, **kwargs)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For ``torch.distributed.checkpoint``: ``_orig_mod`` is no part of the state's names
+        (it walks a model's children by this hook's name)."""
+        return {"compiled": "_orig_mod"}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._kiln_call(self._orig_mod, *args, **kwargs)
@@ -116,6 +132,13 @@ class CompiledModule(torch.nn.Module):
         if name in ("_orig_mod", "_kiln_call") or name.startswith("_"):
             return super().__getattr__(name)
         return getattr(self._modules["_orig_mod"], name)
+
+
+def _into_original(state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Before a load: the keys of the original module's state (``state_dict``'s) go to it."""
+    inner = f"{prefix}_orig_mod."
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
+        state[inner + key[len(prefix) :]] = state.pop(key)
 
 
 def explain(fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> ExplainReport:

@@ -74,11 +74,11 @@ class Pipeline:
         # reach DDP's hooks as its backward returns (autodiff/buckets.py says why).
         pieces = split(graph, cuts)
         _log_autodiff.info("%s: split in %d at DDP's buckets", graph.name, len(pieces))
-        compiled = [
+        runners = [
             self.train(p.graph, sizes) if needs_autodiff(p.graph) else self.compile_graph(p.graph)
             for p in pieces
         ]
-        return graph, SplitGraph(graph, pieces, compiled)
+        return graph, SplitGraph(graph, pieces, runners)
 
     def train(self, graph: Graph, sizes: SizeBudget) -> Any:
         """The callable of a graph whose outputs require grad (its passes have run)."""

@@ -19,6 +19,7 @@ backward completes about one bucket::
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -76,7 +77,7 @@ def split(graph: Graph, cuts: Sequence[int]) -> list[Piece]:
     """``graph`` cut before each node position in ``cuts``; each piece outputs the values it
     defines that later pieces or the graph's outputs use."""
     bounds = [0, *cuts, len(graph.nodes)]
-    spans = [graph.nodes[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
+    spans = [graph.nodes[start:end] for start, end in itertools.pairwise(bounds)]
     needed_after: list[set[Value]] = []
     later = set(graph.outputs)
     for nodes in reversed(spans):

@@ -40,7 +40,7 @@ class Net(torch.nn.Module):
 def differences(a: torch.nn.Module, b: torch.nn.Module) -> list[float]:
     """Max difference of every parameter's gradient (inf where one has none)."""
     out = []
-    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
         if p.grad is None or q.grad is None:
             out.append(0.0 if p.grad is None and q.grad is None else float("inf"))
         else:

@@ -16,24 +16,27 @@ Dynamo's skip of DDP lets it compile the inner module's frame::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-# Classes by qualified name, so that capture imports no part of torch.distributed.
-_WRAPPERS = {
-    "torch.nn.parallel.distributed.DistributedDataParallel": "DistributedDataParallel",
-    "torch.distributed.fsdp._fully_shard._fully_shard.FSDPModule": "fully_shard",
-}
+# The wrapper classes by module and name, looked up only once their module was imported, so
+# that capture imports no part of torch.distributed.
+_WRAPPERS = (
+    ("torch.nn.parallel.distributed", "DistributedDataParallel"),
+    ("torch.distributed.fsdp", "FSDPModule"),
+)
+_NAMES = {"FSDPModule": "fully_shard"}
 
 
 def wrapper_name(module: object) -> str | None:
     """The name of the data-parallel wrapper ``module`` is (or was made by), else None."""
-    for cls in type(module).__mro__:
-        name = _WRAPPERS.get(f"{cls.__module__}.{cls.__qualname__}")
-        if name is not None:
-            return name
+    for module_name, class_name in _WRAPPERS:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is not None and isinstance(module, cls):
+            return _NAMES.get(class_name, class_name)
     return None
 
 
