@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 24 on two GPUs, in one call: GPT-2 small under DDP and FSDP2, with eager, torch.compile
+# and Kiln (the whole model, and for FSDP2 also block by block), each run profiled for the
+# communication hidden under compute; the table comes last. No network needed (torchrun
+# --standalone rendezvous on localhost, NCCL between the two local GPUs). Extra arguments go
+# to every run (e.g. --batch 4, or --device cpu --tiny --seq 64 --batch 2 to try it on a CPU).
+# Logs and RESULT lines go to ${OUT:-.}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-.}"
+gpus="${NPROC:-2}"
+results="$out/distributed_results.txt"
+: > "$results"
+run() {  # mode compiler scope
+    local log="$out/distributed_$1_$2_$3.log"
+    echo "=== $1 $2 $3" >&2
+    timeout "${RUN_TIMEOUT:-900}" python -m torch.distributed.run --standalone \
+        --nproc-per-node "$gpus" benchmarks/distributed.py --mode "$1" --compiler "$2" \
+        --scope "$3" --profile "${@:4}" 2>&1 | tee "$log" | grep -E "^(step|\[rank|RESULT)" >&2
+    grep "^RESULT " "$log" >> "$results" || echo "($1 $2 $3 failed: see $log)" >&2
+}
+for mode in ddp fsdp2; do
+    run "$mode" eager whole "$@"
+    run "$mode" torch whole "$@"
+    run "$mode" kiln whole "$@"
+done
+run fsdp2 kiln blocks "$@"
+python benchmarks/distributed.py --table "$results"
