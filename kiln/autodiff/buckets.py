@@ -38,9 +38,7 @@ def active_bucket_bytes() -> int | None:
     ddp = sys.modules.get("torch.nn.parallel.distributed")
     active = getattr(ddp, "DistributedDataParallel", None)
     module = active._get_active_ddp_module() if active is not None else None
-    if module is None or getattr(module, "static_graph", False):
-        return None  # a static graph's buckets follow the first backward's order: any works
-    return int(module.bucket_bytes_cap)
+    return None if module is None else int(module.bucket_bytes_cap)
 
 
 def bucket_cuts(graph: Graph, bucket_bytes: int) -> list[int]:
