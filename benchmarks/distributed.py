@@ -263,7 +263,7 @@ def table(path: str) -> str:
         rows = [json.loads(line.split(" ", 1)[1]) for line in file if line.startswith("RESULT ")]
     eager = {r["mode"]: r["losses"] for r in rows if r["compiler"] == "eager"}
     lines = [
-        "| mode | compiler | scope | ms/step | first call s | peak GiB/GPU | max |loss - eager| "
+        "| mode | compiler | scope | ms/step | first call s | peak GiB/GPU | max loss gap to eager "
         "| comm ms | hidden under compute |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]

@@ -4,7 +4,7 @@
 # communication hidden under compute; the table comes last. No network needed (torchrun
 # --standalone rendezvous on localhost, NCCL between the two local GPUs). Extra arguments go
 # to every run (e.g. --batch 4, or --device cpu --tiny --seq 64 --batch 2 to try it on a CPU).
-# Logs and RESULT lines go to ${OUT:-.}.
+# Logs and RESULT lines go to ${OUT:-.}; COMPILERS="eager kiln" runs a subset.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
@@ -20,9 +20,9 @@ run() {  # mode compiler scope
     grep "^RESULT " "$log" >> "$results" || echo "($1 $2 $3 failed: see $log)" >&2
 }
 for mode in ddp fsdp2; do
-    run "$mode" eager whole "$@"
-    run "$mode" torch whole "$@"
-    run "$mode" kiln whole "$@"
+    for compiler in ${COMPILERS:-eager torch kiln}; do
+        run "$mode" "$compiler" whole "$@"
+    done
 done
-run fsdp2 kiln blocks "$@"
+case " ${COMPILERS:-kiln} " in *" kiln "*) run fsdp2 kiln blocks "$@" ;; esac
 python benchmarks/distributed.py --table "$results"
