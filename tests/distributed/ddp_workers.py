@@ -58,6 +58,7 @@ def train_pair(
 ) -> dict[str, Any]:
     """Train ``compiled(net)`` and ``DDP(copy of net)`` on the same per-rank batches: losses
     and every gradient's difference per step."""
+    graphs, fallbacks = kiln.counters.graphs, len(kiln.counters.fallbacks)
     torch.manual_seed(0)
     net = Net()
     eager = DDP(copy.deepcopy(net), **ddp_args)
@@ -77,6 +78,8 @@ def train_pair(
                     loss.backward()
                 found["losses"].append((key, loss.item()))
         found["grads"].append(differences(model, eager))
+    found["graphs"] = kiln.counters.graphs - graphs
+    found["fallbacks"] = len(kiln.counters.fallbacks) - fallbacks
     return found
 
 

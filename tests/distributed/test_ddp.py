@@ -37,6 +37,7 @@ def _check_pair(found: dict[str, Any]) -> None:
     assert kiln_losses == pytest.approx(eager_losses, rel=1e-4, abs=1e-5)
     for step, grads in enumerate(found["grads"]):
         assert max(grads) < 1e-4, f"step {step}: gradient differences {grads}"
+    assert found["graphs"] >= 1 and found["fallbacks"] == 0, found  # it ran compiled
 
 
 @pytest.mark.parametrize("case", ["inner", "outer", "outer_split", "no_sync", "unused"])
