@@ -117,6 +117,13 @@ class CompiledModule(torch.nn.Module):
         load into the uncompiled model, and ``torch.distributed.checkpoint`` sees its names)."""
         return self._orig_mod.state_dict(*args, **kwargs)
 
+    def named_modules(
+        self, memo: Any = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Any:
+        """The original module's (so ``named_parameters`` names are its own too, as the
+        optimizer state of ``torch.distributed.checkpoint`` needs them)."""
+        return self._orig_mod.named_modules(memo, prefix, remove_duplicate)
+
     def _fqn_modifiers(self) -> dict[str, str]:
         """For ``torch.distributed.checkpoint``: ``_orig_mod`` is no part of the state's names
         (it walks a model's children by this hook's name)."""

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ddp_workers import start
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -70,37 +70,48 @@ def train_fsdp(rank: int, per_block: bool, policy: MixedPrecisionPolicy) -> dict
 
 
 def checkpoint(rank: int, kind: str, folder: Path) -> dict[str, Any]:
-    """Save a trained compiled model's state with DCP, load it into a fresh compiled model:
-    its keys (plain and DCP's), and whether every parameter came back."""
+    """Save a trained compiled model's and its optimizer's state with DCP, load them into a
+    fresh compiled model and optimizer: the keys (plain and DCP's), and whether every
+    parameter and every optimizer moment came back."""
     make: Any = {
         "ddp": lambda: DDP(kiln.compile(Blocks())),
         "ddp_outer": lambda: kiln.compile(DDP(Blocks())),
         "fsdp": lambda: kiln.compile(sharded(MixedPrecisionPolicy())),
     }[kind]
-    torch.manual_seed(1)
-    model = make()
-    model(torch.randn(4, 16) + rank).square().mean().backward()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(1.0)
-    # kiln.compile(DDP(m)) is no DDP to DCP's helpers, which name the state of a DDP module
-    # without its "module." prefix: that order saves its plain state dict.
-    state_of: Any = get_model_state_dict if kind != "ddp_outer" else type(model).state_dict
-    dcp.save({"model": state_of(model)}, checkpoint_id=folder / kind)
-    torch.manual_seed(2)
-    fresh = make()
-    state = {"model": state_of(fresh)}
+    models, optimizers = [], []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        models.append(make())
+        optimizers.append(torch.optim.AdamW(models[-1].parameters(), lr=0.1))
+        models[-1](torch.randn(4, 16) + rank + seed).square().mean().backward()
+        optimizers[-1].step()
+    model, fresh = models
+    saved_model, saved_optimizer = get_state_dict(model, optimizers[0])
+    dcp.save({"model": saved_model, "optim": saved_optimizer}, checkpoint_id=folder / kind)
+    state_model, state_optimizer = get_state_dict(fresh, optimizers[1])
+    state = {"model": state_model, "optim": state_optimizer}
     dcp.load(state, checkpoint_id=folder / kind)
-    keys = list(state["model"])  # (set_model_state_dict renames them in place)
-    if kind == "ddp_outer":
-        fresh.load_state_dict(state["model"])
-    else:
-        set_model_state_dict(fresh, state["model"])
+    keys = list(state["model"])  # (set_state_dict renames them in place)
+    optimizer_keys = list(state["optim"]["state"])
+    set_state_dict(
+        fresh, optimizers[1], model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     same = [
         torch.equal(_full(p), _full(q))
         for p, q in zip(model.parameters(), fresh.parameters(), strict=True)
     ]
-    return {"keys": list(model.state_dict()), "dcp_keys": keys, "same": same}
+    moments = [
+        torch.equal(
+            _full(optimizers[0].state[p]["exp_avg"]), _full(optimizers[1].state[q]["exp_avg"])
+        )
+        for p, q in zip(model.parameters(), fresh.parameters(), strict=True)
+    ]
+    return {
+        "keys": list(model.state_dict()),
+        "dcp_keys": keys,
+        "optimizer_keys": optimizer_keys,
+        "same": same + moments,
+    }
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
