@@ -141,6 +141,7 @@ def run(rank: int, world: int, port: int, out: str) -> None:
         "inner": train_pair(rank, _inner),
         "outer": train_pair(rank, _outer),
         "outer_split": train_pair(rank, lambda n: _outer(n, bucket_cap_mb=0.001)),
+        "inner_split": train_pair(rank, lambda n: _inner(n, bucket_cap_mb=0.001)),
         "no_sync": train_pair(rank, _outer, accumulate=3),
         "unused": train_pair(
             rank,

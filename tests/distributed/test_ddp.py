@@ -40,7 +40,9 @@ def _check_pair(found: dict[str, Any]) -> None:
     assert found["graphs"] >= 1 and found["fallbacks"] == 0, found  # it ran compiled
 
 
-@pytest.mark.parametrize("case", ["inner", "outer", "outer_split", "no_sync", "unused"])
+@pytest.mark.parametrize(
+    "case", ["inner", "outer", "outer_split", "inner_split", "no_sync", "unused"]
+)
 def test_trains_like_eager_ddp(ranks: list[dict[str, Any]], case: str) -> None:
     for found in ranks:
         _check_pair(found[case])
