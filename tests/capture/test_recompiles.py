@@ -744,3 +744,17 @@ def test_an_item_the_frame_wrote_is_not_guarded() -> None:
         torch.testing.assert_close(compiled(x, flag=False), model(x, flag=False))
     assert [r for r in kiln.counters.recompiles if "kwargs" in r[1] and "True" in r[1]] == []
     assert kiln.counters.graphs >= 1
+
+
+def _insert_then_read(x: torch.Tensor, values: list[float]) -> torch.Tensor:
+    values.insert(0, 1.0)
+    return x * values[1]  # the caller's first item, moved by the insertion: still guarded
+
+
+def test_an_item_a_list_insertion_moved_is_still_guarded() -> None:
+    compiled = kiln.compile(_insert_then_read)
+    x = torch.randn(3)
+    for factor in (2.0, 3.0, 2.0):
+        values = [factor]
+        torch.testing.assert_close(compiled(x, values), x * factor)
+        assert values == [1.0, factor]

@@ -212,17 +212,20 @@ class Session:
         return value
 
     def written_by_frame(self, value: Any, source: Source) -> bool:
-        """Whether ``source`` is an item of a container this capture has written and ``value``
-        is not what it held when the call began: the frame's own ``kwargs[k] = v``, read back,
-        was not read from outside (a guard on it fails on every call: issue 24's decorators)."""
+        """Whether ``source`` is a key of a dict this capture has written and ``value`` is not
+        what it held when the call began: the frame's own ``kwargs[k] = v``, read back, was not
+        read from outside (a guard on it fails on every call: issue 24's decorators). Lists
+        are left alone: an insertion moves the items it did not write to other indices."""
         if not isinstance(source, Item):
             return False
         for effect in self.effects.values():
-            if effect.kind is EffectKind.CONTAINER and self.source_of(effect.target) == source.base:
-                try:
-                    return bool(effect.snapshot[source.key] is not value)
-                except (KeyError, IndexError, TypeError):
-                    return True
+            before = effect.snapshot
+            if (
+                effect.kind is EffectKind.CONTAINER
+                and isinstance(before, dict)
+                and self.source_of(effect.target) == source.base
+            ):
+                return source.key not in before or before[source.key] is not value
         return False
 
     def guard_sizes(self) -> None:
