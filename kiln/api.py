@@ -120,9 +120,15 @@ class CompiledModule(torch.nn.Module):
     def named_modules(
         self, memo: Any = None, prefix: str = "", remove_duplicate: bool = True
     ) -> Any:
-        """The original module's (so ``named_parameters`` names are its own too, as the
-        optimizer state of ``torch.distributed.checkpoint`` needs them)."""
-        return self._orig_mod.named_modules(memo, prefix, remove_duplicate)
+        """This module, then the original module's, under this module's own name (so that
+        ``named_parameters`` has the original names, as the optimizer state of
+        ``torch.distributed.checkpoint`` needs; ``fully_shard`` still finds this module's state)."""
+        memo = set() if memo is None else memo
+        if self not in memo:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+            yield from self._orig_mod.named_modules(memo, prefix, remove_duplicate)
 
     def _fqn_modifiers(self) -> dict[str, str]:
         """For ``torch.distributed.checkpoint``: ``_orig_mod`` is no part of the state's names
@@ -130,6 +136,10 @@ class CompiledModule(torch.nn.Module):
         return {"compiled": "_orig_mod"}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks:
+            # Hooks on the compiled module itself (``fully_shard(kiln.compile(block))``
+            # all-gathers its parameters in one) run around the compiled forward, eagerly.
+            return super().__call__(*args, **kwargs)
         return self._kiln_call(self._orig_mod, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -31,24 +31,28 @@ class Blocks(torch.nn.Module):
         return self.head(x)
 
 
-def sharded(policy: MixedPrecisionPolicy) -> Blocks:
+def sharded(policy: MixedPrecisionPolicy, compile_first: bool = False) -> Blocks:
+    """The model with each block and the root ``fully_shard``-ed; ``compile_first`` compiles
+    each block before sharding it (``fully_shard(kiln.compile(block))``)."""
     torch.manual_seed(0)
     model = Blocks()
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = kiln.compile(block) if compile_first else block
+        fully_shard(model.blocks[index], mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
 
 
-def train_fsdp(rank: int, per_block: bool, policy: MixedPrecisionPolicy) -> dict[str, Any]:
-    """Losses and every (full) gradient's difference from eager FSDP2, per step."""
+def train_fsdp(rank: int, scope: str, policy: MixedPrecisionPolicy) -> dict[str, Any]:
+    """Losses and every (full) gradient's difference from eager FSDP2, per step; ``scope``:
+    the whole model compiled, each sharded block, or each block compiled, then sharded."""
     graphs = kiln.counters.graphs
-    eager, model = sharded(policy), sharded(policy)
+    eager, model = sharded(policy), sharded(policy, compile_first=scope == "blocks_first")
     compiled: Any = model
-    if per_block:
+    if scope == "blocks":
         for index, block in enumerate(model.blocks):
             model.blocks[index] = kiln.compile(block)
-    else:
+    elif scope == "whole":
         compiled = kiln.compile(model)
     found: dict[str, Any] = {"losses": [], "grads": []}
     for step in range(3):
@@ -131,9 +135,10 @@ def run_fsdp(rank: int, world: int, port: int, out: str) -> None:
     start(rank, world, port)
     plain, bf16 = MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     results = {
-        "whole": train_fsdp(rank, per_block=False, policy=plain),
-        "per_block": train_fsdp(rank, per_block=True, policy=plain),
-        "bf16": train_fsdp(rank, per_block=False, policy=bf16),
+        "whole": train_fsdp(rank, "whole", plain),
+        "per_block": train_fsdp(rank, "blocks", plain),
+        "blocks_first": train_fsdp(rank, "blocks_first", plain),
+        "bf16": train_fsdp(rank, "whole", bf16),
         "counters": counted(),
     }
     torch.save(results, Path(out) / f"rank{rank}.pt")

@@ -27,7 +27,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    ("case", "tolerance"), [("whole", 1e-5), ("per_block", 1e-5), ("bf16", 2e-2)]
+    ("case", "tolerance"),
+    [("whole", 1e-5), ("per_block", 1e-5), ("blocks_first", 1e-5), ("bf16", 2e-2)],
 )
 def test_trains_like_eager_fsdp(ranks: list[dict[str, Any]], case: str, tolerance: float) -> None:
     for found in ranks:
