@@ -7,7 +7,9 @@ then goes through, top to bottom:
 1. **passes** (``kiln/passes``): pattern rewrites, CSE, DCE; on a graph autodiff will
    differentiate, without the passes that shape work for kernels (``AFTER_AUTODIFF``);
 2. **autodiff** (``kiln/autodiff``), when an output requires grad: the joint forward/backward
-   graph from the VJP rows, split by the save-or-recompute partitioner;
+   graph from the VJP rows, split by the save-or-recompute partitioner (inside a DDP
+   module's forward, first cut into one training graph per gradient bucket, so that DDP's
+   all-reduces overlap the backward: ``kiln/autodiff/buckets.py``);
 3. **passes after autodiff**: the whole list, on the forward and on the backward graph;
 4. **backend** (``kiln/backends``): the options' backend compiles each graph whole (splitting
    a graph between backends by what each supports comes with the backend API, issue 23).
