@@ -216,6 +216,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(name, default)  # run without torchrun: one process
+    os.environ.setdefault("MASTER_PORT", "29512")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     model = gpt2(args.tiny, args.seq).to(device)
     step = make_step(wrap(model, args, device), args, device)
