@@ -89,10 +89,15 @@ def _compile(target: Any, pipeline: Pipeline) -> Any:
     raise TypeError(f"kiln.compile expects a callable or nn.Module, got {type(target).__name__}")
 
 
+_CALLER_GLOBALS: dict[str, Any] = {}
+
+
 def _module_caller() -> types.FunctionType:
     """A fresh ``lambda self, *args, **kwargs: self(*args, **kwargs)`` (its own code object,
-    so each compiled module or callable has its own cache)."""
-    scope: dict[str, Any] = {}
+    so each compiled module or callable has its own cache). The callers share one globals
+    dict: the resume function after a break at the call (a data-parallel module) is one code
+    object for all of them, and its guard on the globals then holds for every caller."""
+    scope = _CALLER_GLOBALS
     source = "def __call__(self, *args, **kwargs):\n    return self(*args, **kwargs)\n"
     exec(builtins.compile(source, "<kiln module call>", "exec"), scope)
     return scope["__call__"]
@@ -116,11 +121,39 @@ class CompiledModule(torch.nn.Module):
         self._orig_mod = module
         self._kiln_options = pipeline.options
         self._kiln_call = compiled_function(_module_caller(), pipeline)
+        self._register_load_state_dict_pre_hook(_into_original)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The original module's state dict: its keys, without ``_orig_mod.`` (so checkpoints
+        load into the uncompiled model, and ``torch.distributed.checkpoint`` sees its names)."""
+        return self._orig_mod.state_dict(*args, **kwargs)
+
+    def named_modules(
+        self, memo: Any = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Any:
+        """This module, then the original module's, under this module's own name (so that
+        ``named_parameters`` has the original names, as the optimizer state of
+        ``torch.distributed.checkpoint`` needs; ``fully_shard`` still finds this module's state)."""
+        memo = set() if memo is None else memo
+        if self not in memo:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+            yield from self._orig_mod.named_modules(memo, prefix, remove_duplicate)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For ``torch.distributed.checkpoint``: ``_orig_mod`` is no part of the state's names
+        (it walks a model's children by this hook's name)."""
+        return {"compiled": "_orig_mod"}
 
     def __reduce__(self) -> tuple[Any, tuple[torch.nn.Module, Options]]:
         return (_compiled_module, (self._orig_mod, self._kiln_options))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks:
+            # Hooks on the compiled module itself (``fully_shard(kiln.compile(block))``
+            # all-gathers its parameters in one) run around the compiled forward, eagerly.
+            return super().__call__(*args, **kwargs)
         return self._kiln_call(self._orig_mod, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -130,6 +163,13 @@ class CompiledModule(torch.nn.Module):
         if name in ("_orig_mod", "_kiln_call") or name.startswith("_"):
             return super().__getattr__(name)
         return getattr(self._modules["_orig_mod"], name)
+
+
+def _into_original(state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Before a load: the keys of the original module's state (``state_dict``'s) go to it."""
+    inner = f"{prefix}_orig_mod."
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
+        state[inner + key[len(prefix) :]] = state.pop(key)
 
 
 def explain(

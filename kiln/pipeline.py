@@ -7,7 +7,9 @@ then goes through, top to bottom:
 1. **passes** (``kiln/passes``): pattern rewrites, CSE, DCE; on a graph autodiff will
    differentiate, without the passes that shape work for kernels (``AFTER_AUTODIFF``);
 2. **autodiff** (``kiln/autodiff``), when an output requires grad: the joint forward/backward
-   graph from the VJP rows, split by the save-or-recompute partitioner;
+   graph from the VJP rows, split by the save-or-recompute partitioner (inside a DDP
+   module's forward, first cut into one training graph per gradient bucket, so that DDP's
+   all-reduces overlap the backward: ``kiln/autodiff/buckets.py``);
 3. **passes after autodiff**: the whole list, on the forward and on the backward graph;
 4. **backend** (``kiln/backends``): the options' backend compiles each graph; a backend that
    declares its capabilities gets the largest subgraphs it supports and the default backend
@@ -31,6 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.autodiff.buckets import SplitGraph, active_bucket_bytes, bucket_cuts, split
 from kiln.autodiff.partition import Partition, partition
 from kiln.autodiff.reverse import build_joint
 from kiln.autodiff.runtime import TrainingGraph, needs_autodiff
@@ -66,6 +69,22 @@ class Pipeline:
         if not training:
             compiled = self.compile_graph(graph)
             return graph, self.replayed(graph, compiled, len(graph.outputs), sizes)
+        bucket_bytes = active_bucket_bytes()
+        cuts = bucket_cuts(graph, bucket_bytes) if bucket_bytes and not graph.mutations else []
+        if not cuts:
+            return graph, self.train(graph, sizes)
+        # Under DDP: one training graph per bucket region, so that each region's gradients
+        # reach DDP's hooks as its backward returns (autodiff/buckets.py says why).
+        pieces = split(graph, cuts)
+        _log_autodiff.info("%s: split in %d at DDP's buckets", graph.name, len(pieces))
+        runners = [
+            self.train(p.graph, sizes) if needs_autodiff(p.graph) else self.compile_graph(p.graph)
+            for p in pieces
+        ]
+        return graph, SplitGraph(graph, pieces, runners)
+
+    def train(self, graph: Graph, sizes: SizeBudget) -> Any:
+        """The callable of a graph whose outputs require grad (its passes have run)."""
         try:
             plan = differentiate(graph)
         except NotImplementedError as error:
@@ -82,7 +101,7 @@ class Pipeline:
             plan.forward, forward, len(plan.forward.outputs), sizes, internal=saved
         )
         backward = self.replayed(plan.backward, backward, len(plan.backward.outputs), sizes)
-        return graph, TrainingGraph(graph, plan, forward, backward)
+        return TrainingGraph(graph, plan, forward, backward)
 
     def compile_graph(self, graph: Graph) -> CompiledGraph:
         """The backend stage (it schedules, generates and loads code on the first call)."""

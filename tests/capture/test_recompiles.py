@@ -706,3 +706,55 @@ def test_slice_arguments_are_guarded_by_value() -> None:
         torch.testing.assert_close(compiled(x, rows, index), program(x, rows, index))
     assert kiln.counters.fallbacks == []
     assert kiln.counters.captures == 3  # the third call hits the first entry
+
+
+def _defaults_flag(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator that fills a keyword in its own ``**kwargs`` (as transformers' do)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("flag") is None:
+            kwargs["flag"] = True
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _LoopWithBreaks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    @_defaults_flag
+    def forward(self, x: torch.Tensor, flag: bool | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            kiln.graph_break()
+        return x * 2 if flag else x
+
+
+def test_an_item_the_frame_wrote_is_not_guarded() -> None:
+    """Read back, ``kwargs["flag"]`` is the frame's own write, not the caller's value: a guard
+    on it (``L['kwargs']['flag'] == True``) would fail on every call and recompile."""
+    kiln.reset()
+    model = _LoopWithBreaks()
+    compiled = kiln.compile(model)
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(compiled(x), model(x))
+        torch.testing.assert_close(compiled(x, flag=False), model(x, flag=False))
+    assert [r for r in kiln.counters.recompiles if "kwargs" in r[1] and "True" in r[1]] == []
+    assert kiln.counters.graphs >= 1
+
+
+def _insert_then_read(x: torch.Tensor, values: list[float]) -> torch.Tensor:
+    values.insert(0, 1.0)
+    return x * values[1]  # the caller's first item, moved by the insertion: still guarded
+
+
+def test_an_item_a_list_insertion_moved_is_still_guarded() -> None:
+    compiled = kiln.compile(_insert_then_read)
+    x = torch.randn(3)
+    for factor in (2.0, 3.0, 2.0):
+        values = [factor]
+        torch.testing.assert_close(compiled(x, values), x * factor)
+        assert values == [1.0, factor]

@@ -16,6 +16,7 @@ from torch.nn.modules import module as module_globals
 
 from kiln.capture.calls import registry
 from kiln.capture.calls.attributes import get_attribute
+from kiln.capture.calls.distributed import wrapper_name
 from kiln.capture.calls.inline import inline
 from kiln.capture.core.breaks import BreakReason, GraphBreak
 from kiln.capture.core.frame import Frame
@@ -34,6 +35,11 @@ _GLOBAL_HOOKS = (
 def call_module(
     frame: Frame, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
+    wrapper = wrapper_name(module)
+    if wrapper is not None:  # its collectives and state stay eager (calls/distributed.py)
+        raise GraphBreak(
+            BreakReason.UNSUPPORTED_CALL, f"{wrapper} runs eagerly around its compiled forward"
+        )
     call = type(module).__call__
     if call is not torch.nn.Module.__call__ and isinstance(call, types.FunctionType):
         return inline(frame, call, (module, *args), kwargs)

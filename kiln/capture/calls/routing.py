@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as module_globals
 
+from kiln.capture.calls.distributed import WrapperCall, wrapped_module, wrapper_name
 from kiln.capture.calls.native import runs_natively
 
 
@@ -42,6 +43,12 @@ class Router:
         method = getattr(callee, "__func__", None) if isinstance(callee, types.MethodType) else None
         if isinstance(method, types.FunctionType) and not _runs_natively(method):
             return types.MethodType(compiled(method), callee.__self__)
+        if isinstance(callee, torch.nn.Module) and wrapper_name(callee) is not None:
+            inner = wrapped_module(callee)
+            forward = getattr(type(inner), "forward", None)
+            if isinstance(forward, types.FunctionType) and not _runs_natively(forward):
+                return WrapperCall(callee, types.MethodType(compiled(forward), inner))
+            return callee
         if isinstance(callee, torch.nn.Module) and _plain_call(callee):
             forward = getattr(callee.forward, "__func__", None)
             if isinstance(forward, types.FunctionType) and not _runs_natively(forward):

@@ -37,7 +37,7 @@ from kiln.capture.guards.guards import (
     storages_separate,
 )
 from kiln.capture.guards.sizes import SizeGuard, SizePolicy
-from kiln.capture.guards.sources import Attr, Source
+from kiln.capture.guards.sources import Attr, Item, Source
 from kiln.frontends.proxy import ProxyTensor
 from kiln.frontends.source import user_location
 from kiln.ir.builder import GraphBuilder
@@ -177,7 +177,7 @@ class Session:
     def wrap(self, value: Any, source: Source) -> Any:
         """``value`` read through ``source``: guard what the capture relies on, track it."""
         reason = _reason()
-        if isinstance(value, ProxyTensor):
+        if isinstance(value, ProxyTensor) or self.written_by_frame(value, source):
             return value
         if isinstance(value, torch.Tensor) and value.layout is torch.strided:
             return self.tensor_input(value, source, reason)
@@ -210,6 +210,23 @@ class Session:
             self.add_guard(TypeIs(source, reason, type(value)))
         self.remember(value, source)
         return value
+
+    def written_by_frame(self, value: Any, source: Source) -> bool:
+        """Whether ``source`` is a key of a dict this capture has written and ``value`` is not
+        what it held when the call began: the frame's own ``kwargs[k] = v``, read back, was not
+        read from outside (a guard on it fails on every call: issue 24's decorators). Lists
+        are left alone: an insertion moves the items it did not write to other indices."""
+        if not isinstance(source, Item):
+            return False
+        for effect in self.effects.values():
+            before = effect.snapshot
+            if (
+                effect.kind is EffectKind.CONTAINER
+                and isinstance(before, dict)
+                and self.source_of(effect.target) == source.base
+            ):
+                return source.key not in before or before[source.key] is not value
+        return False
 
     def guard_sizes(self) -> None:
         """Add the guard on symbolic sizes (when the capture has any): call once, last."""
