@@ -1,4 +1,6 @@
-"""Tensor guards checked by the native extension agree with the Python checks."""
+"""Guards checked by the native extension (a plan: access paths walked and values checked in
+C++) agree with the Python checks: tensors' metadata, identities, values, lengths, types,
+through locals, attributes, items, globals, builtins, closures and weak references."""
 
 from __future__ import annotations
 
@@ -10,8 +12,26 @@ import torch
 
 from kiln.capture.guards import guards as guard_module
 from kiln.capture.guards import native_guards
-from kiln.capture.guards.guards import NativeTensorCheck, TensorMatch, compile_guards
-from kiln.capture.guards.sources import Local
+from kiln.capture.guards.guards import (
+    Equals,
+    Guard,
+    Identity,
+    LengthIs,
+    NativeCheck,
+    TensorMatch,
+    TypeIs,
+    compile_guards,
+)
+from kiln.capture.guards.sources import (
+    Attr,
+    Builtin,
+    Called,
+    Closure,
+    FunctionAttr,
+    Global,
+    Item,
+    Local,
+)
 
 COUNT = native_guards.NATIVE_MIN_TENSORS + 4
 
@@ -41,6 +61,11 @@ def _tensors() -> list[torch.Tensor]:
 def _guard_functions(tensors: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> Any:
     names = [f"x{i}" for i in range(len(tensors))]
     guards = [TensorMatch.of(Local(n), t) for n, t in zip(names, tensors, strict=True)]
+    return _both(guards, names, monkeypatch)
+
+
+def _both(guards: list[Guard], names: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The guard function with the native plan, and the one in Python only."""
     native_fn, native_source, _ = compile_guards(guards, names)
     with monkeypatch.context() as patch:
         patch.setattr(native_guards, "_module", None)
@@ -126,8 +151,83 @@ def test_a_guard_built_before_the_extension_is_rebuilt_natively(
 def test_native_check_class_describes_itself(native: Any) -> None:
     tensors = _tensors()
     members = tuple(TensorMatch.of(Local(f"x{i}"), t) for i, t in enumerate(tensors))
-    check = NativeTensorCheck(None, "", members, None, None)
+    check = NativeCheck(None, "", members, None, None)
     assert str(len(tensors)) in check.describe()
+
+
+class _Holder:
+    def __init__(self) -> None:
+        self.config = {"stride": (2, 2), "name": "conv", "flag": True, "none": None}
+        self.children = {f"c{i}": torch.nn.Identity() for i in range(40)}
+        self.hooks: dict[int, Any] = {}
+        self.scale = 1.5
+
+
+HELPER = torch.nn.functional
+
+
+def test_native_plans_agree_with_python_on_every_path_and_check(
+    native: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every guard kind the plan takes, on every kind of access path, passes on the captured
+    objects and fails, as the Python guard does, on each single change."""
+    holder, target = _Holder(), torch.nn.Linear(2, 2)
+    reference = __import__("weakref").ref(target)
+    cell = torch.zeros(3)
+
+    def frame_function() -> Any:
+        return cell
+
+    h = Local("h")
+    guards: list[Guard] = [
+        Identity(Global("HELPER", globals()), "", HELPER),
+        Identity(Builtin("len"), "", len),
+        TensorMatch.of(Closure(0, "cell"), cell),
+        Identity(FunctionAttr("__globals__"), "", frame_function.__globals__),
+        Identity(Called(Local("r")), "", target),
+        Equals(Item(Attr(h, "config"), "stride"), "", (2, 2)),
+        Equals(Item(Attr(h, "config"), "name"), "", "conv"),
+        Equals(Item(Attr(h, "config"), "flag"), "", True),
+        Equals(Item(Attr(h, "config"), "none"), "", None),
+        Equals(Attr(h, "scale"), "", 1.5),
+        LengthIs(Attr(h, "hooks"), "", 0),
+        TypeIs(h, "", _Holder),
+    ]
+    for key, child in holder.children.items():
+        guards.append(Identity(Item(Attr(h, "children"), key), "", child))
+        guards.append(TypeIs(Item(Attr(h, "children"), key), "", torch.nn.Identity))
+    native_fn, python_fn = _both(guards, ["h", "r"], monkeypatch)
+
+    def agree(fn: Any = frame_function, ref: Any = reference) -> bool:
+        expected = python_fn(fn, holder, ref)
+        assert native_fn(fn, holder, ref) is expected
+        return expected
+
+    assert agree()
+    changes = [
+        lambda: holder.config.update(stride=(1, 1)),
+        lambda: holder.config.update(name="other"),
+        lambda: holder.config.update(flag=1),  # equal to True, not True
+        lambda: holder.config.update(none=0),
+        lambda: setattr(holder, "scale", 1),  # equal to 1.5? no; and an int
+        lambda: holder.hooks.update({0: print}),
+        lambda: holder.children.update(c7=torch.nn.Identity()),
+        lambda: holder.children.pop("c39"),
+        lambda: holder.config.pop("stride"),
+        lambda: delattr(holder, "hooks"),
+        lambda: cell.resize_(4),
+    ]
+    for change in changes:
+        saved = (dict(holder.config), dict(holder.children), dict(holder.hooks), holder.scale)
+        change()
+        assert not agree(), change
+        holder.config, holder.children = saved[0], saved[1]
+        holder.hooks, holder.scale = saved[2], saved[3]
+        cell.resize_(3)
+        assert agree()
+    assert not agree(lambda: None)  # another function: no closure cell
+    other = torch.nn.Linear(2, 2)
+    assert not agree(ref=__import__("weakref").ref(other))  # it points to another object
 
 
 def test_turned_off_the_extension_is_neither_built_nor_waited_for(

@@ -16,6 +16,7 @@ reason).
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,20 @@ from typing import Any
 import torch
 
 from kiln.capture.guards import native_guards
-from kiln.capture.guards.sources import Binder, Source
+from kiln.capture.guards.sources import (
+    Attr,
+    Binder,
+    Builtin,
+    Called,
+    Closure,
+    Constant,
+    FunctionAttr,
+    Global,
+    Item,
+    Local,
+    Source,
+    safe_name,
+)
 from kiln.ir.types import CPU
 
 
@@ -371,61 +385,136 @@ def _depth(source: Source) -> int:
 
 
 @dataclass(frozen=True)
-class NativeTensorCheck(Guard):
-    """Many :class:`TensorMatch` guards as one call into the native extension
-    (``native_guards.py``), which reads each tensor's metadata in C++."""
+class NativeCheck(Guard):
+    """Many guards (identities, constants, lengths, types, tensors' metadata) as one call into
+    the native extension (``native_guards.py``): it walks their access paths and checks the
+    values in C++, about 5x faster than the generated Python (a RegNet's 2,300 guards: 0.5 ms
+    a call in Python)."""
 
-    members: tuple[TensorMatch, ...] = ()
-    packed: Any = field(default=None, compare=False)  # the extension's specs capsule
-    check_fn: Any = field(default=None, compare=False)
+    members: tuple[Guard, ...] = ()
+    plan: Any = field(default=None, compare=False)  # the extension's plan capsule
+    run: Any = field(default=None, compare=False)
+    arguments: tuple[str, ...] = ()  # the guard function's parameters, ``___f`` first
 
-    rank = 3
+    rank = 0
 
     def check(self, binder: Binder) -> str:
-        paths = ", ".join(m.source.expr(binder) for m in self.members if m.source is not None)
-        function = binder.bind(self.check_fn, "native_check")
-        return f"{function}({binder.bind(self.packed, 'tensor_specs')}, ({paths},))"
+        function = binder.bind(self.run, "native_check")
+        plan = binder.bind(self.plan, "guard_plan")
+        return f"{function}({plan}, ({', '.join(self.arguments)},))"
 
     def describe(self) -> str:
-        return f"{len(self.members)} tensors' type, dtype, device, shape, strides, requires_grad"
+        return f"{len(self.members)} guards checked natively (identities, values, tensors)"
 
 
-def _tensor_guards(guards: Sequence[Guard]) -> list[TensorMatch]:
-    """The tensor guards the native check can take (static sizes and strides)."""
-    return [
-        g
-        for g in guards
-        if type(g) is TensorMatch and g.source is not None and g.stride is not None
-    ]
+# Node and check kinds of a native plan (``native_guards.py``: NodeKind, CheckKind).
+ARGUMENT, CONSTANT, ATTRIBUTE, ITEM, CALL = range(5)
+IS, EQUALS, LENGTH, TYPE_IS, TENSOR = range(5)
+
+
+class _Plan:
+    """The nodes (access steps) and checks of a native plan, built from guards' sources."""
+
+    def __init__(self, params: Sequence[str]) -> None:
+        self.arguments = ["___f", *params]
+        self.nodes: list[tuple[int, int, Any]] = []
+        self.checks: list[tuple[int, int, Any, Any, int]] = []
+        self.specs: list[tuple[Any, ...]] = []
+        self.index: dict[Any, int] = {}
+
+    def add(self, guard: Guard) -> bool:
+        """Plan ``guard``'s check; False (nothing added) when the plan cannot express it."""
+        node = self.node(guard.source) if guard.source is not None else None
+        if node is None:
+            return False
+        if isinstance(guard, Identity):
+            self.checks.append((IS, node, guard.obj, None, 0))
+        elif type(guard) is Equals:
+            value = guard.value
+            singleton = value is None or type(value) is bool
+            kind = IS if singleton else EQUALS
+            self.checks.append((kind, node, value, None if singleton else type(value), 0))
+        elif type(guard) is LengthIs:
+            self.checks.append((LENGTH, node, None, None, guard.length))
+        elif type(guard) is TypeIs:
+            self.checks.append((TYPE_IS, node, None, guard.kind, 0))
+        elif type(guard) is TensorMatch and guard.stride is not None:
+            spec = (guard.kind, guard.dtype, guard.device, guard.requires_grad)
+            self.specs.append((*spec, tuple(guard.shape), tuple(guard.stride)))
+            self.checks.append((TENSOR, node, None, None, len(self.specs) - 1))
+        else:
+            return False
+        return True
+
+    def node(self, source: Source) -> int | None:
+        """The node reaching ``source``'s value (added with its prefixes), or None."""
+        if source in self.index:
+            return self.index[source]
+        step = self._step(source)
+        if step is None:
+            return None
+        self.nodes.append(step)
+        self.index[source] = len(self.nodes) - 1
+        return len(self.nodes) - 1
+
+    def _step(self, source: Source) -> tuple[int, int, Any] | None:
+        if isinstance(source, Local):
+            name = safe_name(source.local)
+            return (ARGUMENT, self.arguments.index(name), None) if name in self.arguments else None
+        if isinstance(source, Constant):
+            return (CONSTANT, 0, source.obj)
+        parts: tuple[int, Source | None, Any]
+        if isinstance(source, Attr | Item):
+            parts = (ATTRIBUTE if isinstance(source, Attr) else ITEM, source.base, _key(source))
+        elif isinstance(source, Called):
+            parts = (CALL, source.base, None)
+        elif isinstance(source, Global):
+            parts = (ITEM, Constant(source.scope), source.global_name)
+        elif isinstance(source, Builtin):
+            parts = (ATTRIBUTE, Constant(builtins), source.builtin_name)
+        elif isinstance(source, FunctionAttr):
+            parts = (ATTRIBUTE, Local("___f"), source.attr)
+        elif isinstance(source, Closure):
+            cells = Item(Attr(Local("___f"), "__closure__"), source.index)
+            parts = (ATTRIBUTE, cells, "cell_contents")
+        else:
+            return None
+        kind, base, key = parts
+        parent = self.node(base) if base is not None else None
+        return None if parent is None else (kind, parent, key)
+
+
+def _key(source: Attr | Item) -> Any:
+    return source.attr if isinstance(source, Attr) else source.key
 
 
 def wants_native(guards: Sequence[Guard]) -> bool:
-    """Whether these guards would check their tensors natively once the extension is built
-    (and it is not loaded yet)."""
+    """Whether these guards would be checked natively once the extension is built (and it
+    is not loaded yet)."""
     if native_guards.module() is not None or not native_guards.pending():
         return False
-    return len(_tensor_guards(guards)) >= native_guards.NATIVE_MIN_TENSORS
+    return len(guards) >= native_guards.NATIVE_MIN_TENSORS
 
 
-def _natively_checked(ordered: list[Guard]) -> list[Guard]:
-    """``ordered`` with its tensor guards as one :class:`NativeTensorCheck`, in the place of
-    the first, when there are enough of them and the extension is loaded (its build starts
-    here otherwise)."""
-    tensors = _tensor_guards(ordered)
-    if len(tensors) < native_guards.NATIVE_MIN_TENSORS:
+def _natively_checked(ordered: list[Guard], params: Sequence[str]) -> list[Guard]:
+    """``ordered`` with the guards a native plan can check as one :class:`NativeCheck`, first
+    (after the global state), when there are enough of them and the extension is loaded
+    (its build starts here otherwise)."""
+    if len(ordered) < native_guards.NATIVE_MIN_TENSORS:
         return ordered
     native: Any = native_guards.module()
     if native is None:
         native_guards.request()
         return ordered
-    specs = [
-        (m.kind, m.dtype, m.device, m.requires_grad, tuple(m.shape), tuple(m.stride or ()))
-        for m in tensors
-    ]
-    batch = NativeTensorCheck(None, "", tuple(tensors), native.specs(specs), native.check)
-    first = ordered.index(tensors[0])
-    members = {id(g) for g in tensors}
+    plan = _Plan(params)
+    planned = [guard for guard in ordered if plan.add(guard)]
+    if len(planned) < native_guards.NATIVE_MIN_TENSORS:
+        return ordered
+    packed = native.plan(plan.nodes, plan.checks, plan.specs)
+    batch = NativeCheck(None, "", tuple(planned), packed, native.run, tuple(plan.arguments))
+    members = {id(g) for g in planned}
     rest = [g for g in ordered if id(g) not in members]
+    first = sum(1 for g in rest if isinstance(g, GlobalState))
     return [*rest[:first], batch, *rest[first:]]
 
 
@@ -439,7 +528,11 @@ def compile_guards(
     checks = [guard.check(binder) for guard in ordered]  # also counts each path's uses
     # (whole paths, before hoisting: what a failing tensor guard reads, to say what differs)
     getters = {id(guard): guard.reads(binder) for guard in ordered if hasattr(guard, "reads")}
-    combined = _natively_checked(ordered)
+    combined = _natively_checked(ordered, params)
+    if len(combined) != len(ordered):  # hoist only the paths the Python checks still walk
+        binder.uses.clear()
+        for guard in combined:
+            guard.check(binder)
     prelude = _hoist(binder)
     hoisted_checks = [guard.check(binder) for guard in combined]
     body = "\n            and ".join(f"({check})" for check in hoisted_checks) or "True"
