@@ -107,6 +107,12 @@ class Wrapper:
             self.namespace["pool"] = temp_pool.TempPool(slots)
             self.lines.append("    temps = pool.take()")
         reused = {id(b) for b in program.reuses.values()}  # freed when taken over instead
+        # Buffers read as tensors (extern operands, outputs): the rest only lend kernels their
+        # data pointer, so one that takes over another's memory is that tensor, not a view
+        # of it (torch.as_strided costs 2-3 us a call: 300 a ResNet-like step)
+        self.as_tensors = {id(v.buffer) for v in program.outputs} | {
+            id(o.buffer) for step in program.externs() for o in step.operands if isinstance(o, View)
+        }
         for position, step in enumerate(program.steps):
             if isinstance(step, Kernel):
                 self._kernel(step)
@@ -162,10 +168,10 @@ class Wrapper:
             previous = self.program.reuses.get(id(buffer))
             if previous is not None:
                 old = self.name(previous)
-                self.lines.append(
-                    f"    {self.name(buffer)} = as_strided({old}, {buffer.shape!r}, "
-                    f"{buffer.strides!r}); del {old}  # reuse"
-                )
+                view = f"as_strided({old}, {buffer.shape!r}, {buffer.strides!r})"
+                if id(buffer) not in self.as_tensors:
+                    view = old  # (the kernel indexes its memory by its own strides)
+                self.lines.append(f"    {self.name(buffer)} = {view}; del {old}  # reuse")
             elif id(buffer) in self.slots:
                 self.lines.append(f"    {self.name(buffer)} = temps[{self.slots[id(buffer)]}]")
             else:
