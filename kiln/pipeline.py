@@ -92,7 +92,7 @@ class Pipeline:
             # the reference interpreter runs the graph under eager autograd, which records
             # what each op's PyTorch call records (and raises at backward where eager does).
             _log_autodiff.info("%s: eager autograd through the graph (%s)", graph.name, error)
-            return graph, lookup_backend("eager").compile(graph, self.options)
+            return lookup_backend("eager").compile(graph, self.options)
         plan.forward = run_passes(plan.forward)
         plan.backward = run_passes(plan.backward)
         forward, backward = self.compile_graph(plan.forward), self.compile_graph(plan.backward)
