@@ -8,7 +8,13 @@ device (``numpy/``; docs/backends.md). ``split.py`` gives a backend that declare
 capabilities the subgraphs it supports. Only the pipeline and the tools import this package.
 """
 
-from kiln.backends import eager, kiln, numpy  # noqa: F401  (register the built-in backends)
+from kiln.backends import eager, kiln  # noqa: F401  (register the built-in backends)
+
+try:  # the worked example runs on NumPy, which PyTorch does not require
+    from kiln.backends import numpy  # noqa: F401
+except ModuleNotFoundError as missing:
+    if missing.name != "numpy":
+        raise
 from kiln.backends.registry import (
     Backend,
     BackendRecord,

@@ -148,3 +148,25 @@ def test_conformance_kit_reports_a_wrong_backend(wrong_add: str) -> None:
     failed = {result.name.split("-")[0] for result in coverage.failures}
     assert failed == {"add"} and coverage.on_backend == coverage.count("failed") > 0
     assert "fail" in str(coverage) and "add-float32: failed" in str(coverage)
+
+
+def test_kiln_imports_and_compiles_without_numpy() -> None:
+    """PyTorch runs without NumPy; so must Kiln (only the numpy backend is missing then)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'numpy':\n"
+        "            raise ModuleNotFoundError('no numpy', name='numpy')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch, kiln\n"
+        "assert 'numpy' not in kiln.list_backends(), kiln.list_backends()\n"
+        "x = torch.randn(5)\n"
+        "assert torch.allclose(kiln.compile(lambda t: t.sin() + 1)(x), x.sin() + 1)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
