@@ -31,7 +31,7 @@ from kiln.capture.bytecode.rewrite import route_calls
 from kiln.capture.calls.routing import Router
 from kiln.capture.core import frame
 from kiln.capture.core.breaks import BreakRecord, FullGraphError, SkipReason
-from kiln.capture.driver import resume
+from kiln.capture.driver import artifact, resume
 from kiln.capture.driver.convert import Capture, Skip, capture_frame, param_names
 from kiln.capture.guards import native_guards
 from kiln.capture.guards.guards import compile_guards, wants_native
@@ -81,6 +81,7 @@ class Counters:
     """Process-wide statistics, readable from Python (``kiln.counters``)."""
 
     captures: int = 0
+    artifact_hits: int = 0  # entries reused from the artifact cache (driver/artifact.py)
     recompiles: list[tuple[str, str]] = field(default_factory=list)
     graph_breaks: list[BreakRecord] = field(default_factory=list)
     fallbacks: list[BreakRecord] = field(default_factory=list)
@@ -108,6 +109,7 @@ class CodeCache:
     skip: BreakRecord | None = None
     routed: types.CodeType | None = None  # the original code with calls routed (for skips)
     warned: bool = False  # the recompile-limit warning was given
+    stored: set[bytes] = field(default_factory=set)  # artifact entries reused (tried once)
     # Which input dims are symbolic, per module instance for methods (two Linear layers
     # share forward's code: their inputs' sizes differ, but never change).
     sizes: dict[int | None, SizePolicy] = field(default_factory=dict)
@@ -141,6 +143,7 @@ def reset() -> None:
             cache.entries.clear()
             cache.skip = None
             cache.sizes.clear()
+            cache.stored.clear()
             cache.routed = None
         _WRAPPERS.clear()
         counters.reset()
@@ -349,6 +352,9 @@ def _compile_entry(
                     stacklevel=5,
                 )
             return None
+    reused = artifact.reuse(fn, values, compiler, router(compiler), cache.stored)
+    if reused is not None:
+        return _install(fn, cache, reused, owner, reused=True)
     try:
         with preserved_random_state():
             capture = capture_frame(
@@ -371,11 +377,16 @@ def _compile_entry(
         raise
     except Exception as error:
         return _Eager(_capture_failed(fn, cache, values, compiler, error))
+    artifact.store(fn, capture, compiler.options)
     return _install(fn, cache, capture, owner)
 
 
 def _install(
-    fn: types.FunctionType, cache: CodeCache, capture: Capture, owner: int | None
+    fn: types.FunctionType,
+    cache: CodeCache,
+    capture: Capture,
+    owner: int | None,
+    reused: bool = False,
 ) -> Entry:
     params = param_names(fn.__code__)
     guard, source, first_failure = compile_guards(capture.guards, params)
@@ -383,7 +394,8 @@ def _install(
     cache.entries.insert(0, entry)
     if wants_native(capture.guards):  # rebuilt with C++ tensor checks once they are built
         native_guards.when_ready(lambda: _nativize(entry, params))
-    counters.captures += 1
+    counters.artifact_hits += reused
+    counters.captures += not reused
     counters.graphs += capture.graph is not None
     for record in capture.breaks:
         counters.graph_breaks.append(record)

@@ -86,6 +86,8 @@ class Capture:
     # Symbolic sizes: the symbols, where each was read and why it is symbolic, the guards
     # decided on them and where capture specialized one.
     shapes: ShapeEnv | None = None
+    # The head's globals (objects its source names), for the artifact cache to store.
+    scope: dict[str, Any] = field(default_factory=dict)
 
 
 def arg_names(code: types.CodeType) -> tuple[str, ...]:
@@ -201,11 +203,12 @@ def _capture_once(
     used = used_symbols(graph)  # (a size only Python code reads needs no compile per value)
     graph.symbols = tuple(name for name in session.shapes.symbols if name in used)
     if graph.nodes or graph.outputs or graph.mutations:
+        captured = graph
         try:
             graph, compiled = compile_graph(graph)
         except Exception as error:  # (re-raised by the cache in strict mode)
             raise Skip(SkipReason.BACKEND_ERROR, f"{type(error).__name__}: {error}") from error
-        runner = GraphRunner(graph, compiled)
+        runner = GraphRunner(graph, compiled, captured)
         shapes = session.shapes
         symbol_values = "".join(
             f"{size_expression(shapes.symbols[name], shapes, lambda s: s.expr(binder))}, "
@@ -228,6 +231,7 @@ def _capture_once(
         resumes=plan.resumes,
         uncompiled=plan.uncompiled,
         shapes=session.shapes if session.shapes.symbols else None,
+        scope=dict(binder.names),
     )
 
 
@@ -330,9 +334,10 @@ def _seed() -> torch.Tensor:
 class GraphRunner:
     """Calls a compiled graph and writes mutated inputs back, as eager's in-place ops would."""
 
-    def __init__(self, graph: Graph, compiled: Any) -> None:
+    def __init__(self, graph: Graph, compiled: Any, captured: Graph | None = None) -> None:
         self.graph = graph
         self.compiled = compiled
+        self.captured = captured  # the graph before the pipeline (what the artifact cache keeps)
         self.count = len(graph.outputs)
         position = {value: i for i, value in enumerate(graph.inputs)}
         self.mutated = [position[target] for target, _ in graph.mutations]
