@@ -80,8 +80,11 @@ def code_digest(code: types.CodeType) -> str:
     parts += [code.co_cellvars, code.co_flags, code.co_argcount, code.co_kwonlyargcount]
     parts += [code.co_posonlyargcount, code.co_qualname, code.co_filename, code.co_firstlineno]
     for const in code.co_consts:
-        is_code = isinstance(const, types.CodeType)
-        parts.append(code_digest(const) if is_code else (type(const).__name__, repr(const)))
+        if isinstance(const, types.CodeType):
+            parts.append(code_digest(const))
+        else:  # (a frozenset's order varies with the process's string hashing)
+            text = sorted(map(repr, const)) if type(const) is frozenset else const
+            parts.append((type(const).__name__, repr(text)))
     digest.update(repr(parts).encode())
     return digest.hexdigest()
 
