@@ -153,12 +153,11 @@ def test_changed_global_or_source_captures_again(program: Path, tmp_path: Path) 
 def test_damaged_files_are_rebuilt_with_a_warning(program: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     first = _run(program, cache, "2.0", "1")
-    files = list((cache / "artifacts").glob("*.kart"))
-    assert files
-    for i, path in enumerate(files):
+    files = sorted(path for path in cache.rglob("*") if path.is_file() and path.stat().st_size)
+    assert len(list((cache / "artifacts").glob("*.kart"))) >= 4 and len(files) > 8
+    for i, path in enumerate(files):  # every cache file: artifacts and C++ kernels
         data = bytearray(path.read_bytes())
-        position = (i * 7919) % len(data)
-        data[position] ^= 0xFF  # one byte, somewhere different in each file
+        data[(i * 7919) % len(data)] ^= 0xFF  # one byte, somewhere different in each file
         path.write_bytes(bytes(data))
     damaged = _run(program, cache, "2.0", "2")
     assert damaged["captures"] == first["captures"] and all(damaged["ok"].values()), damaged
@@ -205,6 +204,40 @@ def test_reused_in_process_after_reset(artifact_cache: Path) -> None:
     assert (kiln.counters.captures, kiln.counters.artifact_hits) == (0, 1)
     y = torch.randn(2, 3)  # another shape: the stored entry's guards fail, capture runs
     torch.testing.assert_close(kiln.compile(_count)(y), _count(y))
+    assert (kiln.counters.captures, kiln.counters.artifact_hits) == (1, 1)
+
+
+def _sized(value: torch.Tensor) -> torch.Tensor:
+    return torch.relu(value).sum(0) * value.shape[0]
+
+
+def test_symbolic_sizes_reused(artifact_cache: Path) -> None:
+    compiled = kiln.compile(_sized, dynamic=True)
+    for size in (5, 7):
+        x = torch.randn(size, 3)
+        torch.testing.assert_close(compiled(x), _sized(x))
+    kiln.reset()
+    x = torch.randn(9, 3)
+    torch.testing.assert_close(kiln.compile(_sized, dynamic=True)(x), _sized(x))
+    assert (kiln.counters.captures, kiln.counters.artifact_hits) == (0, 1)
+
+
+class _Flagged(torch.nn.Module):
+    def __init__(self, squash: bool) -> None:
+        super().__init__()
+        self.squash = squash
+
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(value) if self.squash else value * 2
+
+
+def test_another_instance_with_other_state_captures_again(artifact_cache: Path) -> None:
+    x = torch.randn(4)
+    torch.testing.assert_close(kiln.compile(_Flagged(True))(x), torch.tanh(x))
+    kiln.reset()
+    torch.testing.assert_close(kiln.compile(_Flagged(True))(x), torch.tanh(x))
+    assert (kiln.counters.captures, kiln.counters.artifact_hits) == (0, 1)
+    torch.testing.assert_close(kiln.compile(_Flagged(False))(x), x * 2)  # its guard fails
     assert (kiln.counters.captures, kiln.counters.artifact_hits) == (1, 1)
 
 

@@ -329,7 +329,8 @@ def store(fn: types.FunctionType, capture: Capture, options: Any) -> None:
     ):
         _log.info("not storing %s: its head holds a container by identity", fn.__qualname__)
         return
-    rest = dataclasses.replace(capture, head=None, graph=None, guards=[])
+    # (the shape environment only explains: its symbols are in the graph and the size guard)
+    rest = dataclasses.replace(capture, head=None, graph=None, guards=[], shapes=None)
     try:
         entry = (_dumps(capture.guards, fn, at), _dumps(rest, fn, at))
     except (Uncacheable, pickle.PicklingError, TypeError, AttributeError) as error:
@@ -338,7 +339,11 @@ def store(fn: types.FunctionType, capture: Capture, options: Any) -> None:
     path = _path(fn.__code__, options)
     entries = _read(path)
     if entry not in entries:
-        _write(path, [entry, *entries])
+        try:
+            _write(path, [entry, *entries])
+        except OSError as error:  # (a read-only cache directory: the program runs on)
+            _log.info("not storing %s: %s", fn.__qualname__, error)
+            return
         _log.info("stored an entry of %s in %s", fn.__qualname__, path)
 
 
