@@ -65,6 +65,7 @@ PROGRAM = textwrap.dedent(
     for name, model, shape in [
         ("mlp", MLP(), (4, 8)),
         ("cnn", CNN(), (2, 3, 8, 8)),
+        ("cnn_eval", CNN().eval(), (2, 3, 8, 8)),  # (conv+BatchNorm folded: passes rewire)
         ("break", Broken(), (4, 8)),
     ]:
         reference, x = copy.deepcopy(model), torch.randn(shape)
