@@ -59,6 +59,7 @@ _CODE_KEYS: dict[int, tuple[types.CodeType, str]] = {}  # resume codes loaded ->
 _BY_VALUE: tuple[type, ...] = (int, float, bool, str, bytes, complex, type(None), tuple, list)
 _BY_VALUE += (dict, set, frozenset, slice, range, enum.Enum, torch.dtype, torch.device)
 _BY_VALUE += (torch.Size, torch.layout, torch.memory_format, type(Ellipsis))
+_BY_VALUE += (torch.storage.TypedStorage, torch.UntypedStorage)  # (a constant tensor's)
 # Callables pickle stores by reference (module and name), checked when stored.
 _BY_REFERENCE: tuple[type, ...] = (types.BuiltinFunctionType, types.MethodDescriptorType)
 _BY_REFERENCE += (types.WrapperDescriptorType, types.ClassMethodDescriptorType)
@@ -138,12 +139,13 @@ class _Pickler(pickle.Pickler):
             return ("module globals", obj["__name__"])
         if isinstance(obj, _BY_REFERENCE):
             return None
-        if isinstance(obj, (types.FunctionType, type)) and id(obj) not in self.at:
+        if isinstance(obj, (types.FunctionType, type)):  # by name, else where it was read
             module, name = getattr(obj, "__module__", None), obj.__qualname__
             with contextlib.suppress(Exception):
                 if module is not None and _resolve(module, name) is obj:
                     return ("named", module, name, _fingerprint(obj))
-            raise Uncacheable(f"{obj!r} cannot be found by its name")
+            if id(obj) not in self.at:
+                raise Uncacheable(f"{obj!r} cannot be found by its name")
         if id(obj) in self.at:
             return ("at", self.at[id(obj)], type(obj), _fingerprint(obj))
         if isinstance(obj, GraphRunner):
@@ -323,17 +325,16 @@ def store(fn: types.FunctionType, capture: Capture, options: Any) -> None:
     if not config.artifact_cache:
         return
     at = _pinned(capture.guards)
-    mutable = [k for k, v in capture.scope.items() if type(v) in (list, dict, set)]
-    if any(
-        capture.scope[k] is not fn.__globals__ and id(capture.scope[k]) not in at for k in mutable
-    ):
+    held = [v for v in capture.scope.values() if type(v) in (list, dict, set)]
+    held = [v for v in held if v is not fn.__globals__]
+    if any(id(v) not in at and not (type(v) is dict and _module_of(v)) for v in held):
         _log.info("not storing %s: its head holds a container by identity", fn.__qualname__)
         return
     # (the shape environment only explains: its symbols are in the graph and the size guard)
     rest = dataclasses.replace(capture, head=None, graph=None, guards=[], shapes=None)
     try:
         entry = (_dumps(capture.guards, fn, at), _dumps(rest, fn, at))
-    except (Uncacheable, pickle.PicklingError, TypeError, AttributeError) as error:
+    except Exception as error:  # (storing is an optimization: the program runs on)
         _log.info("not storing %s: %s", fn.__qualname__, error)
         return
     path = _path(fn.__code__, options)
