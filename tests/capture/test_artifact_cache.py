@@ -242,6 +242,34 @@ def test_another_instance_with_other_state_captures_again(artifact_cache: Path) 
     assert (kiln.counters.captures, kiln.counters.artifact_hits) == (1, 1)
 
 
+def test_two_instances_of_one_class_reuse_one_entry(artifact_cache: Path) -> None:
+    x = torch.randn(4)
+    kiln.compile(_Flagged(True))(x)
+    kiln.reset()
+    for _ in range(2):  # the entry binds to each instance in turn
+        torch.testing.assert_close(kiln.compile(_Flagged(True))(x), torch.tanh(x))
+    assert (kiln.counters.captures, kiln.counters.artifact_hits) == (0, 2)
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = self.a if shared else torch.nn.Linear(3, 3)
+
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        return self.a(value) * (2 if self.a is self.b else 3)
+
+
+def test_objects_distinct_at_capture_must_stay_distinct(artifact_cache: Path) -> None:
+    x = torch.randn(2, 3)
+    kiln.compile(_Pair(shared=False))(x)
+    kiln.reset()
+    pair = _Pair(shared=True)  # both paths lead to one module: the stored entry must not bind
+    torch.testing.assert_close(kiln.compile(pair)(x), pair.a(x) * 2)
+    assert (kiln.counters.captures, kiln.counters.artifact_hits) == (1, 0)
+
+
 def _scaler(scale: float):  # type: ignore[no-untyped-def]
     def scaled(value: torch.Tensor) -> torch.Tensor:
         return value * scale

@@ -102,7 +102,7 @@ def _fingerprint(obj: Any) -> str:
         parts = []
         for cls in obj.__mro__:
             for name, member in vars(cls).items():
-                member = getattr(member, "__func__", member)  # (staticmethod, classmethod)
+                member = getattr(member, "__func__", getattr(member, "fget", member))
                 if isinstance(member, types.FunctionType):
                     parts.append(f"{cls.__qualname__}.{name}:{_fingerprint(member)}")
                 elif isinstance(member, (int, float, str, bool, tuple)):
@@ -182,6 +182,7 @@ class _Unpickler(pickle.Unpickler):
     ) -> None:
         super().__init__(io.BytesIO(data))
         self.fn, self.values, self.compiler, self.route = fn, values, compiler, route
+        self.bound: dict[int, Source] = {}  # distinct objects at capture stay distinct
 
     def persistent_load(self, pid: Any) -> Any:
         kind, *rest = pid
@@ -220,6 +221,8 @@ class _Unpickler(pickle.Unpickler):
             raise Mismatch(f"{source} cannot be read ({type(error).__name__})") from error
         if type(obj) is not kind or _fingerprint(obj) != fingerprint:
             raise Mismatch(f"{source} is a {type(obj).__qualname__}, not the stored one")
+        if self.bound.setdefault(id(obj), source) != source:
+            raise Mismatch(f"{source} is {self.bound[id(obj)]}, two objects at capture")
         return obj
 
 
@@ -353,16 +356,13 @@ def reuse(
     values: tuple[Any, ...],
     compiler: Any,
     route: Router,
-    used: set[bytes],
 ) -> Capture | None:
     """A stored capture of ``fn``'s code whose objects bind and whose guards pass on
-    ``values`` (its graphs compiled again), or None. ``used``: the guard pickles of entries
-    this cache holds already (their guards failed: no need to try them again)."""
+    ``values`` (its graphs compiled again), or None (tried on every miss: an entry stored for
+    one instance binds to another of the same class)."""
     if not config.artifact_cache:
         return None
     for guards_data, rest_data in _read(_path(fn.__code__, compiler.options)):
-        if guards_data in used:
-            continue
         try:
             guards = _Unpickler(guards_data, fn, values, compiler, route).load()
             guard, _, _ = compile_guards(guards, param_names(fn.__code__))
@@ -377,7 +377,6 @@ def reuse(
         scope = dict(capture.scope)
         exec(compile(capture.head_source, f"<kiln head of {fn.__qualname__}>", "exec"), scope)
         runners = [v for v in capture.scope.values() if isinstance(v, GraphRunner)]
-        used.add(guards_data)
         return dataclasses.replace(
             capture,
             head=scope["___head"],

@@ -109,7 +109,6 @@ class CodeCache:
     skip: BreakRecord | None = None
     routed: types.CodeType | None = None  # the original code with calls routed (for skips)
     warned: bool = False  # the recompile-limit warning was given
-    stored: set[bytes] = field(default_factory=set)  # artifact entries reused (tried once)
     # Which input dims are symbolic, per module instance for methods (two Linear layers
     # share forward's code: their inputs' sizes differ, but never change).
     sizes: dict[int | None, SizePolicy] = field(default_factory=dict)
@@ -143,7 +142,6 @@ def reset() -> None:
             cache.entries.clear()
             cache.skip = None
             cache.sizes.clear()
-            cache.stored.clear()
             cache.routed = None
         _WRAPPERS.clear()
         counters.reset()
@@ -352,7 +350,7 @@ def _compile_entry(
                     stacklevel=5,
                 )
             return None
-    reused = artifact.reuse(fn, values, compiler, router(compiler), cache.stored)
+    reused = artifact.reuse(fn, values, compiler, router(compiler))
     if reused is not None:
         return _install(fn, cache, reused, owner, reused=True)
     try:
