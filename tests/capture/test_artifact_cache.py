@@ -177,12 +177,6 @@ def test_two_processes_writing_at_once(program: Path, tmp_path: Path) -> None:
     assert not list((cache / "artifacts").glob(".tmp-*"))
 
 
-def test_opt_out(program: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    _run(program, cache, "2.0", "1", KILN_ARTIFACT_CACHE="0")
-    assert not (cache / "artifacts").exists()
-
-
 def _count(value: torch.Tensor) -> torch.Tensor:
     return torch.sin(value) * 3
 
@@ -282,6 +276,13 @@ _SCALED = _scaler(2.0)
 
 def _uses_a_closure(value: torch.Tensor) -> torch.Tensor:
     return _SCALED(value) + 1  # (the closure's cell has no name in a new process)
+
+
+def test_opt_out(artifact_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "artifact_cache", False)  # (KILN_ARTIFACT_CACHE=0)
+    x = torch.randn(3)
+    torch.testing.assert_close(kiln.compile(_count)(x), _count(x))
+    assert kiln.counters.captures == 1 and not artifact_cache.exists()
 
 
 def test_entry_holding_an_undescribable_object_is_not_stored(artifact_cache: Path) -> None:

@@ -55,6 +55,9 @@ from kiln.config import config, logger
 
 _log = logger("cache")
 MAGIC = b"KART1\n"
+# Entries kept per file, newest first (one code object shared by many programs, such as a
+# compiled module's call, would otherwise gather every model a machine ever ran).
+MAX_ENTRIES = 16
 _CODE_KEYS: dict[int, tuple[types.CodeType, str]] = {}  # resume codes loaded -> their keys
 _BY_VALUE: tuple[type, ...] = (int, float, bool, str, bytes, complex, type(None), tuple, list)
 _BY_VALUE += (dict, set, frozenset, slice, range, enum.Enum, torch.dtype, torch.device)
@@ -344,7 +347,7 @@ def store(fn: types.FunctionType, capture: Capture, options: Any) -> None:
     entries = _read(path)
     if entry not in entries:
         try:
-            _write(path, [entry, *entries])
+            _write(path, [entry, *entries][:MAX_ENTRIES])
         except OSError as error:  # (a read-only cache directory: the program runs on)
             _log.info("not storing %s: %s", fn.__qualname__, error)
             return

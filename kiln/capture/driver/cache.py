@@ -350,7 +350,8 @@ def _compile_entry(
                     stacklevel=5,
                 )
             return None
-    reused = artifact.reuse(fn, values, compiler, router(compiler))
+    with preserved_random_state():  # (compiling the stored graphs draws nothing of the user's)
+        reused = artifact.reuse(fn, values, compiler, router(compiler))
     if reused is not None:
         return _install(fn, cache, reused, owner, reused=True)
     try:
