@@ -50,7 +50,7 @@ from kiln.capture.calls.routing import Router
 from kiln.capture.driver.convert import Capture, GraphRunner, param_names
 from kiln.capture.driver.resume import ResumeTarget
 from kiln.capture.guards.guards import Guard, Identity, compile_guards
-from kiln.capture.guards.sources import Binder, Source
+from kiln.capture.guards.sources import Attr, Binder, Item, Source
 from kiln.config import config, logger
 
 _log = logger("cache")
@@ -66,6 +66,9 @@ _BY_VALUE += (torch.storage.TypedStorage, torch.UntypedStorage)  # (a constant t
 # Callables pickle stores by reference (module and name), checked when stored.
 _BY_REFERENCE: tuple[type, ...] = (types.BuiltinFunctionType, types.MethodDescriptorType)
 _BY_REFERENCE += (types.WrapperDescriptorType, types.ClassMethodDescriptorType)
+
+
+_TYPES = {value: name for name, value in vars(types).items() if isinstance(value, type)}
 
 
 class Uncacheable(Exception):
@@ -97,7 +100,7 @@ def _fingerprint(obj: Any) -> str:
     """A function's code and defaults, or a class's functions along its MRO: what capture
     relied on when it inlined them."""
     if isinstance(obj, types.FunctionType):
-        return code_digest(obj.__code__) + repr((obj.__defaults__, obj.__kwdefaults__))
+        return code_digest(obj.__code__) + _stable((obj.__defaults__, obj.__kwdefaults__))
     if not isinstance(obj, type):
         return ""
     known = _FINGERPRINTS.get(obj)
@@ -115,6 +118,18 @@ def _fingerprint(obj: Any) -> str:
 
 
 _FINGERPRINTS: dict[Any, str] = {}
+
+
+def _stable(value: Any) -> str:
+    """``repr(value)`` without the addresses of objects (functions and classes by name)."""
+    if type(value) in (tuple, list):
+        return "(" + ", ".join(map(_stable, value)) + ")"
+    if type(value) is dict:
+        return "{" + ", ".join(f"{_stable(k)}: {_stable(v)}" for k, v in value.items()) + "}"
+    if hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    text = repr(value)
+    return type(value).__qualname__ if " at 0x" in text else text
 
 
 def _resolve(module: str, qualname: str) -> Any:
@@ -144,13 +159,15 @@ class _Pickler(pickle.Pickler):
             return None
         if isinstance(obj, (types.FunctionType, type)):  # by name, else where it was read
             module, name = getattr(obj, "__module__", None), obj.__qualname__
+            if module == "builtins" and obj in _TYPES:  # (CodeType, CellType, ...)
+                module, name = "types", _TYPES[obj]
             with contextlib.suppress(Exception):
                 if module is not None and _resolve(module, name) is obj:
                     return ("named", module, name, _fingerprint(obj))
             if id(obj) not in self.at:
                 raise Uncacheable(f"{obj!r} cannot be found by its name")
         if id(obj) in self.at:
-            return ("at", self.at[id(obj)], type(obj), _fingerprint(obj))
+            return ("at", self.at[id(obj)], _kind(obj))
         if isinstance(obj, GraphRunner):
             return ("graph", obj.captured)
         if isinstance(obj, ResumeTarget):
@@ -164,6 +181,13 @@ class _Pickler(pickle.Pickler):
         if type(obj).__module__.startswith("kiln."):
             return None  # Kiln's data: graphs, nodes, guards, sources, attributes
         raise Uncacheable(f"a {type(obj).__qualname__} object")
+
+
+def _kind(obj: Any) -> tuple[str, ...]:
+    """What an object pinned by identity must be in a new process: its class (by name and
+    fingerprint), and its own fingerprint when it is a function or class."""
+    kind = type(obj)
+    return (kind.__module__, kind.__qualname__, _fingerprint(kind), _fingerprint(obj))
 
 
 def _module_of(scope: dict[str, Any]) -> types.ModuleType | None:
@@ -213,7 +237,7 @@ class _Unpickler(pickle.Unpickler):
             return self.route
         return marshal.loads(rest[0])
 
-    def _at(self, source: Source, kind: type, fingerprint: str) -> Any:
+    def _at(self, source: Source, kind: tuple[str, ...]) -> Any:
         binder = Binder()
         expression = source.expr(binder)
         scope = dict(binder.names, ___f=self.fn)
@@ -222,7 +246,7 @@ class _Unpickler(pickle.Unpickler):
             obj = eval(expression, scope)
         except Exception as error:
             raise Mismatch(f"{source} cannot be read ({type(error).__name__})") from error
-        if type(obj) is not kind or _fingerprint(obj) != fingerprint:
+        if _kind(obj) != kind:
             raise Mismatch(f"{source} is a {type(obj).__qualname__}, not the stored one")
         if self.bound.setdefault(id(obj), source) != source:
             raise Mismatch(f"{source} is {self.bound[id(obj)]}, two objects at capture")
@@ -312,12 +336,31 @@ def evict(bound: int) -> list[Path]:
 
 # --- storing and reusing entries -------------------------------------------------------------
 def _pinned(guards: list[Guard]) -> dict[int, Source]:
+    """Where each object an identity guard pins was read (and each closure cell of a pinned
+    function: ``f.__closure__[i]``)."""
     pinned: dict[int, Source] = {}
     for guard in guards:
-        pins = isinstance(guard, Identity) and guard.obj is not None and guard.source is not None
-        if pins and not isinstance(guard.obj, types.ModuleType):  # type: ignore[attr-defined]
-            pinned.setdefault(id(guard.obj), guard.source)  # type: ignore[attr-defined,arg-type]
+        obj, source = getattr(guard, "obj", None), guard.source
+        pins = isinstance(guard, Identity) and obj is not None and source is not None
+        if pins and not isinstance(obj, types.ModuleType):
+            pinned.setdefault(id(obj), source)  # type: ignore[arg-type]
+            _pin_cells(pinned, obj, source)  # type: ignore[arg-type]
     return pinned
+
+
+def _pin_cells(pinned: dict[int, Source], obj: Any, source: Source) -> None:
+    """The closure cells of ``obj`` (a function) or of its class's functions (a decorated
+    ``forward``), by path: ``f.__closure__[i]``, ``x.__class__.__mro__[k].__dict__['f']...``"""
+    functions = [(obj, source)] if isinstance(obj, types.FunctionType) else []
+    if not isinstance(obj, (type, types.FunctionType)):
+        mro = Attr(Attr(source, "__class__"), "__mro__")
+        for k, cls in enumerate(type(obj).__mro__):
+            for name, member in vars(cls).items():
+                if isinstance(member, types.FunctionType) and member.__closure__:
+                    functions.append((member, Item(Attr(Item(mro, k), "__dict__"), name)))
+    for function, path in functions:
+        for i, cell in enumerate(function.__closure__ or ()):
+            pinned.setdefault(id(cell), Item(Attr(path, "__closure__"), i))
 
 
 def _dumps(obj: Any, fn: types.FunctionType, at: dict[int, Source]) -> bytes:
