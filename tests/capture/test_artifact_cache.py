@@ -4,11 +4,14 @@ changed source, a changed global, a damaged file) is captured again, never a wro
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -275,21 +278,35 @@ _SCALED = _scaler(2.0)
 
 
 def _uses_a_closure(value: torch.Tensor) -> torch.Tensor:
-    return _SCALED(value) + 1  # (the closure's cell has no name in a new process)
+    return _SCALED(value) + 1  # (the cell is stored as G['_SCALED'].__closure__[0])
 
 
-def test_opt_out(artifact_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "artifact_cache", False)  # (KILN_ARTIFACT_CACHE=0)
-    x = torch.randn(3)
-    torch.testing.assert_close(kiln.compile(_count)(x), _count(x))
-    assert kiln.counters.captures == 1 and not artifact_cache.exists()
-
-
-def test_entry_holding_an_undescribable_object_is_not_stored(artifact_cache: Path) -> None:
+def test_closure_cells_bind_by_path(artifact_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(4)
     torch.testing.assert_close(kiln.compile(_uses_a_closure)(x), x * 2 + 1)
-    assert kiln.counters.captures == 1
+    kiln.reset()
+    torch.testing.assert_close(kiln.compile(_uses_a_closure)(x), x * 2 + 1)
+    assert (kiln.counters.captures, kiln.counters.artifact_hits) == (0, 1)
+    kiln.reset()
+    monkeypatch.setitem(globals(), "_SCALED", _scaler(3.0))  # same code, another cell value
+    torch.testing.assert_close(kiln.compile(_uses_a_closure)(x), x * 3 + 1)
+    assert (kiln.counters.captures, kiln.counters.artifact_hits) == (1, 0)
+
+
+def test_entry_holding_an_undescribable_object_is_not_stored(
+    artifact_cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    compiled = kiln.compile(_count)
+    compiled(torch.randn(3))
+    (stored,) = artifact_cache.glob("*.kart")
+    stored.unlink()
+    capture = compiled._kiln_cache.entries[0].capture
+    lock = threading.Lock()  # (no name, no path, no value: what would a new process bind?)
+    held = dataclasses.replace(capture, scope={**capture.scope, "___lock0": lock})
+    caplog.set_level(logging.INFO, logger="kiln.cache")
+    artifact.store(_count, held, compiled._kiln_cache.compiler.options)
     assert not list(artifact_cache.glob("*.kart"))
+    assert "not storing _count: a lock object" in caplog.text
 
 
 def test_least_recently_used_files_go_first(artifact_cache: Path) -> None:
