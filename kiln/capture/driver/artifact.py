@@ -106,7 +106,9 @@ def _fingerprint(obj: Any) -> str:
     known = _FINGERPRINTS.get(obj)
     if known is None:
         parts = []
-        for cls in obj.__mro__:
+        for cls in obj.__mro__:  # (torch's own classes are pinned by its version in the key)
+            if cls.__module__.partition(".")[0] in ("torch", "builtins"):
+                continue
             for name, member in vars(cls).items():
                 member = getattr(member, "__func__", getattr(member, "fget", member))
                 if isinstance(member, types.FunctionType):
@@ -260,11 +262,12 @@ _ENVIRONMENT: list[str] = []
 def _environment() -> str:
     """The Kiln source files (names, sizes, times), torch, Triton, Python and the device."""
     if not _ENVIRONMENT:
-        root = Path(__file__).resolve().parents[2]
-        parts = [
-            f"{p.relative_to(root)}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
-            for p in sorted(root.rglob("*.py"))
-        ]
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        parts = []
+        for directory, _, names in sorted(os.walk(root)):
+            for name in sorted(n for n in names if n.endswith(".py")):
+                stat = os.stat(os.path.join(directory, name))
+                parts.append(f"{directory[len(root) :]}/{name}:{stat.st_size}:{stat.st_mtime_ns}")
         with contextlib.suppress(Exception):
             parts.append(importlib.metadata.version("triton"))
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
