@@ -10,18 +10,21 @@ mean (:class:`_Pickler`) and bound again on the first call of the new process::
 
     Identity(L['self'], <MLP at 0x7f..>)      ->  ("at", L['self'], MLP)   the object there now,
                                                                            if it is an MLP
+    a closure cell of a pinned function       ->  ("at", G['f'].__closure__[0], cell)
     Identity(G['F'], torch.nn.functional)     ->  ("module", "torch.nn.functional")
+    a module's globals (a head writes there)  ->  ("module globals", "transformers.utils")
     a function or class                       ->  ("named", module, qualname, digest of its code)
     GraphRunner(graph)                        ->  ("graph", graph as captured): the pipeline
                                                   compiles it again (kernels come from the disk)
     ResumeTarget(code)                        ->  ("resume", key of its code, code, compiled)
 
 A stored entry is used only if every object binds (same module, same class source, same
-type at the same path) and its guards then pass on the call's values; anything else is a miss
-and capture runs as usual. Objects of any other type make an entry uncacheable (logged under
-``KILN_LOG=cache``). Files are written to a temporary name and renamed (concurrent processes
-see whole files), carry a sha256 of their contents (a damaged file is removed with a warning
-and rebuilt) and are evicted least recently used first past ``config.artifact_cache_bytes``.
+type at the same path, objects distinct at capture still distinct) and its guards then pass on
+the call's values; anything else is a miss and capture runs as usual. Objects of any other
+type make an entry uncacheable (logged under ``KILN_LOG=cache``). Files are written to a
+temporary name and renamed (concurrent processes see whole files), carry a sha256 of their
+contents (a damaged file is removed with a warning and rebuilt) and are evicted least
+recently used first past ``config.artifact_cache_bytes``.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def _fingerprint(obj: Any) -> str:
                 if isinstance(member, types.FunctionType):
                     parts.append(f"{cls.__qualname__}.{name}:{_fingerprint(member)}")
                 elif isinstance(member, (int, float, str, bool, tuple)):
-                    parts.append(f"{cls.__qualname__}.{name}={member!r}")
+                    parts.append(f"{cls.__qualname__}.{name}={_stable(member)}")
         known = _FINGERPRINTS[obj] = hashlib.sha256("\n".join(parts).encode()).hexdigest()
     return known
 
@@ -170,7 +173,7 @@ class _Pickler(pickle.Pickler):
                 raise Uncacheable(f"{obj!r} cannot be found by its name")
         if id(obj) in self.at:
             return ("at", self.at[id(obj)], _kind(obj))
-        if isinstance(obj, GraphRunner):
+        if isinstance(obj, GraphRunner) and obj.captured is not None:
             return ("graph", obj.captured)
         if isinstance(obj, ResumeTarget):
             return ("resume", key_of(obj.code), marshal.dumps(obj.code), obj.router is not None)
