@@ -330,3 +330,43 @@ def test_cache_info_and_clear(artifact_cache: Path, capsys: pytest.CaptureFixtur
     assert main(["cache", "clear"]) == 0
     assert not artifact_cache.exists()
     assert "cleared" in capsys.readouterr().out
+
+
+TRANSFORMERS = textwrap.dedent(
+    """
+    import copy, json, sys
+    import torch, kiln
+    from kiln.bench.worker import prepare
+
+    ok = {}
+    for name in ("gpt2_tiny", "bert_tiny"):
+        model, inputs, _ = prepare(name, "train", torch.device("cpu"), torch.float32)
+        torch.manual_seed(int(sys.argv[1]))
+        inputs = tuple(torch.randint_like(t, 0, 100) for t in inputs)
+        reference = copy.deepcopy(model)
+        out, expected = kiln.compile(model)(*inputs).logits, reference(*inputs).logits
+        out.pow(2).mean().backward()
+        expected.pow(2).mean().backward()
+        grads = zip(model.parameters(), reference.parameters())
+        ok[name] = torch.allclose(out, expected, atol=1e-4, rtol=1e-3) and all(
+            torch.allclose(a.grad, b.grad, atol=1e-4, rtol=1e-3)
+            for a, b in grads if b.grad is not None
+        )
+    report = {"ok": ok, "captures": kiln.counters.captures, "hits": kiln.counters.artifact_hits}
+    print(json.dumps(report))
+    """
+)
+
+
+@pytest.mark.slow
+def test_transformers_models_reused(tmp_path: Path) -> None:
+    """Hugging Face models read closure cells of decorated forwards and write module globals
+    in their heads: both are stored by path or name."""
+    pytest.importorskip("transformers")
+    script = tmp_path / "transformers_program.py"
+    script.write_text(TRANSFORMERS)
+    first = _run(script, tmp_path / "cache", "1")
+    assert first["captures"] >= 2 and all(first["ok"].values()), first
+    second = _run(script, tmp_path / "cache", "2")
+    assert second["captures"] == 0 and second["hits"] == first["captures"], second
+    assert all(second["ok"].values()), second
