@@ -289,9 +289,9 @@ def _snapshot(graph: Graph) -> Graph:
     values: dict[Value, Value] = {}
 
     def copied(operand: Any) -> Any:
-        if not isinstance(operand, Value):
-            return operand
-        return values.setdefault(operand, copy.copy(operand))
+        if isinstance(operand, Value) and operand not in values:
+            values[operand] = copy.copy(operand)
+        return values.get(operand, operand) if isinstance(operand, Value) else operand
 
     copy_ = copy.copy(graph)
     copy_.inputs = [copied(value) for value in graph.inputs]
