@@ -1,4 +1,5 @@
-"""The ``kiln`` command: ``kiln demo``, ``kiln bench`` and ``kiln explain SCRIPT.py [args]``.
+"""The ``kiln`` command: ``kiln demo``, ``kiln bench``, ``kiln explain SCRIPT.py [args]`` and
+``kiln cache info|clear``.
 
 Every bad input (an unknown option value, a missing file, a CUDA request without a GPU) is
 one line on stderr and exit status 2: the command is meant to be run by people reading its
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     explain.add_argument("--verbose", action="store_true", help="print every graph and guard")
     explain.add_argument("script", help="the Python script to run")
     explain.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    cache = commands.add_parser("cache", help="the disk caches: their size, or remove them")
+    cache.add_argument("action", choices=["info", "clear"])
     arguments = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(arguments)
     try:
@@ -40,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
             from kiln.bench.command import run
 
             return run(args, arguments[1:])
+        if args.command == "cache":
+            return _cache(args.action)
         return explain_script(args.script, args.args, args.verbose)
     except UsageError as error:
         print(f"kiln {args.command}: error: {error}", file=sys.stderr)
@@ -58,6 +63,32 @@ def _demo(args: argparse.Namespace) -> int:
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: no CUDA GPU is available on this machine")
     return 0 if run_demo(args.backend, args.device) else 1
+
+
+def _cache(action: str) -> int:
+    """``kiln cache info``: each cache's files and bytes (the artifacts' bound too);
+    ``kiln cache clear``: remove them all (the next runs capture and build again)."""
+    import shutil
+
+    from kiln.config import config
+
+    root = Path(config.cache_dir)
+    kinds = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if action == "clear":
+        for path in root.iterdir() if root.is_dir() else ():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        print(f"kiln cache: cleared {root}")
+        return 0
+    print(f"kiln cache: {root}")
+    total = 0
+    for kind in kinds:
+        files = [p for p in kind.rglob("*") if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        total += size
+        print(f"  {kind.name:<10} {len(files):>6} files {size / 2**20:>10.2f} MiB")
+    bound = config.artifact_cache_bytes / 2**20
+    print(f"  total {total / 2**20:.2f} MiB (artifacts bounded at {bound:.0f} MiB)")
+    return 0
 
 
 def explain_script(script: str, script_args: list[str], verbose: bool = False) -> int:

@@ -13,6 +13,9 @@
                   ``cpp`` or ``evaluate`` (PyTorch ops; the scheduler's oracle).
 ``KILN_CPU_MATMUL``  ``blas`` or ``onednn`` forces the library of float32 CPU matmuls (default:
                      measured once per machine, :mod:`kiln.ops.cpu_matmul`).
+``KILN_ARTIFACT_CACHE``  "0" turns off the artifact cache (captures kept on disk for the next
+                         process, ``kiln/capture/driver/artifact.py``); ``KILN_ARTIFACT_CACHE_MB``
+                         bounds its size (default 1024; least recently used files go first).
 ``KILN_NATIVE_GUARDS``  "0" keeps every tensor guard in Python (default: guard sets with many
                         tensors check them in a C++ extension built once per machine).
 """
@@ -54,6 +57,12 @@ class Config:
         default_factory=lambda: os.environ.get("KILN_COMPILE_WORKERS", "auto")
     )
     cpu_matmul: str = field(default_factory=lambda: os.environ.get("KILN_CPU_MATMUL", "auto"))
+    artifact_cache: bool = field(
+        default_factory=lambda: os.environ.get("KILN_ARTIFACT_CACHE", "1") != "0"
+    )
+    artifact_cache_bytes: int = field(
+        default_factory=lambda: int(os.environ.get("KILN_ARTIFACT_CACHE_MB", "1024")) << 20
+    )
     native_guards: bool = field(
         default_factory=lambda: os.environ.get("KILN_NATIVE_GUARDS", "1") != "0"
     )

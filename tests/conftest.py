@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Tests capture from scratch (they count captures) and must not fill the user's artifact cache;
+# tests/capture/test_artifact_cache.py turns it on with a temporary cache directory. Set before
+# Kiln is imported, and inherited by the processes tests start.
+os.environ["KILN_ARTIFACT_CACHE"] = "0"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

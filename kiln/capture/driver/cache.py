@@ -31,7 +31,7 @@ from kiln.capture.bytecode.rewrite import route_calls
 from kiln.capture.calls.routing import Router
 from kiln.capture.core import frame
 from kiln.capture.core.breaks import BreakRecord, FullGraphError, SkipReason
-from kiln.capture.driver import resume
+from kiln.capture.driver import artifact, resume
 from kiln.capture.driver.convert import Capture, Skip, capture_frame, param_names
 from kiln.capture.guards import native_guards
 from kiln.capture.guards.guards import compile_guards, wants_native
@@ -81,6 +81,7 @@ class Counters:
     """Process-wide statistics, readable from Python (``kiln.counters``)."""
 
     captures: int = 0
+    artifact_hits: int = 0  # entries reused from the artifact cache (driver/artifact.py)
     recompiles: list[tuple[str, str]] = field(default_factory=list)
     graph_breaks: list[BreakRecord] = field(default_factory=list)
     fallbacks: list[BreakRecord] = field(default_factory=list)
@@ -349,6 +350,10 @@ def _compile_entry(
                     stacklevel=5,
                 )
             return None
+    with preserved_random_state():  # (compiling the stored graphs draws nothing of the user's)
+        reused = artifact.reuse(fn, values, compiler, router(compiler))
+    if reused is not None:
+        return _install(fn, cache, reused, owner, reused=True)
     try:
         with preserved_random_state():
             capture = capture_frame(
@@ -371,11 +376,16 @@ def _compile_entry(
         raise
     except Exception as error:
         return _Eager(_capture_failed(fn, cache, values, compiler, error))
+    artifact.store(fn, capture, compiler.options)
     return _install(fn, cache, capture, owner)
 
 
 def _install(
-    fn: types.FunctionType, cache: CodeCache, capture: Capture, owner: int | None
+    fn: types.FunctionType,
+    cache: CodeCache,
+    capture: Capture,
+    owner: int | None,
+    reused: bool = False,
 ) -> Entry:
     params = param_names(fn.__code__)
     guard, source, first_failure = compile_guards(capture.guards, params)
@@ -383,7 +393,8 @@ def _install(
     cache.entries.insert(0, entry)
     if wants_native(capture.guards):  # rebuilt with C++ tensor checks once they are built
         native_guards.when_ready(lambda: _nativize(entry, params))
-    counters.captures += 1
+    counters.artifact_hits += reused
+    counters.captures += not reused
     counters.graphs += capture.graph is not None
     for record in capture.breaks:
         counters.graph_breaks.append(record)

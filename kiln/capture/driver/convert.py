@@ -20,6 +20,7 @@ The generated head function for ``def f(x, y): return torch.relu(x) + y`` reads:
 
 from __future__ import annotations
 
+import copy
 import dis
 import linecache
 import types
@@ -40,6 +41,7 @@ from kiln.capture.driver.resume import OPERATIONS, OPERATORS, emit_break
 from kiln.capture.guards.guards import Guard, Identity
 from kiln.capture.guards.sizes import SizePolicy, size_expression
 from kiln.capture.guards.sources import Binder, FunctionAttr, Local, safe_name
+from kiln.config import config
 from kiln.errors import SourceLocation
 from kiln.frontends.proxy import TraceMode
 from kiln.frontends.source import set_user_location
@@ -86,6 +88,8 @@ class Capture:
     # Symbolic sizes: the symbols, where each was read and why it is symbolic, the guards
     # decided on them and where capture specialized one.
     shapes: ShapeEnv | None = None
+    # The head's globals (objects its source names), for the artifact cache to store.
+    scope: dict[str, Any] = field(default_factory=dict)
 
 
 def arg_names(code: types.CodeType) -> tuple[str, ...]:
@@ -201,11 +205,12 @@ def _capture_once(
     used = used_symbols(graph)  # (a size only Python code reads needs no compile per value)
     graph.symbols = tuple(name for name in session.shapes.symbols if name in used)
     if graph.nodes or graph.outputs or graph.mutations:
+        captured = _snapshot(graph) if config.artifact_cache else None
         try:
             graph, compiled = compile_graph(graph)
         except Exception as error:  # (re-raised by the cache in strict mode)
             raise Skip(SkipReason.BACKEND_ERROR, f"{type(error).__name__}: {error}") from error
-        runner = GraphRunner(graph, compiled)
+        runner = GraphRunner(graph, compiled, captured)
         shapes = session.shapes
         symbol_values = "".join(
             f"{size_expression(shapes.symbols[name], shapes, lambda s: s.expr(binder))}, "
@@ -228,6 +233,7 @@ def _capture_once(
         resumes=plan.resumes,
         uncompiled=plan.uncompiled,
         shapes=session.shapes if session.shapes.symbols else None,
+        scope=dict(binder.names),
     )
 
 
@@ -275,6 +281,32 @@ def _unaliased(graph: Graph, value: Value) -> Value:
     copied = prims.convert(value, dtype=value.type.dtype)
     assert isinstance(copied, Value)
     return copied
+
+
+def _snapshot(graph: Graph) -> Graph:
+    """A copy of ``graph``'s values and nodes, for the artifact cache: passes rewire the
+    nodes and values of the graph they are given (``out.node``, ``node.inputs``)."""
+    values: dict[Value, Value] = {}
+
+    def copied(operand: Any) -> Any:
+        if isinstance(operand, Value) and operand not in values:
+            values[operand] = copy.copy(operand)
+        return values.get(operand, operand) if isinstance(operand, Value) else operand
+
+    copy_ = copy.copy(graph)
+    copy_.inputs = [copied(value) for value in graph.inputs]
+    copy_.nodes = []
+    for node in graph.nodes:
+        new = copy.copy(node)
+        new.inputs = tuple(copied(operand) for operand in node.inputs)
+        new.outputs = tuple(copied(value) for value in node.outputs)
+        for value in new.outputs:
+            value.node = new
+        copy_.nodes.append(new)
+    copy_.outputs = [copied(value) for value in graph.outputs]
+    copy_.mutations = [(copied(target), copied(new)) for target, new in graph.mutations]
+    copy_.constants, copy_._names = dict(graph.constants), set(graph._names)
+    return copy_
 
 
 def _is_iterator(value: Any) -> bool:
@@ -330,9 +362,10 @@ def _seed() -> torch.Tensor:
 class GraphRunner:
     """Calls a compiled graph and writes mutated inputs back, as eager's in-place ops would."""
 
-    def __init__(self, graph: Graph, compiled: Any) -> None:
+    def __init__(self, graph: Graph, compiled: Any, captured: Graph | None = None) -> None:
         self.graph = graph
         self.compiled = compiled
+        self.captured = captured  # the graph before the pipeline (what the artifact cache keeps)
         self.count = len(graph.outputs)
         position = {value: i for i, value in enumerate(graph.inputs)}
         self.mutated = [position[target] for target, _ in graph.mutations]
