@@ -326,17 +326,45 @@ def _len(frame: Frame, value: Any) -> Any:
     return len(value)
 
 
-def _text_model(native: Callable[..., Any]) -> Model:
-    def text(frame: Frame, *args: Any, **kwargs: Any) -> Any:
-        if args:
+# Builtins that call a dunder method of their argument: a Python one is inlined, so what it
+# reads is guarded (run natively, ``float(obj)`` baked ``obj.value`` into the code: a stale
+# result once it changed). The second item turns the dunder's result into the builtin's.
+_CONVERSIONS: dict[Any, tuple[tuple[str, Callable[[Any], Any]], ...]] = {
+    builtins.float: (("__float__", float), ("__index__", float)),
+    builtins.int: (("__int__", int), ("__index__", int), ("__trunc__", int)),
+    builtins.complex: (("__complex__", complex), ("__float__", complex), ("__index__", complex)),
+    builtins.bool: (("__bool__", bool), ("__len__", bool)),
+    builtins.abs: (("__abs__", lambda value: value),),
+    builtins.round: (("__round__", lambda value: value),),
+    builtins.hash: (("__hash__", int),),
+    builtins.str: (("__str__", str), ("__repr__", str)),
+    builtins.repr: (("__repr__", str),),
+    builtins.format: (("__format__", str),),
+    builtins.ascii: (("__repr__", ascii),),
+}
+
+
+def _conversion_model(native: Callable[..., Any]) -> Model:
+    texts = (builtins.str, builtins.repr, builtins.format, builtins.ascii)
+
+    def convert(frame: Frame, *args: Any, **kwargs: Any) -> Any:
+        if args and native in texts:
             no_tensor(args[0], native.__name__ + "()")
+        if len(args) >= 1 and not kwargs and not isinstance(args[0], ProxyTensor):
+            for name, result in _CONVERSIONS[native]:
+                method = python_dunder(args[0], name)
+                if method is not None:
+                    extra = args[1:] if native in (builtins.round, builtins.format) else ()
+                    if native is builtins.format and not extra:
+                        extra = ("",)
+                    return result(_call(frame, method, args[0], *extra))
         return native(*args, **kwargs)
 
-    return text
+    return convert
 
 
-for _native in (builtins.str, builtins.repr, builtins.format, builtins.ascii):
-    MODELS[_native] = _text_model(_native)
+for _native in _CONVERSIONS:
+    MODELS[_native] = _conversion_model(_native)
 
 
 @model(builtins.isinstance)

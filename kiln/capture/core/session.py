@@ -14,7 +14,9 @@ the graph on every call.
 
 from __future__ import annotations
 
+import decimal
 import enum
+import fractions
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,9 +54,12 @@ try:  # NumPy scalars (a metric's float32) are values like Python numbers
 except ImportError:  # pragma: no cover - NumPy comes with every PyTorch install here
     _NUMPY_SCALARS = ()
 
-# Values guarded by equality and used as constants.
+# Values guarded by equality and used as constants (immutable values: a Fraction read only by
+# type and then converted natively gave a stale result once the global was rebound).
 CONSTANT_TYPES = (
     *_NUMPY_SCALARS,
+    fractions.Fraction,
+    decimal.Decimal,
     int,
     float,
     bool,
