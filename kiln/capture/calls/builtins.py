@@ -13,6 +13,7 @@ import copy
 import functools
 import itertools
 import logging
+import operator
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from kiln.capture.calls.attributes import get_attribute, set_attribute, zero_arg
 from kiln.capture.calls.dispatch import call_function
 from kiln.capture.calls.iterate import dict_items, item_list, make_iterator
 from kiln.capture.calls.native import holds_tensors, materialize, no_tensor, python_dunder
+from kiln.capture.calls.operators import operate, plain, truth
 from kiln.capture.calls.registry import MODELS, Model, model
 from kiln.capture.core.breaks import BreakReason, GraphBreak
 from kiln.capture.core.contexts import BackendFlags
@@ -282,6 +284,14 @@ def _reduce_builtin(native: Callable[..., Any]) -> Model:
         items = item_list(frame, args[0]) if len(args) == 1 else list(args)
         for item in items:
             no_tensor(item, native.__name__)
+        if key is None and items and any(not plain(item) for item in items):
+            # a user class's Python comparison, inlined: item < best (min), item > best (max)
+            better = operator.lt if native is builtins.min else operator.gt
+            best = items[0]
+            for item in items[1:]:
+                if truth(frame, operate(frame, better, item, best)):
+                    best = item
+            return best
         if key is None:
             return native(items, **kwargs)
         keys = [_call(frame, key, item) for item in items]
@@ -295,6 +305,13 @@ def _reduce_builtin(native: Callable[..., Any]) -> Model:
 
 MODELS[builtins.min] = _reduce_builtin(builtins.min)
 MODELS[builtins.max] = _reduce_builtin(builtins.max)
+
+
+@model(builtins.pow)
+def _pow(frame: Frame, base: Any, exponent: Any, modulus: Any = None) -> Any:
+    if modulus is None:
+        return operate(frame, operator.pow, base, exponent)
+    return pow(base, exponent, modulus)
 
 
 @model(builtins.sum)

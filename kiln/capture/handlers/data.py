@@ -25,6 +25,7 @@ from kiln.capture.calls.native import (
     python_dunder,
     wrap_contents,
 )
+from kiln.capture.calls.operators import contains, operate, truth
 from kiln.capture.core.breaks import BreakReason, GraphBreak
 from kiln.capture.core.frame import NULL, PY, UNBOUND, Frame, handles
 from kiln.capture.core.iteration import items_of
@@ -196,32 +197,32 @@ def binary_op(frame: Frame, inst: dis.Instruction) -> None:
     fn = _BINARY_BY_ARG[inst.arg or 0]
     if fn in _MUTATORS and isinstance(left, list | dict | set):
         frame.session.touch_container(left)
-    frame.push(fn(left, right))
+    frame.push(operate(frame, fn, left, right))
 
 
 @handles("UNARY_NEGATIVE")
 def unary_negative(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(-no_opaque(frame, "an operator", frame.pop()))
+    frame.push(operate(frame, operator.neg, no_opaque(frame, "an operator", frame.pop())))
 
 
 @handles("UNARY_POSITIVE")
 def unary_positive(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(+no_opaque(frame, "an operator", frame.pop()))
+    frame.push(operate(frame, operator.pos, no_opaque(frame, "an operator", frame.pop())))
 
 
 @handles("UNARY_INVERT")
 def unary_invert(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(~no_opaque(frame, "an operator", frame.pop()))
+    frame.push(operate(frame, operator.invert, no_opaque(frame, "an operator", frame.pop())))
 
 
 @handles("UNARY_NOT")
 def unary_not(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(not no_opaque(frame, "a truth test", frame.pop()))
+    frame.push(not truth(frame, no_opaque(frame, "a truth test", frame.pop())))
 
 
 @handles("TO_BOOL")
 def to_bool(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(bool(no_opaque(frame, "a truth test", frame.pop())))
+    frame.push(truth(frame, no_opaque(frame, "a truth test", frame.pop())))
 
 
 @handles("COMPARE_OP")
@@ -232,7 +233,7 @@ def compare_op(frame: Frame, inst: dis.Instruction) -> None:
     left, right = materialize(frame.session, left), materialize(frame.session, right)
     arg = inst.arg or 0
     shift = {(3, 11): 0, (3, 12): 4}.get(PY, 5)
-    result = _COMPARE[arg >> shift](left, right)
+    result = operate(frame, _COMPARE[arg >> shift], left, right)
     if PY >= (3, 13) and arg & 16 and not isinstance(result, torch.Tensor):
         # 3.13's "coerce to bool" form feeds a branch; a tensor result stays a tensor, so
         # the branch (not this comparison) is where a data-dependent break happens.
@@ -256,7 +257,7 @@ def contains_op(frame: Frame, inst: dis.Instruction) -> None:
         frame.session.guard_contents(container)
         if not isinstance(container, dict):
             container = item_list(frame, container)  # guards each item the test compares
-    result = item in container
+    result = contains(frame, container, item)
     frame.push((not result) if inst.arg else result)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from kiln.capture.calls.dispatch import call_function, invoke
 from kiln.capture.calls.iterate import make_iterator
+from kiln.capture.calls.operators import truth as python_truth
 from kiln.capture.core.breaks import BreakReason, GraphBreak
 from kiln.capture.core.contexts import is_known_context
 from kiln.capture.core.frame import PY, Frame, handles
@@ -66,10 +67,11 @@ def jump_if_false_or_pop(frame: Frame, inst: dis.Instruction) -> None:
 
 
 def truth(value: Any, frame: Frame | None = None) -> bool:
-    """``bool(value)``; a proxy raises (data-dependent), Python objects answer natively."""
+    """``bool(value)``; a proxy raises (data-dependent), a user class's Python ``__bool__``
+    is inlined, builtin values answer natively."""
     if frame is not None and isinstance(value, list | dict):
         frame.session.guard_contents(value)
-    return bool(value)
+    return bool(value) if frame is None else python_truth(frame, value)
 
 
 # --- loops ------------------------------------------------------------------------------
