@@ -46,6 +46,9 @@ class Knob:
     def __str__(self) -> str:
         return f"knob{self.value}"
 
+    def __format__(self, spec: str) -> str:
+        return f"k{self.value:{spec}}"
+
     def __hash__(self) -> int:
         return int(self.value * 100)
 
@@ -90,6 +93,7 @@ PROGRAMS: dict[str, Callable[[torch.Tensor], Any]] = {
     "abs": lambda x: x * abs(KNOB),
     "round": lambda x: x + round(KNOB, 1),
     "str": lambda x: x * len(str(KNOB)),
+    "f-string": lambda x: x * len(f"{KNOB}|{KNOB:.3f}"),
     "hash": lambda x: x + hash(KNOB),
     "fraction": lambda x: x * float(FRACTION),
     "binary": lambda x: x * (KNOB * 3),

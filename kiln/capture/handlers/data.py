@@ -497,8 +497,8 @@ def format_value(frame: Frame, inst: dis.Instruction) -> None:
     no_tensor(value, "formatting")
     conversion = _CONVERSIONS[flags & 0x03]
     if conversion is not None:
-        value = conversion(value)
-    frame.push(format(value, spec))
+        value = call_function(frame, conversion, (value,), {})
+    frame.push(call_function(frame, format, (value, spec), {}))  # (a Python __format__ inlined)
 
 
 @handles("CONVERT_VALUE")
@@ -506,14 +506,14 @@ def convert_value(frame: Frame, inst: dis.Instruction) -> None:
     conversion = _CONVERSIONS[inst.arg or 0]
     value = no_opaque(frame, "formatting", frame.pop())
     no_tensor(value, "formatting")
-    frame.push(conversion(value) if conversion is not None else value)
+    frame.push(value if conversion is None else call_function(frame, conversion, (value,), {}))
 
 
 @handles("FORMAT_SIMPLE")
 def format_simple(frame: Frame, inst: dis.Instruction) -> None:
     value = no_opaque(frame, "formatting", frame.pop())
     no_tensor(value, "formatting")
-    frame.push(format(value, ""))
+    frame.push(call_function(frame, format, (value, ""), {}))
 
 
 @handles("FORMAT_WITH_SPEC")
@@ -521,12 +521,12 @@ def format_with_spec(frame: Frame, inst: dis.Instruction) -> None:
     spec = frame.pop()
     value = no_opaque(frame, "formatting", frame.pop())
     no_tensor(value, "formatting")
-    frame.push(format(value, spec))
+    frame.push(call_function(frame, format, (value, spec), {}))
 
 
 @handles("GET_LEN")
 def get_len(frame: Frame, inst: dis.Instruction) -> None:
-    frame.push(len(no_opaque(frame, "len()", frame.top())))
+    frame.push(call_function(frame, len, (no_opaque(frame, "len()", frame.top()),), {}))
 
 
 # --- match statements -------------------------------------------------------------------
