@@ -26,7 +26,8 @@ def child(name: str, mode: str, device: str) -> None:
     import kiln
     from kiln.bench.worker import prepare
 
-    model, inputs, step = prepare(name, mode, torch.device(device), torch.float32)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # (bf16 autocast, as kiln bench)
+    model, inputs, step = prepare(name, mode, torch.device(device), dtype)
     start = time.perf_counter()
     step(kiln.compile(model), inputs)
     if device == "cuda":
