@@ -16,6 +16,7 @@ intervals. Rank 0 ends with one ``RESULT {json}`` line (``distributed_all.sh`` t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -256,6 +257,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         result["kiln_graphs"] = kiln.counters.graphs
         result["kiln_recompiles"] = len(kiln.counters.recompiles)
         result["kiln_fallbacks"] = [str(record) for record in kiln.counters.fallbacks]
+    # Tear down in order: the wrapped model (DDP's reducer, FSDP's hooks) before its process
+    # group, after every rank is done; gloo aborted at exit now and then otherwise
+    # ("terminate called without an active exception" in one rank, after its last step).
+    del step, data, model
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     return result
 

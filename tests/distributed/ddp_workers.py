@@ -2,6 +2,7 @@
 side on gloo and saves what the test checks (``test_ddp.py`` spawns them)."""
 
 import copy
+import gc
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -158,4 +159,6 @@ def run(rank: int, world: int, port: int, out: str) -> None:
         },
     }
     torch.save(results, Path(out) / f"rank{rank}.pt")
+    gc.collect()  # (models and their hooks before the group; gloo aborted at exit otherwise)
+    dist.barrier()
     dist.destroy_process_group()

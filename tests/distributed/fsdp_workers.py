@@ -2,6 +2,7 @@
 each rank trains a compiled and an eager model side by side on gloo, or saves and loads a
 compiled model's state with ``torch.distributed.checkpoint``, and saves what the test checks."""
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,8 @@ def run_fsdp(rank: int, world: int, port: int, out: str) -> None:
         "counters": counted(),
     }
     torch.save(results, Path(out) / f"rank{rank}.pt")
+    gc.collect()  # (models and their hooks before the group; gloo aborted at exit otherwise)
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -155,4 +158,6 @@ def run_checkpoint(rank: int, world: int, port: int, out: str) -> None:
     }
     results["counters"] = counted()
     torch.save(results, folder / f"rank{rank}.pt")
+    gc.collect()  # (models and their hooks before the group; gloo aborted at exit otherwise)
+    dist.barrier()
     dist.destroy_process_group()
