@@ -45,6 +45,7 @@ from kiln.ops.translations import (
     lookup,
 )
 from kiln.ops.translations.common import on_one_device
+from kiln.ops.translations.creation import RANDOM_FACTORIES
 
 # Metadata queries answered from the proxy's type without touching data.
 _NATIVE_METHODS = {
@@ -164,32 +165,6 @@ class ProxyTensor(torch.Tensor):
 # The wrappers ``kiln.trace`` puts on torch.Tensor's sized methods while it traces -> the
 # methods they wrap (``frontends/trace.py``: ``_sized_calls``); overrides are handed the wrapper.
 ROUTED: dict[Any, Any] = {}
-
-
-# Factories that draw random numbers: traced even with no proxy argument, so each call of the
-# graph draws new numbers instead of replaying the ones drawn while tracing.
-RANDOM_FACTORIES = {
-    torch.rand,
-    torch.randn,
-    torch.randint,
-    torch.randperm,
-    torch.rand_like,
-    torch.randn_like,
-    torch.randint_like,
-    torch.bernoulli,
-    torch.normal,
-    torch.multinomial,
-    torch.poisson,
-    # In place on any tensor: a constant's numbers must not be drawn once, while tracing.
-    torch.Tensor.uniform_,
-    torch.Tensor.normal_,
-    torch.Tensor.bernoulli_,
-    torch.Tensor.random_,
-    torch.Tensor.exponential_,
-    torch.Tensor.cauchy_,
-    torch.Tensor.geometric_,
-    torch.Tensor.log_normal_,
-}
 
 
 class TraceMode(torch.overrides.TorchFunctionMode):

@@ -34,6 +34,31 @@ from kiln.ops.translations.activations import finish
 from kiln.ops.translations.math import div, keys, methods, mul
 from kiln.ops.translations.table import Call, CallFn, FallbackToExtern, translation
 
+# Factories that draw random numbers: traced even with no proxy argument, so each call of the
+# graph draws new numbers instead of replaying the ones drawn while tracing.
+RANDOM_FACTORIES = {
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+    torch.bernoulli,
+    torch.normal,
+    torch.multinomial,
+    torch.poisson,
+    # In place on any tensor: a constant's numbers must not be drawn once, while tracing.
+    torch.Tensor.uniform_,
+    torch.Tensor.normal_,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.random_,
+    torch.Tensor.exponential_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.geometric_,
+    torch.Tensor.log_normal_,
+}
+
 Scalar = bool | int | float
 DeviceLike = torch.device | str | int | None
 
