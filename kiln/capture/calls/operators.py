@@ -49,12 +49,12 @@ BINARY: dict[Any, tuple[str, str]] = {
     operator.eq: ("__eq__", "__eq__"),
     operator.ne: ("__ne__", "__ne__"),
 }
+# In-place operator -> (its dunder, the binary operator it falls back to).
 INPLACE: dict[Any, tuple[str, Any]] = {
-    getattr(operator, f"i{name.strip('_')}"): (f"__i{name.strip('_')}__", fn)
-    for fn, (name, _) in BINARY.items()
-    if fn not in (divmod, operator.lt, operator.le, operator.gt, operator.ge)
-    and fn not in (operator.eq, operator.ne)
-}
+    getattr(operator, f"i{name.rstrip('_')}"): (f"__i{name.rstrip('_')}__", getattr(operator, name))
+    for name in (*("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"),
+                 *("and_", "or_", "xor", "lshift", "rshift"))
+}  # fmt: skip
 UNARY: dict[Any, str] = {
     operator.neg: "__neg__",
     operator.pos: "__pos__",
