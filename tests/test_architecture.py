@@ -29,7 +29,7 @@ from pathlib import Path
 KILN = Path(__file__).resolve().parent.parent / "kiln"
 
 LAYERS: list[set[str]] = [
-    {"config", "errors", "recording"},
+    {"config", "errors", "recording", "collector"},
     {"options", "random_state"},
     {"ir"},
     {"ops"},

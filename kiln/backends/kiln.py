@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln import collector
 from kiln.backends.kernels import Unavailable, build_kernels
 from kiln.backends.registry import CompiledGraph, add_backend
 from kiln.codegen.debug import dump_program
@@ -105,7 +106,7 @@ class KilnProgram:
         key = tuple(inputs[i].stride() for i in self.user)
         runner = self.variants.get(key)
         if runner is None:
-            with preserved_random_state():
+            with preserved_random_state(), collector.paused():
                 runner = self.variants[key] = self._compile(inputs)
         with torch.no_grad():
             results = runner(inputs)

@@ -38,6 +38,7 @@ from kiln.codegen.sources import TritonSource
 from kiln.config import config, logger
 from kiln.errors import BackendError
 from kiln.recording import record
+from kiln.runtime import triton_index
 from kiln.runtime.kernel_files import KernelFiles
 from kiln.runtime.triton_interpret import LOCK, interpret_mode
 from kiln.runtime.triton_launch import OPTIONS, TritonLauncher, _version
@@ -127,6 +128,7 @@ def _import(path: Path, interpret: bool) -> ModuleType:
                     spec.loader.exec_module(module)
             else:
                 spec.loader.exec_module(module)
+                triton_index.install(module, _join_parent_warm_up)
         except Exception as error:
             raise BackendError(
                 f"the Triton kernel module {path} does not import: {type(error).__name__}: {error}"
@@ -260,7 +262,16 @@ def _join_parent_warm_up(step: str = "cache key") -> None:
     the workers compile."""
     warm_up = _warm_up
     if warm_up is not None and warm_up.pid == os.getpid():
+        if step == "cache key":
+            warm_up.key_wanted.set()
         warm_up.done[step].wait()
+
+
+def _want_cache_key() -> None:
+    """A kernel will be compiled: let the warm-up thread hash Triton's cache key now."""
+    warm_up = _warm_up
+    if warm_up is not None:
+        warm_up.key_wanted.set()
 
 
 class _WarmUp:
@@ -270,18 +281,23 @@ class _WarmUp:
     subprocess), importing the compiler (its Gluon modules: 0.3 s), and hashing Triton's
     compiler sources and its 500 MB library for cache keys (``triton_key``, 0.7 s; hashing
     and file reads release the GIL). One thread runs the steps in that order; ``done`` has
-    an event per step, set when it finished or failed (the first use then does it)."""
+    an event per step, set when it finished or failed (the first use then does it). The
+    cache key waits for ``key_wanted``: a process whose kernels all load from the binary
+    index (``triton_index.py``, a warm start) never needs it."""
 
     STEPS = ("driver", "compiler", "gluon", "cache key")
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.done = {step: threading.Event() for step in self.STEPS}
+        self.key_wanted = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kiln-triton-warm-up", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         for name in self.STEPS:
+            if name == "cache key":
+                self.key_wanted.wait()
             start = time.perf_counter()
             try:
                 self._step(name)
@@ -337,6 +353,8 @@ def _compile_in_pool(jobs: list[Job]) -> list[str]:
     futures = []
     errors: list[str] = []
     for job in jobs:
+        if _load_indexed(job):  # a binary an earlier process compiled: no worker needed
+            continue
         try:
             specialized = _specialize(job)
         except Exception as error:  # no GPU driver, or a Triton without the hook
@@ -345,6 +363,7 @@ def _compile_in_pool(jobs: list[Job]) -> list[str]:
         if specialized is None:  # compiled in this process already, or no specialization
             errors.append(_warm_kernel(job))
             continue
+        _want_cache_key()  # (needed once the worker is done: hashed meanwhile)
         futures.append(pool.submit(specialized, functools.partial(_loaded, job)))
     errors += [future.result(timeout=WORKER_TIMEOUT_S) for future in futures]
     _log.info("precompile: %s", compile_pool.timings(pool, first_answer))
@@ -354,6 +373,17 @@ def _compile_in_pool(jobs: list[Job]) -> list[str]:
 def _loaded(job: Job, worker_error: str) -> str:
     """Load a kernel a worker compiled (compiling it here when the worker could not)."""
     return "; ".join(filter(None, [worker_error, _warm_kernel(job)]))
+
+
+def _load_indexed(job: Job) -> bool:
+    """Whether ``job``'s kernel loaded from the Triton binary index (``triton_index.py``)."""
+    _join_parent_warm_up("gluon")
+    try:
+        with triton_index.only(), torch.cuda.device(job["device"]):
+            _warm_on_device(job)
+    except Exception:  # not indexed (or not loadable here): a worker compiles it
+        return False
+    return True
 
 
 def _specialize(job: Job) -> Job | None:
@@ -401,9 +431,10 @@ def _warm_kernel(job: Job, loads: bool = True) -> str:
     """Compile one kernel: ``JITFunction.warmup`` with the launch's signature and options, so
     the binary lands in Triton's cache under the key the first launch looks up. ``loads``
     False: Triton's JIT cache hook stops the warm-up before it compiles or loads anything
-    (:func:`_specialize`), so it need not wait for the cache key."""
+    (:func:`_specialize`). Loading waits for the compiler's imports; compiling also waits for
+    the cache key (``triton_index.install``), which a binary from the index does not need."""
     if loads:
-        _join_parent_warm_up()
+        _join_parent_warm_up("gluon")
     try:
         with torch.cuda.device(job["device"]):
             return _warm_on_device(job)

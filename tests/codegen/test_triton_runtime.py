@@ -693,14 +693,17 @@ def test_a_join_waits_only_for_its_step(monkeypatch: pytest.MonkeyPatch) -> None
     warm_up = triton_build._WarmUp.__new__(triton_build._WarmUp)
     warm_up.pid = os.getpid()
     warm_up.done = {step: threading.Event() for step in triton_build._WarmUp.STEPS}
+    warm_up.key_wanted = threading.Event()
     for step in ("driver", "compiler", "gluon"):
         warm_up.done[step].set()
     monkeypatch.setattr(triton_build, "_warm_up", warm_up)
     triton_build._join_parent_warm_up("gluon")  # returns: its steps are done
+    assert not warm_up.key_wanted.is_set()  # (kernels from the binary index need no key)
     waiter = threading.Thread(target=triton_build._join_parent_warm_up)
     waiter.start()
     waiter.join(timeout=0.2)
     assert waiter.is_alive()  # still waiting for the cache key
+    assert warm_up.key_wanted.is_set()  # which it asked the warm-up thread for
     warm_up.done["cache key"].set()
     waiter.join(timeout=5)
     assert not waiter.is_alive()

@@ -185,7 +185,8 @@ class _Pickler(pickle.Pickler):
             return None
         if type(obj).__module__.startswith("kiln."):
             return None  # Kiln's data: graphs, nodes, guards, sources, attributes
-        raise Uncacheable(f"a {type(obj).__qualname__} object")
+        held = f" holding {obj.cell_contents!r:.80}" if isinstance(obj, types.CellType) else ""
+        raise Uncacheable(f"a {type(obj).__qualname__} object{held}")
 
 
 def _kind(obj: Any) -> tuple[str, ...]:
@@ -375,6 +376,14 @@ def _dumps(obj: Any, fn: types.FunctionType, at: dict[int, Source]) -> bytes:
     return buffer.getvalue()
 
 
+def _dumps_ok(obj: Any, fn: types.FunctionType, at: dict[int, Source]) -> bool:
+    try:
+        _dumps(obj, fn, at)
+    except Exception:
+        return False
+    return True
+
+
 def store(fn: types.FunctionType, capture: Capture, options: Any) -> None:
     """Add ``capture`` to the file of ``fn``'s code (or log why it cannot be stored)."""
     if not config.artifact_cache:
@@ -390,7 +399,8 @@ def store(fn: types.FunctionType, capture: Capture, options: Any) -> None:
     try:
         entry = (_dumps(capture.guards, fn, at), _dumps(rest, fn, at))
     except Exception as error:  # (storing is an optimization: the program runs on)
-        _log.info("not storing %s: %s", fn.__qualname__, error)
+        where = [k for k, v in capture.scope.items() if not _dumps_ok(v, fn, at)][:3]
+        _log.info("not storing %s: %s (head names %s)", fn.__qualname__, error, where)
         return
     path = _path(fn.__code__, options)
     entries = _read(path)
@@ -408,17 +418,17 @@ def reuse(
     values: tuple[Any, ...],
     compiler: Any,
     route: Router,
-) -> Capture | None:
+) -> tuple[Capture, tuple[Any, str, Any]] | None:
     """A stored capture of ``fn``'s code whose objects bind and whose guards pass on
-    ``values`` (its graphs compiled again), or None (tried on every miss: an entry stored for
-    one instance binds to another of the same class)."""
+    ``values`` (its graphs compiled again), with its compiled guards, or None (tried on every
+    miss: an entry stored for one instance binds to another of the same class)."""
     if not config.artifact_cache:
         return None
     for guards_data, rest_data in _read(_path(fn.__code__, compiler.options)):
         try:
             guards = _Unpickler(guards_data, fn, values, compiler, route).load()
-            guard, _, _ = compile_guards(guards, param_names(fn.__code__))
-            if not guard(fn, *values):
+            compiled = compile_guards(guards, param_names(fn.__code__))
+            if not compiled[0](fn, *values):
                 continue
             capture: Capture = _Unpickler(rest_data, fn, values, compiler, route).load()
         except Exception as error:  # a stored entry is never worth a failure: capture instead
@@ -429,10 +439,7 @@ def reuse(
         scope = dict(capture.scope)
         exec(compile(capture.head_source, f"<kiln head of {fn.__qualname__}>", "exec"), scope)
         runners = [v for v in capture.scope.values() if isinstance(v, GraphRunner)]
-        return dataclasses.replace(
-            capture,
-            head=scope["___head"],
-            guards=guards,
-            graph=runners[0].graph if runners else None,
-        )
+        graph = runners[0].graph if runners else None
+        reused = dataclasses.replace(capture, head=scope["___head"], guards=guards, graph=graph)
+        return reused, compiled
     return None

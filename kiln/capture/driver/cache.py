@@ -18,6 +18,7 @@ the code runs as its original function, with the reason logged and kept for ``ex
 
 from __future__ import annotations
 
+import logging
 import threading
 import types
 import warnings
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from kiln import collector
 from kiln.capture.bytecode.rewrite import route_calls
 from kiln.capture.calls.routing import Router
 from kiln.capture.core import frame
@@ -308,7 +310,8 @@ def _miss(
         if isinstance(entry, Entry):
             entry.hits += 1
         else:
-            entry = _compile_entry(fn, cache, values, compiler)
+            with collector.paused():
+                entry = _compile_entry(fn, cache, values, compiler)
             if entry is None:
                 return run_uncompiled(fn, cache, values)
     if isinstance(entry, _Eager):
@@ -353,7 +356,7 @@ def _compile_entry(
     with preserved_random_state():  # (compiling the stored graphs draws nothing of the user's)
         reused = artifact.reuse(fn, values, compiler, router(compiler))
     if reused is not None:
-        return _install(fn, cache, reused, owner, reused=True)
+        return _install(fn, cache, reused[0], owner, reused[1])
     try:
         with preserved_random_state():
             capture = capture_frame(
@@ -385,16 +388,17 @@ def _install(
     cache: CodeCache,
     capture: Capture,
     owner: int | None,
-    reused: bool = False,
+    reused: tuple[Any, str, Any] | None = None,
 ) -> Entry:
+    """``reused``: the compiled guards of an entry from the artifact cache."""
     params = param_names(fn.__code__)
-    guard, source, first_failure = compile_guards(capture.guards, params)
+    guard, source, first_failure = reused or compile_guards(capture.guards, params)
     entry = Entry(capture, guard, source, first_failure, owner)
     cache.entries.insert(0, entry)
     if wants_native(capture.guards):  # rebuilt with C++ tensor checks once they are built
         native_guards.when_ready(lambda: _nativize(entry, params))
-    counters.artifact_hits += reused
-    counters.captures += not reused
+    counters.artifact_hits += reused is not None
+    counters.captures += reused is None
     counters.graphs += capture.graph is not None
     for record in capture.breaks:
         counters.graph_breaks.append(record)
@@ -410,13 +414,13 @@ def _install(
             fn.__qualname__,
             "\n".join(f"  {line}" for line in size_lines(capture.shapes)),
         )
-    if capture.graph is not None:
+    if capture.graph is not None and _log_graph.isEnabledFor(logging.INFO):
         from kiln.ir.printer import format_graph
 
         _log_graph.info("graph of %s:\n%s", fn.__qualname__, format_graph(capture.graph))
-    _log_guards.info(
-        "guards of %s:\n%s", fn.__qualname__, "\n".join(f"  {g}" for g in capture.guards)
-    )
+    if _log_guards.isEnabledFor(logging.INFO):  # (printing 3000 guards: 0.2 s)
+        lines = "\n".join(f"  {g}" for g in capture.guards)
+        _log_guards.info("guards of %s:\n%s", fn.__qualname__, lines)
     record_event(Captured(fn.__qualname__, capture))
     for record in capture.uncompiled:
         record_event(Captured(record.function, record))
