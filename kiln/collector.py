@@ -21,7 +21,7 @@ _was_enabled = False
 
 
 @contextlib.contextmanager
-def paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Within: no automatic collections (unless something else enables them meanwhile)."""
     global _depth, _was_enabled
     with _lock:

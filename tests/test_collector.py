@@ -16,9 +16,9 @@ from kiln import collector
 
 def test_nested_pauses_restore_the_collector_once() -> None:
     assert gc.isenabled()
-    with collector.paused():
+    with collector.gc_paused():
         assert not gc.isenabled()
-        with collector.paused():
+        with collector.gc_paused():
             assert not gc.isenabled()
         assert not gc.isenabled()  # the outer compile is still running
     assert gc.isenabled()
@@ -27,7 +27,7 @@ def test_nested_pauses_restore_the_collector_once() -> None:
 def test_a_disabled_collector_stays_disabled() -> None:
     gc.disable()
     try:
-        with collector.paused():
+        with collector.gc_paused():
             pass
         assert not gc.isenabled()
     finally:

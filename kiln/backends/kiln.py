@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln import collector
+from kiln.backends import programs
 from kiln.backends.kernels import Unavailable, build_kernels
 from kiln.backends.registry import CompiledGraph, add_backend
 from kiln.codegen.debug import dump_program
 from kiln.codegen.signatures import kernel_signature
 from kiln.codegen.wrapper import Wrapper
+from kiln.collector import gc_paused
 from kiln.config import config, logger
 from kiln.ir.graph import Graph, InputKind
 from kiln.ir.interpreter import interpret
@@ -106,7 +107,7 @@ class KilnProgram:
         key = tuple(inputs[i].stride() for i in self.user)
         runner = self.variants.get(key)
         if runner is None:
-            with preserved_random_state(), collector.paused():
+            with preserved_random_state(), gc_paused():
                 runner = self.variants[key] = self._compile(inputs)
         with torch.no_grad():
             results = runner(inputs)
@@ -134,7 +135,7 @@ class KilnProgram:
         try:
             devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
             start_workers(devices, self.options.codegen)
-            program = schedule(self.graph, inputs, self.observed)
+            program = self._schedule(inputs)
             scheduled = time.perf_counter()
             tuned: list[TuningRecord] | None = [] if self.options.autotune else None
             launchers, names = build_kernels(program.kernels(), self.options.codegen, tuned)
@@ -164,6 +165,16 @@ class KilnProgram:
             return lambda tensors: interpret(self.graph, tensors)
         self._record("+".join(names), program, start)
         return _without_autocast(runner)
+
+    def _schedule(self, inputs: Sequence[torch.Tensor]) -> Program:
+        """The program for ``inputs``' layouts, from the disk when a process scheduled it."""
+        file_key = None if self.observed else programs.key(self.graph, inputs, self.options)
+        program = programs.load(file_key, self.graph) if file_key else None
+        if program is None:
+            program = schedule(self.graph, inputs, self.observed)
+            if file_key:
+                programs.store(file_key, self.graph, program)
+        return program
 
     def _record(
         self, codegen: str, program: Program | None, start: float, fallback: str = ""

@@ -97,6 +97,7 @@ PROGRAM = textwrap.dedent(
     report["ok"]["train"] = same
     report["captures"] = kiln.counters.captures
     report["hits"] = kiln.counters.artifact_hits
+    report["programs"] = kiln.counters.programs_reused
     print(json.dumps(report))
     """
 )
@@ -136,9 +137,11 @@ def test_second_process_skips_capture(program: Path, tmp_path: Path) -> None:
     first = _run(program, cache, "2.0", "1")
     assert first["captures"] >= 7 and first["hits"] == 0, first  # (3 for the break)
     assert all(first["ok"].values()), first
+    assert first["programs"] == 0, first
     second = _run(program, cache, "2.0", "2")  # other random inputs and weights
     assert second["captures"] == 0, second
     assert second["hits"] == first["captures"], second
+    assert second["programs"] >= 4, second  # scheduled programs too (a training pair's both)
     assert all(second["ok"].values()), second
     print("first calls, cold process:", first["first_call"])
     print("first calls, warm process:", second["first_call"])
@@ -298,8 +301,8 @@ def test_entry_holding_an_undescribable_object_is_not_stored(
 ) -> None:
     compiled = kiln.compile(_count)
     compiled(torch.randn(3))
-    (stored,) = artifact_cache.glob("*.kart")
-    stored.unlink()
+    for stored in artifact_cache.glob("*.kart"):  # (the capture and its scheduled program)
+        stored.unlink()
     capture = compiled._kiln_cache.entries[0].capture
     lock = threading.Lock()  # (no name, no path, no value: what would a new process bind?)
     held = dataclasses.replace(capture, scope={**capture.scope, "___lock0": lock})
@@ -326,7 +329,8 @@ def test_cache_info_and_clear(artifact_cache: Path, capsys: pytest.CaptureFixtur
     kiln.compile(_count)(torch.randn(3))
     assert main(["cache", "info"]) == 0
     info = capsys.readouterr().out
-    assert "artifacts" in info and "1 files" in info and "bounded at 1024 MiB" in info
+    # a capture and its scheduled program (kiln/backends/programs.py)
+    assert "artifacts" in info and "2 files" in info and "bounded at 1024 MiB" in info
     assert main(["cache", "clear"]) == 0
     assert not artifact_cache.exists()
     assert "cleared" in capsys.readouterr().out

@@ -263,7 +263,7 @@ class _Unpickler(pickle.Unpickler):
 _ENVIRONMENT: list[str] = []
 
 
-def _environment() -> str:
+def environment() -> str:
     """The Kiln source files (names, sizes, times), torch, Triton, Python and the device."""
     if not _ENVIRONMENT:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -290,11 +290,11 @@ def key_of(code: types.CodeType, options: Any = None) -> str:
 
 
 def _path(code: types.CodeType, options: Any) -> Path:
-    digest = hashlib.sha256(f"{key_of(code)}{options!r}{_environment()}".encode())
+    digest = hashlib.sha256(f"{key_of(code)}{options!r}{environment()}".encode())
     return Path(config.cache_dir) / "artifacts" / f"{digest.hexdigest()[:40]}.kart"
 
 
-def _read(path: Path) -> list[tuple[bytes, bytes]]:
+def read_entries(path: Path) -> list[tuple[bytes, bytes]]:
     """The entries stored at ``path``; a damaged file is removed with a warning."""
     try:
         data = path.read_bytes()
@@ -312,7 +312,7 @@ def _read(path: Path) -> list[tuple[bytes, bytes]]:
     return entries
 
 
-def _write(path: Path, entries: list[tuple[bytes, bytes]]) -> None:
+def write_entries(path: Path, entries: list[tuple[bytes, bytes]]) -> None:
     payload = pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
@@ -376,12 +376,18 @@ def _dumps(obj: Any, fn: types.FunctionType, at: dict[int, Source]) -> bytes:
     return buffer.getvalue()
 
 
-def _dumps_ok(obj: Any, fn: types.FunctionType, at: dict[int, Source]) -> bool:
-    try:
-        _dumps(obj, fn, at)
-    except Exception:
-        return False
-    return True
+def _unstorable(capture: Capture, fn: types.FunctionType, at: dict[int, Source]) -> list[str]:
+    """The parts of ``capture`` that do not pickle (head names, guards, fields), for the log."""
+    parts = [(f"head name {k}", v) for k, v in capture.scope.items()]
+    parts += [(f"guard {g}", g) for g in capture.guards]
+    parts += [(f"field {f.name}", getattr(capture, f.name)) for f in dataclasses.fields(capture)]
+    found = []
+    for name, obj in parts:
+        with contextlib.suppress(Exception):
+            _dumps(obj, fn, at)
+            continue
+        found.append(name[:200])
+    return found[:4]
 
 
 def store(fn: types.FunctionType, capture: Capture, options: Any) -> None:
@@ -399,14 +405,14 @@ def store(fn: types.FunctionType, capture: Capture, options: Any) -> None:
     try:
         entry = (_dumps(capture.guards, fn, at), _dumps(rest, fn, at))
     except Exception as error:  # (storing is an optimization: the program runs on)
-        where = [k for k, v in capture.scope.items() if not _dumps_ok(v, fn, at)][:3]
-        _log.info("not storing %s: %s (head names %s)", fn.__qualname__, error, where)
+        where = _unstorable(capture, fn, at)
+        _log.info("not storing %s: %s (in %s)", fn.__qualname__, error, where)
         return
     path = _path(fn.__code__, options)
-    entries = _read(path)
+    entries = read_entries(path)
     if entry not in entries:
         try:
-            _write(path, [entry, *entries][:MAX_ENTRIES])
+            write_entries(path, [entry, *entries][:MAX_ENTRIES])
         except OSError as error:  # (a read-only cache directory: the program runs on)
             _log.info("not storing %s: %s", fn.__qualname__, error)
             return
@@ -424,7 +430,7 @@ def reuse(
     miss: an entry stored for one instance binds to another of the same class)."""
     if not config.artifact_cache:
         return None
-    for guards_data, rest_data in _read(_path(fn.__code__, compiler.options)):
+    for guards_data, rest_data in read_entries(_path(fn.__code__, compiler.options)):
         try:
             guards = _Unpickler(guards_data, fn, values, compiler, route).load()
             compiled = compile_guards(guards, param_names(fn.__code__))

@@ -28,7 +28,6 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from kiln import collector
 from kiln.capture.bytecode.rewrite import route_calls
 from kiln.capture.calls.routing import Router
 from kiln.capture.core import frame
@@ -39,6 +38,7 @@ from kiln.capture.guards import native_guards
 from kiln.capture.guards.guards import compile_guards, wants_native
 from kiln.capture.guards.sizes import SizePolicy
 from kiln.capture.guards.sources import safe_name
+from kiln.collector import gc_paused
 from kiln.config import logger
 from kiln.ir.graph import Graph
 from kiln.options import Options
@@ -84,6 +84,7 @@ class Counters:
 
     captures: int = 0
     artifact_hits: int = 0  # entries reused from the artifact cache (driver/artifact.py)
+    programs_reused: int = 0  # scheduled programs read from it (kiln/backends/programs.py)
     recompiles: list[tuple[str, str]] = field(default_factory=list)
     graph_breaks: list[BreakRecord] = field(default_factory=list)
     fallbacks: list[BreakRecord] = field(default_factory=list)
@@ -310,7 +311,7 @@ def _miss(
         if isinstance(entry, Entry):
             entry.hits += 1
         else:
-            with collector.paused():
+            with gc_paused():
                 entry = _compile_entry(fn, cache, values, compiler)
             if entry is None:
                 return run_uncompiled(fn, cache, values)

@@ -1,0 +1,117 @@
+"""Scheduled programs kept on disk beside the artifact cache, so that a process reusing a
+stored capture (a warm start) skips scheduling too: ``<cache_dir>/artifacts/p-<key>.kart``,
+written, checksummed and evicted as the artifact files are (``capture/driver/artifact.py``).
+
+The key hashes what :func:`~kiln.schedule.scheduler.schedule` reads: the graph, pickled whole
+(ops, attributes, types, constants, names, in order), each input's layout (shape, strides,
+dtype, device), the options and configuration, and Kiln's source files, torch, Triton and
+Python (``artifact.environment``). A graph that does not pickle, or a program built after
+layout observations (keyed by node identity, which means nothing in another process), is
+neither stored nor looked up.
+
+What is stored is the program as the scheduler returned it, before code generation, with two
+things rewritten: the graph's nodes and values it refers to are stored by position and bound
+to this process's graph (the wrapper reports layout observations by node), and its buffer plan,
+a dict keyed by ``id(buffer)``, is stored as pairs of buffers. Measured on ResNet-18 (CPU):
+scheduling 74 ms, pickling 3 ms (132 KB), unpickling 6 ms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.capture.driver import artifact
+from kiln.capture.driver.cache import counters
+from kiln.config import config, logger
+from kiln.ir.graph import Graph, Node, Value
+from kiln.options import Options
+from kiln.schedule.program import Program
+
+_log = logger("cache")
+
+
+def key(graph: Graph, inputs: Sequence[Any], options: Options) -> str | None:
+    """The file key of ``graph`` scheduled for ``inputs``; None when it cannot have one."""
+    if not config.artifact_cache:
+        return None
+    state = {k: v for k, v in vars(graph).items() if k != "_names"}  # (a set: order varies)
+    try:
+        graph_bytes = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as error:  # (a Python object in an attribute: scheduled every time)
+        _log.info("program of %s not cached: %s: %s", graph.name, type(error).__name__, error)
+        return None
+    layouts = [
+        (tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+        for t in inputs
+    ]
+    text = f"{layouts!r}\n{options!r}\n{config!r}\n{artifact.environment()}"
+    return hashlib.sha256(graph_bytes + text.encode()).hexdigest()[:40]
+
+
+def _path(file_key: str) -> Path:
+    return Path(config.cache_dir) / "artifacts" / f"p-{file_key}.kart"
+
+
+def load(file_key: str, graph: Graph) -> Program | None:
+    """The program stored under ``file_key``, bound to ``graph``'s nodes, or None."""
+    for data, _ in artifact.read_entries(_path(file_key)):
+        try:
+            program, reuses = _Unpickler(io.BytesIO(data), graph).load()
+        except Exception as error:  # (never worth a failure: schedule instead)
+            _log.info("stored program of %s not used: %s", graph.name, error)
+            return None
+        program.reuses = {id(temp): buffer for temp, buffer in reuses}
+        counters.programs_reused += 1
+        return program
+    return None
+
+
+def store(file_key: str, graph: Graph, program: Program) -> None:
+    written = {id(b): b for kernel in program.kernels() for b in kernel.writes()}
+    reuses = [(written[k], buffer) for k, buffer in program.reuses.items()]
+    buffer = io.BytesIO()
+    try:
+        _Pickler(buffer, graph).dump((dataclasses.replace(program, reuses={}), reuses))
+        artifact.write_entries(_path(file_key), [(buffer.getvalue(), b"")])
+    except Exception as error:  # (an unpicklable attribute, a read-only cache: runs on)
+        _log.info("program of %s not stored: %s: %s", graph.name, type(error).__name__, error)
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: Any, graph: Graph) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.nodes = {id(node): i for i, node in enumerate(graph.nodes)}
+        self.values = {id(value): i for i, value in enumerate(_values(graph))}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, Node) and id(obj) in self.nodes:
+            return ("node", self.nodes[id(obj)])
+        if isinstance(obj, Value) and id(obj) in self.values:
+            return ("value", self.values[id(obj)])
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, graph: Graph) -> None:
+        super().__init__(file)
+        self.graph = graph
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, position = pid
+        if kind == "node":
+            return self.graph.nodes[position]
+        if kind == "value":
+            return _values(self.graph)[position]
+        raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+
+
+def _values(graph: Graph) -> list[Value]:
+    return [*graph.inputs, *(value for node in graph.nodes for value in node.outputs)]

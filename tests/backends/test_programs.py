@@ -1,0 +1,87 @@
+"""Scheduled programs on disk (kiln/backends/programs.py): a second compile of the same graph
+for the same input layouts reads the program instead of scheduling, runs it bound to its own
+graph (new weights, fresh inputs, every gradient equal to eager's) with the same buffer plan;
+another layout schedules anew."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.backends.kiln import CompiledProgramRecord
+from kiln.codegen.wrapper import Wrapper
+from kiln.config import config
+from kiln.recording import recording
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(config, "cache_dir", str(tmp_path))
+    monkeypatch.setattr(config, "artifact_cache", True)
+    kiln.reset()
+    yield tmp_path / "artifacts"
+    kiln.reset()
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 36, 5),
+    )
+
+
+def _programs(events: list) -> list[str]:
+    """Each compiled program as its host source (buffer plan included) and kernels."""
+    texts = []
+    for record in events:
+        if isinstance(record, CompiledProgramRecord) and record.program is not None:
+            wrapper = Wrapper(record.program, {k.name: print for k in record.program.kernels()})
+            texts.append(wrapper.source())
+    return texts
+
+
+def test_a_second_compile_reads_the_programs(cache: Path) -> None:
+    torch.manual_seed(0)
+    model = _model()
+    reference = copy.deepcopy(model)
+    with recording(CompiledProgramRecord) as first:
+        loss = kiln.compile(model)(torch.randn(2, 3, 6, 6)).square().sum()
+        loss.backward()
+    assert kiln.counters.programs_reused == 0 and len(first) >= 2  # forward and backward
+    assert len(list(cache.glob("p-*.kart"))) == len(first)
+    kiln.reset()
+    for module in (model, reference):  # other weights than the stored programs saw
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.mul_(-0.5).add_(0.1)
+        module.zero_grad()
+    x = torch.randn(2, 3, 6, 6)
+    with recording(CompiledProgramRecord) as second:
+        out = kiln.compile(model)(x)
+        out.square().sum().backward()
+    assert kiln.counters.programs_reused == len(first)
+    expected = reference(x)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    pairs = zip(model.named_parameters(), reference.named_parameters(), strict=True)
+    for (name, a), (_, b) in pairs:  # (the conv's bias gradient is zero up to rounding: BN)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4, msg=name)
+    assert _programs(second) == _programs(first)  # the same steps and buffer plan
+
+
+def test_another_layout_schedules_again(cache: Path) -> None:
+    model = _model().eval()
+    with torch.no_grad():
+        kiln.compile(model)(torch.randn(2, 3, 6, 6))
+        kiln.reset()
+        x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+        torch.testing.assert_close(kiln.compile(model)(x), model(x))
+    assert kiln.counters.programs_reused == 0
