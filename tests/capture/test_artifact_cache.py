@@ -312,6 +312,34 @@ def test_entry_holding_an_undescribable_object_is_not_stored(
     assert "not storing _count: a lock object" in caplog.text
 
 
+class _Registry(dict):
+    def get(self, key, default=None):  # type: ignore[no-untyped-def]
+        return super().get(key, default)  # (its ``__class__`` cell)
+
+
+def test_a_guard_on_a_methods_class_cell_is_stored_and_bound_again(artifact_cache: Path) -> None:
+    """A guard read through a method's zero-argument ``super()`` can name the ``__class__``
+    cell itself (transformers' ``DynamicCache.__init__`` and ``AttentionInterface.get`` on
+    the H200): stored as the class's cell by the class's name, bound to this process's."""
+    from kiln.capture.guards.guards import Identity
+    from kiln.capture.guards.sources import Attr, Constant
+
+    compiled = kiln.compile(_count)
+    compiled(torch.randn(3))
+    for stored in artifact_cache.glob("*.kart"):
+        stored.unlink()
+    capture = compiled._kiln_cache.entries[0].capture
+    cell = _Registry.get.__closure__[0]
+    guard = Identity(Attr(Constant(cell), "cell_contents"), "super()", obj=_Registry)
+    held = dataclasses.replace(capture, guards=[*capture.guards, guard])
+    artifact.store(_count, held, compiled._kiln_cache.compiler.options)
+    assert list(artifact_cache.glob("*.kart")), "not stored"
+    kiln.reset()
+    x = torch.randn(3)
+    torch.testing.assert_close(kiln.compile(_count)(x), _count(x))
+    assert (kiln.counters.captures, kiln.counters.artifact_hits) == (0, 1)
+
+
 def test_least_recently_used_files_go_first(artifact_cache: Path) -> None:
     artifact_cache.mkdir()
     for i in range(5):

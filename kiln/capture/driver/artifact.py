@@ -183,10 +183,36 @@ class _Pickler(pickle.Pickler):
             return ("code", marshal.dumps(obj))
         if type(obj) is torch.Tensor or isinstance(obj, _BY_VALUE):
             return None
+        owner = _class_cell_owner(obj)
+        if owner is not None:  # a method's ``__class__`` cell (zero-argument ``super()``)
+            return ("class cell", owner.__module__, owner.__qualname__, _fingerprint(owner))
         if type(obj).__module__.startswith("kiln."):
             return None  # Kiln's data: graphs, nodes, guards, sources, attributes
         held = f" holding {obj.cell_contents!r:.80}" if isinstance(obj, types.CellType) else ""
         raise Uncacheable(f"a {type(obj).__qualname__} object{held}")
+
+
+def _class_cell(owner: type) -> types.CellType | None:
+    """The ``__class__`` cell of ``owner``'s methods (one per class body), if any."""
+    for member in vars(owner).values():
+        function = getattr(member, "__func__", member)
+        code = getattr(function, "__code__", None)
+        if code is not None and "__class__" in code.co_freevars:
+            return function.__closure__[code.co_freevars.index("__class__")]
+    return None
+
+
+def _class_cell_owner(obj: Any) -> type | None:
+    """The class whose ``__class__`` cell ``obj`` is, when that class is found by its name
+    (a guard read through a method's ``super()`` names the cell itself)."""
+    if not isinstance(obj, types.CellType):
+        return None
+    with contextlib.suppress(Exception):
+        owner = obj.cell_contents
+        named = isinstance(owner, type) and _resolve(owner.__module__, owner.__qualname__)
+        if named is owner and _class_cell(owner) is obj:
+            return owner
+    return None
 
 
 def _kind(obj: Any) -> tuple[str, ...]:
@@ -241,6 +267,12 @@ class _Unpickler(pickle.Unpickler):
             return ResumeTarget(code, self.route if rest[2] else None)
         if kind == "router":
             return self.route
+        if kind == "class cell":
+            owner = self.persistent_load(("named", *rest))
+            cell = _class_cell(owner)
+            if cell is None:
+                raise Mismatch(f"{rest[0]}.{rest[1]} has no __class__ cell")
+            return cell
         return marshal.loads(rest[0])
 
     def _at(self, source: Source, kind: tuple[str, ...]) -> Any:
