@@ -525,14 +525,9 @@ def compile_guards(
     failing guard (for recompile reasons; slow, used only on a miss)."""
     ordered = sorted(guards, key=lambda guard: guard.rank)
     binder = Binder()
-    checks = [guard.check(binder) for guard in ordered]  # also counts each path's uses
-    # (whole paths, before hoisting: what a failing tensor guard reads, to say what differs)
-    getters = {id(guard): guard.reads(binder) for guard in ordered if hasattr(guard, "reads")}
     combined = _natively_checked(ordered, params)
-    if len(combined) != len(ordered):  # hoist only the paths the Python checks still walk
-        binder.uses.clear()
-        for guard in combined:
-            guard.check(binder)
+    for guard in combined:  # counts each path's uses: hoist the paths Python checks walk
+        guard.check(binder)
     prelude = _hoist(binder)
     hoisted_checks = [guard.check(binder) for guard in combined]
     body = "\n            and ".join(f"({check})" for check in hoisted_checks) or "True"
@@ -553,12 +548,16 @@ def compile_guards(
 
     def compile_singles() -> None:
         # Only on a miss: one small function per guard, to name the first that fails (and,
-        # for a tensor, one reading it, to say what differs).
-        for guard, check in zip(ordered, checks, strict=True):  # whole paths, no prelude
+        # for a tensor, one reading it, to say what differs); whole paths, no prelude (a
+        # binder of their own: generating these for every entry cost 2/3 of this function).
+        whole = Binder()
+        checks = [guard.check(whole) for guard in ordered]
+        getters = {id(guard): guard.reads(whole) for guard in ordered if hasattr(guard, "reads")}
+        for guard, check in zip(ordered, checks, strict=True):
             code = f"def ___one({signature}):\n    return bool({check})\n"
             if id(guard) in getters:
                 code += f"def ___get({signature}):\n    return {getters[id(guard)]}\n"
-            one_scope = dict(binder.names)
+            one_scope = dict(whole.names)
             exec(compile(code, "<kiln guard>", "exec"), one_scope)
             singles.append((guard, one_scope["___one"], one_scope.get("___get")))
 
