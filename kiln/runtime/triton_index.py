@@ -68,8 +68,16 @@ def install(module: ModuleType, before_compile: Callable[[], None]) -> None:
                 function.compile = original
 
 
-@functools.cache
+_INDEXED: dict[type, type] = {}
+
+
 def _indexed(base: type) -> type:
+    if base not in _INDEXED:
+        _INDEXED[base] = _indexed_class(base)
+    return _INDEXED[base]
+
+
+def _indexed_class(base: type) -> type:
     def get(self: Any) -> Any:
         original = vars(self).get("_kiln_compile")
         if original is None:

@@ -209,8 +209,9 @@ def _class_cell_owner(obj: Any) -> type | None:
         return None
     with contextlib.suppress(Exception):
         owner = obj.cell_contents
-        named = isinstance(owner, type) and _resolve(owner.__module__, owner.__qualname__)
-        if named is owner and _class_cell(owner) is obj:
+        if not isinstance(owner, type):
+            return None
+        if _resolve(owner.__module__, owner.__qualname__) is owner and _class_cell(owner) is obj:
             return owner
     return None
 
