@@ -10,12 +10,12 @@ the median step of eager, ``kiln.compile(model)`` and the loaded program on the 
 interleaved (each runner after each other as often), and checks the loaded program's output
 against eager's.
 
-The children run with glibc's malloc thresholds pinned (``MALLOC_TUNABLES``). By default glibc
-moves them as memory is freed, and, depending on what the process freed before timing, may give
-the top of the heap back to the OS on every eager step (bert_tiny: 4 MB), so that whichever
-runner came next faulted those pages in again (~1,000 minor faults, 2 ms of a 5 ms step) and
-eager paid as much itself. A rotating order put ``kiln.compile`` after eager twice as often as
-the loaded program: 7.0-8.5 ms against 5.0-6.0 in some processes, 5.4-5.9 in others.
+The children run with glibc's malloc thresholds pinned (``MALLOC_TUNABLES``). With its automatic
+ones, in two processes of three (the thresholds alike in all: the heap's layout decides)
+each eager step of bert_tiny grew the heap by 4 MB and the next ``free`` gave 8 MB back to the
+OS, so the runner after eager faulted its buffers in again (~1,000 minor faults, 2 ms of a 5 ms
+step) and eager paid as much itself; the order, rotated, put ``kiln.compile`` after eager twice
+as often as the loaded program (bert_tiny: 7.4 ms against 5.1).
 """
 
 from __future__ import annotations
