@@ -7,8 +7,15 @@ Per model (inference, float32, the suite's batch and first input set), two child
 the first builds the model, runs ``kiln.export`` on it and saves the program and its inputs to a
 temporary folder; the second, a fresh process, times ``kiln.load`` plus its first call, then
 the median step of eager, ``kiln.compile(model)`` and the loaded program on the same inputs,
-interleaved (rounds of each, the order rotating), and checks the loaded program's output
+interleaved (each runner after each other as often), and checks the loaded program's output
 against eager's.
+
+The children run with glibc's malloc thresholds pinned (``MALLOC_TUNABLES``). With its automatic
+ones, in two processes of three (the thresholds alike in all: the heap's layout decides)
+each eager step of bert_tiny grew the heap by 4 MB and the next ``free`` gave 8 MB back to the
+OS, so the runner after eager faulted its buffers in again (~1,000 minor faults, 2 ms of a 5 ms
+step) and eager paid as much itself; the order, rotated, put ``kiln.compile`` after eager twice
+as often as the loaded program (bert_tiny: 7.4 ms against 5.1).
 """
 
 from __future__ import annotations
@@ -22,6 +29,27 @@ import subprocess
 import sys
 import tempfile
 import time
+
+# Fixed thresholds: glibc then neither trims the heap's top nor moves the mmap threshold, so
+# the memory a runner frees stays mapped for the next one (no runner pays another's faults).
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824"
+
+
+def child_env(folder: str) -> dict[str, str]:
+    """The children's environment: their own cache directory, malloc's thresholds pinned."""
+    tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), MALLOC_TUNABLES]))
+    return dict(os.environ, KILN_CACHE_DIR=os.path.join(folder, "cache"), GLIBC_TUNABLES=tunables)
+
+
+def balanced_order(keys: list[str], rounds: int) -> list[str]:
+    """Three runners, each right after each of the others ``rounds`` times (a step still
+    runs slower after eager's, whose traffic evicts its data from the caches):
+
+    >>> balanced_order(["e", "c", "l"], 1)
+    ['e', 'c', 'l', 'e', 'l', 'c']
+    """
+    assert len(keys) == 3
+    return [*keys, keys[0], keys[2], keys[1]] * rounds
 
 
 def save(name: str, device: str, folder: str) -> None:
@@ -66,18 +94,15 @@ def measure(name: str, device: str, folder: str) -> None:
                 runner(*inputs, **kwargs)
         # (a background g++ build of the native guard checks would share the CPU with the timing)
         native_guards.wait(timeout=120)
-        keys = list(runners)
-        for round_ in range(15):  # each runner after each other as often (the one after eager
-            # ran 40% slower on the CPU in a fixed order: eager's traffic evicts its data)
-            for key in keys[round_ % 3 :] + keys[: round_ % 3]:
-                runner = runners[key]
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                runner(*inputs, **kwargs)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times[key].append(time.perf_counter() - start)
+        for key in balanced_order(list(runners), rounds=10):
+            runner = runners[key]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            runner(*inputs, **kwargs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[key].append(time.perf_counter() - start)
     out = first[0] if isinstance(first, (tuple, list)) else first
     want = expected[0] if isinstance(expected, (tuple, list)) else expected
     want = getattr(want, "logits", want)
@@ -106,7 +131,7 @@ def main() -> None:
     print("| --- " * (len(columns) + 1) + "|")
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory() as folder:
-            env = dict(os.environ, KILN_CACHE_DIR=os.path.join(folder, "cache"))
+            env = child_env(folder)
             base = [
                 sys.executable,
                 __file__,
