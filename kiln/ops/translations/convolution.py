@@ -205,85 +205,56 @@ def _conv_transpose_cases(spatial: int) -> list[Case]:
     ]
 
 
-@translation(torch.conv1d, samples=case_calls(*_conv_cases(1)))
-def conv1d(
-    input: Value,
-    weight: Value,
-    bias: Value | None = None,
-    stride: IntArg = 1,
-    padding: IntArg | str = 0,
-    dilation: IntArg = 1,
-    groups: int = 1,
-) -> Value:
-    return convolution(input, weight, bias, stride, padding, dilation, groups, spatial=1)
+def _conv_entry(spatial: int) -> Any:
+    """The translation of ``F.conv{spatial}d``, with eager's signature."""
+
+    def conv(
+        input: Value,
+        weight: Value,
+        bias: Value | None = None,
+        stride: IntArg = 1,
+        padding: IntArg | str = 0,
+        dilation: IntArg = 1,
+        groups: int = 1,
+    ) -> Value:
+        return convolution(input, weight, bias, stride, padding, dilation, groups, spatial=spatial)
+
+    conv.__name__ = conv.__qualname__ = f"conv{spatial}d"
+    return conv
 
 
-@translation(torch.conv2d, samples=case_calls(*_conv_cases(2)))
-def conv2d(
-    input: Value,
-    weight: Value,
-    bias: Value | None = None,
-    stride: IntArg = 1,
-    padding: IntArg | str = 0,
-    dilation: IntArg = 1,
-    groups: int = 1,
-) -> Value:
-    return convolution(input, weight, bias, stride, padding, dilation, groups, spatial=2)
+def _conv_transpose_entry(spatial: int) -> Any:
+    """The translation of ``F.conv_transpose{spatial}d``, with eager's signature."""
+
+    def conv_transpose_nd(
+        input: Value,
+        weight: Value,
+        bias: Value | None = None,
+        stride: IntArg = 1,
+        padding: IntArg = 0,
+        output_padding: IntArg = 0,
+        groups: int = 1,
+        dilation: IntArg = 1,
+    ) -> Value:
+        geometry = (stride, padding, output_padding, groups, dilation)
+        return conv_transpose(input, weight, bias, *geometry, spatial=spatial)
+
+    conv_transpose_nd.__name__ = conv_transpose_nd.__qualname__ = f"conv_transpose{spatial}d"
+    return conv_transpose_nd
 
 
-@translation(torch.conv3d, samples=case_calls(*_conv_cases(3)))
-def conv3d(
-    input: Value,
-    weight: Value,
-    bias: Value | None = None,
-    stride: IntArg = 1,
-    padding: IntArg | str = 0,
-    dilation: IntArg = 1,
-    groups: int = 1,
-) -> Value:
-    return convolution(input, weight, bias, stride, padding, dilation, groups, spatial=3)
-
-
-@translation(torch.conv_transpose1d, samples=case_calls(*_conv_transpose_cases(1)))
-def conv_transpose1d(
-    input: Value,
-    weight: Value,
-    bias: Value | None = None,
-    stride: IntArg = 1,
-    padding: IntArg = 0,
-    output_padding: IntArg = 0,
-    groups: int = 1,
-    dilation: IntArg = 1,
-) -> Value:
-    geometry = (stride, padding, output_padding, groups, dilation)
-    return conv_transpose(input, weight, bias, *geometry, spatial=1)
-
-
-@translation(torch.conv_transpose2d, samples=case_calls(*_conv_transpose_cases(2)))
-def conv_transpose2d(
-    input: Value,
-    weight: Value,
-    bias: Value | None = None,
-    stride: IntArg = 1,
-    padding: IntArg = 0,
-    output_padding: IntArg = 0,
-    groups: int = 1,
-    dilation: IntArg = 1,
-) -> Value:
-    geometry = (stride, padding, output_padding, groups, dilation)
-    return conv_transpose(input, weight, bias, *geometry, spatial=2)
-
-
-@translation(torch.conv_transpose3d, samples=case_calls(*_conv_transpose_cases(3)))
-def conv_transpose3d(
-    input: Value,
-    weight: Value,
-    bias: Value | None = None,
-    stride: IntArg = 1,
-    padding: IntArg = 0,
-    output_padding: IntArg = 0,
-    groups: int = 1,
-    dilation: IntArg = 1,
-) -> Value:
-    geometry = (stride, padding, output_padding, groups, dilation)
-    return conv_transpose(input, weight, bias, *geometry, spatial=3)
+# One registry row per rank, in the order conv1d..3d, then conv_transpose1d..3d.
+conv1d, conv2d, conv3d = (
+    translation(key, samples=case_calls(*_conv_cases(spatial)))(_conv_entry(spatial))
+    for spatial, key in ((1, torch.conv1d), (2, torch.conv2d), (3, torch.conv3d))
+)
+conv_transpose1d, conv_transpose2d, conv_transpose3d = (
+    translation(key, samples=case_calls(*_conv_transpose_cases(spatial)))(
+        _conv_transpose_entry(spatial)
+    )
+    for spatial, key in (
+        (1, torch.conv_transpose1d),
+        (2, torch.conv_transpose2d),
+        (3, torch.conv_transpose3d),
+    )
+)
