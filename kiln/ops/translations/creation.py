@@ -32,6 +32,7 @@ from kiln.ops.sampling import ALL, FLOATS, NUMERIC, make_tensor
 from kiln.ops.translations import common
 from kiln.ops.translations.activations import finish
 from kiln.ops.translations.math import div, keys, methods, mul
+from kiln.ops.translations.slicing import fill_scalar
 from kiln.ops.translations.table import Call, CallFn, FallbackToExtern, translation
 
 # Factories that draw random numbers: traced even with no proxy argument, so each call of the
@@ -73,18 +74,6 @@ def device_of(device: DeviceLike, default: torch.device) -> torch.device:
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
-def fill_value(value: Scalar | Sym, dtype: torch.dtype) -> Scalar | Sym:
-    """``value`` cast as eager casts a fill value: truncated for integers, nonzero-ness for bool.
-    A symbolic size stays symbolic (an int for every dtype but bool)."""
-    if dtype == torch.bool:
-        return bool(value)
-    if isinstance(value, Sym):
-        return value
-    if dtype.is_floating_point:
-        return float(value)
-    return int(value)
-
-
 def sizes(args: Sequence[Any], op: str) -> Shape:
     """A size given as varargs ``(2, 3)`` or one sequence ``((2, 3),)``; ints or symbolic
     sizes."""
@@ -105,7 +94,7 @@ def filled(
         converted = common.convert(value, dtype)
         assert isinstance(converted, Value)
         return common.broadcast_to(converted, shape)
-    return common.full(shape, fill_value(value, dtype), dtype, device)
+    return common.full(shape, fill_scalar(value, dtype), dtype, device)
 
 
 def random(kind: str, shape: Shape, dtype: torch.dtype, device: torch.device) -> Value:
