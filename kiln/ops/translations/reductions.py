@@ -299,53 +299,35 @@ VAR_CASES: tuple[Case, ...] = (
 )
 
 
-@translation(torch.var, torch.Tensor.var, samples=calls(VAR_CASES))
-def var(
-    input: Value,
-    dim: Any = None,
-    unbiased: bool | None = None,
-    keepdim: bool = False,
-    *,
-    correction: float | None = None,
-) -> Value:
-    return _moments("var", input, dim, unbiased, keepdim, correction)[0]
+def _moment_entry(name: str, finish: Callable[[Value, Value], Any]) -> Callable[..., Any]:
+    """The translation of ``torch.{name}``: ``finish(variance, mean)`` of ``_moments``."""
+
+    def moment(
+        input: Value,
+        dim: Any = None,
+        unbiased: bool | None = None,
+        keepdim: bool = False,
+        *,
+        correction: float | None = None,
+    ) -> Any:
+        return finish(*_moments(name, input, dim, unbiased, keepdim, correction))
+
+    moment.__name__ = moment.__qualname__ = name
+    return moment
 
 
-@translation(torch.std, torch.Tensor.std, samples=calls(VAR_CASES))
-def std(
-    input: Value,
-    dim: Any = None,
-    unbiased: bool | None = None,
-    keepdim: bool = False,
-    *,
-    correction: float | None = None,
-) -> Value:
-    return std_of_variance(_moments("std", input, dim, unbiased, keepdim, correction)[0])
-
-
-@translation(torch.var_mean, samples=calls(VAR_CASES))
-def var_mean(
-    input: Value,
-    dim: Any = None,
-    unbiased: bool | None = None,
-    keepdim: bool = False,
-    *,
-    correction: float | None = None,
-) -> tuple[Value, Value]:
-    return _moments("var_mean", input, dim, unbiased, keepdim, correction)
-
-
-@translation(torch.std_mean, samples=calls(VAR_CASES))
-def std_mean(
-    input: Value,
-    dim: Any = None,
-    unbiased: bool | None = None,
-    keepdim: bool = False,
-    *,
-    correction: float | None = None,
-) -> tuple[Value, Value]:
-    variance, mean_ = _moments("std_mean", input, dim, unbiased, keepdim, correction)
-    return std_of_variance(variance), mean_
+var = translation(torch.var, torch.Tensor.var, samples=calls(VAR_CASES))(
+    _moment_entry("var", lambda variance, mean_: variance)
+)
+std = translation(torch.std, torch.Tensor.std, samples=calls(VAR_CASES))(
+    _moment_entry("std", lambda variance, mean_: std_of_variance(variance))
+)
+var_mean = translation(torch.var_mean, samples=calls(VAR_CASES))(
+    _moment_entry("var_mean", lambda variance, mean_: (variance, mean_))
+)
+std_mean = translation(torch.std_mean, samples=calls(VAR_CASES))(
+    _moment_entry("std_mean", lambda variance, mean_: (std_of_variance(variance), mean_))
+)
 
 
 def std_of_variance(variance: Value) -> Value:
