@@ -166,6 +166,14 @@ Grads = tuple[Value | None, ...]
 Cotangents = Sequence[Value]
 
 
+def input_gradient(rule: Callable[[Any, Value, Value], Value]) -> Callable[..., Grads]:
+    """The VJP of a one-input, one-output op whose input gradient is ``rule(attrs, x, g)``::
+
+    vjp=input_gradient(lambda attrs, x, g: prims.flip(g, dims=attrs.dims))
+    """
+    return lambda attrs, inputs, outputs, grads: (rule(attrs, inputs[0], grads[0]),)
+
+
 def _unbroadcast(g: Value, x: TensorType, dims: Sequence[int]) -> Value:
     """The cotangent of ``x`` broadcast to ``g``'s shape, input dim i at output dim ``dims[i]``:
     ``g`` summed over the new dims and the size-1 dims that grew, in ``x``'s shape."""
@@ -196,14 +204,6 @@ def _reshape_meta(attrs: ReshapeAttrs, x: TensorType) -> TensorType:
     return result(x, attrs.shape)
 
 
-def _reshape_vjp(
-    attrs: ReshapeAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
-) -> Grads:
-    (x,) = inputs
-    (g,) = grads
-    return (prims.reshape(g, shape=x.type.shape),)
-
-
 movement(
     Op.RESHAPE,
     ReshapeAttrs,
@@ -220,7 +220,7 @@ movement(
         ]
     ),
     "reshape(x, shape): the same elements in row-major order under a new shape",
-    vjp=_reshape_vjp,
+    vjp=input_gradient(lambda attrs, x, g: prims.reshape(g, shape=x.type.shape)),
 )
 
 
@@ -286,14 +286,6 @@ def _broadcast_impl(attrs: BroadcastAttrs, x: torch.Tensor) -> torch.Tensor:
     return x.reshape(view).expand(concrete(attrs.shape))
 
 
-def _broadcast_vjp(
-    attrs: BroadcastAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
-) -> Grads:
-    (x,) = inputs
-    (g,) = grads
-    return (_unbroadcast(g, x.type, attrs.dims),)
-
-
 movement(
     Op.BROADCAST,
     BroadcastAttrs,
@@ -309,7 +301,7 @@ movement(
         ]
     ),
     "broadcast(x, shape, dims): broadcast_in_dim; input dim i becomes output dim dims[i]",
-    vjp=_broadcast_vjp,
+    vjp=input_gradient(lambda attrs, x, g: _unbroadcast(g, x.type, attrs.dims)),
 )
 
 
@@ -322,14 +314,6 @@ def _expand_meta(attrs: ExpandAttrs, x: TensorType) -> TensorType:
     for dim, (size, target) in enumerate(zip(x.shape, attrs.shape, strict=True)):
         _check_growth(Op.EXPAND, size, target, dim)
     return result(x, attrs.shape)
-
-
-def _expand_vjp(
-    attrs: ExpandAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
-) -> Grads:
-    (x,) = inputs
-    (g,) = grads
-    return (_unbroadcast(g, x.type, range(x.type.rank)),)
 
 
 movement(
@@ -347,7 +331,7 @@ movement(
         ]
     ),
     "expand(x, shape): size-1 dims grow to shape (same rank)",
-    vjp=_expand_vjp,
+    vjp=input_gradient(lambda attrs, x, g: _unbroadcast(g, x.type, range(x.type.rank))),
 )
 
 
@@ -426,13 +410,6 @@ def _squeeze_meta(attrs: SqueezeAttrs, x: TensorType) -> TensorType:
     return result(x, [size for dim, size in enumerate(x.shape) if dim not in attrs.dims])
 
 
-def _squeeze_vjp(
-    attrs: SqueezeAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
-) -> Grads:
-    (g,) = grads
-    return (prims.unsqueeze(g, dims=tuple(sorted(attrs.dims))) if attrs.dims else g,)
-
-
 movement(
     Op.SQUEEZE,
     SqueezeAttrs,
@@ -448,7 +425,9 @@ movement(
         ]
     ),
     "squeeze(x, dims): remove dims, each of size 1",
-    vjp=_squeeze_vjp,
+    vjp=input_gradient(
+        lambda attrs, x, g: prims.unsqueeze(g, dims=tuple(sorted(attrs.dims))) if attrs.dims else g
+    ),
 )
 
 
@@ -466,13 +445,6 @@ def _unsqueeze_impl(attrs: UnsqueezeAttrs, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _unsqueeze_vjp(
-    attrs: UnsqueezeAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents
-) -> Grads:
-    (g,) = grads
-    return (prims.squeeze(g, dims=attrs.dims) if attrs.dims else g,)
-
-
 movement(
     Op.UNSQUEEZE,
     UnsqueezeAttrs,
@@ -488,7 +460,7 @@ movement(
         ]
     ),
     "unsqueeze(x, dims): insert size-1 dims at dims (positions in the output)",
-    vjp=_unsqueeze_vjp,
+    vjp=input_gradient(lambda attrs, x, g: prims.squeeze(g, dims=attrs.dims) if attrs.dims else g),
 )
 
 
@@ -629,11 +601,6 @@ def _flip_meta(attrs: FlipAttrs, x: TensorType) -> TensorType:
     return result(x, x.shape)
 
 
-def _flip_vjp(attrs: FlipAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents) -> Grads:
-    (g,) = grads
-    return (prims.flip(g, dims=attrs.dims) if attrs.dims else g,)
-
-
 movement(
     Op.FLIP,
     FlipAttrs,
@@ -649,5 +616,5 @@ movement(
         ]
     ),
     "flip(x, dims): reverse the order of elements along dims",
-    vjp=_flip_vjp,
+    vjp=input_gradient(lambda attrs, x, g: prims.flip(g, dims=attrs.dims) if attrs.dims else g),
 )
