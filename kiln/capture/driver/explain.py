@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,33 +65,21 @@ class ExplainReport:
         ]
         for index, graph in enumerate(self.graphs):
             lines.append(f"  graph {index}: {graph.name}, {len(graph.nodes)} nodes")
-        if self.breaks:
-            lines.append("graph breaks:")
-            lines += [f"  {record}" for record in self.breaks]
-        if self.skips:
-            lines.append("run uncompiled:")
-            lines += [f"  {record}" for record in self.skips]
-        if self.saved:
-            lines.append("saved for the backward:")
-            lines += [f"  {name}" for name in self.saved]
-        if self.backends:
-            lines.append("backends:")
-            lines += [f"  {line}" for line in self.backends]
-        if self.kernels:
-            lines.append("kernels:")
-            lines += [f"  {line}" for line in self.kernels]
-        if self.cudagraphs:
-            lines.append("CUDA graphs:")
-            lines += [f"  {line}" for line in self.cudagraphs]
-        if self.profile:
-            lines.append("profile:")
-            lines += [f"  {line}" for line in self.profile]
-        if self.sizes:
-            lines.append("symbolic sizes:")
-            lines += [f"  {line}" for line in self.sizes]
-        if self.externs:
-            lines.append("externs (torch functions run as opaque calls):")
-            lines += [f"  {name}" for name in self.externs]
+        sections: tuple[tuple[str, Sequence[Any]], ...] = (
+            ("graph breaks:", self.breaks),
+            ("run uncompiled:", self.skips),
+            ("saved for the backward:", self.saved),
+            ("backends:", self.backends),
+            ("kernels:", self.kernels),
+            ("CUDA graphs:", self.cudagraphs),
+            ("profile:", self.profile),
+            ("symbolic sizes:", self.sizes),
+            ("externs (torch functions run as opaque calls):", self.externs),
+        )
+        for title, entries in sections:
+            if entries:
+                lines.append(title)
+                lines += [f"  {entry}" for entry in entries]
         lines.append(f"guards ({len(self.guards)}):")
         lines += [f"  {guard}" for guard in self.guards]
         return "\n".join(lines)
