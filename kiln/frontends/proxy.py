@@ -524,7 +524,6 @@ def _eager_identity(
             settled.append(_view_of(leaf, owners[id(base)], by_value, view_call, index))
         elif leaf in by_value:  # new memory holding the operand's values
             copied = prims.convert(leaf, dtype=leaf.type.dtype)
-            assert isinstance(copied, Value)
             settled.append(ProxyTensor(copied))
         else:
             settled.append(ProxyTensor(leaf))

@@ -347,9 +347,7 @@ def _restore_hidden_rows(attended: Value, mask: Value) -> Value:
     seen = prims.ne(highest, -math.inf)
     dims = tuple(range(out_rank - rank, out_rank - 1))
     rows = prims.broadcast(seen, shape=attended.type.shape, dims=dims)
-    result = prims.where(rows, attended, math.nan)
-    assert isinstance(result, Value)
-    return result
+    return prims.where(rows, attended, math.nan)
 
 
 def _emit(match: _Match, builder: GraphBuilder) -> None:

@@ -75,7 +75,6 @@ def remove_autodiff_markers(graph: Graph) -> Graph:
             new = replaced.get(value, value)
             if new is not value and _views_input(new, producers, inputs):
                 copied = prims.convert(new, dtype=new.type.dtype)
-                assert isinstance(copied, Value)
                 new = copied
             outputs.append(new)
     result.outputs = outputs

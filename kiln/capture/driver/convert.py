@@ -278,9 +278,7 @@ def _unaliased(graph: Graph, value: Value) -> Value:
         current = producers[current].inputs[0]  # type: ignore[assignment]
     if current not in graph.inputs:
         return value
-    copied = prims.convert(value, dtype=value.type.dtype)
-    assert isinstance(copied, Value)
-    return copied
+    return prims.convert(value, dtype=value.type.dtype)
 
 
 def _snapshot(graph: Graph) -> Graph:

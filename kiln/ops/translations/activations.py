@@ -77,9 +77,7 @@ def hardtanh(
 def _clip_open(x: Value, low: float, high: float) -> Value:
     """``x`` clipped to ``[low, high]``, with eager's hardtanh gradient: none at the bounds."""
     inside = prims.where(prims.le(x, low), low, x)
-    result = prims.where(prims.ge(inside, high), high, inside)
-    assert isinstance(result, Value)
-    return result
+    return prims.where(prims.ge(inside, high), high, inside)
 
 
 def relu6(input: Value, inplace: bool = False) -> Value:

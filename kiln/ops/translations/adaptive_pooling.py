@@ -74,21 +74,15 @@ def adaptive_dim(x: Value, dim: int, out: Dim, reduce: Reduce) -> Value:
     ]
     if not cells:
         return prims.slice(x, dim=dim, start=0, stop=0)
-    result = prims.cat(*cells, dim=dim)
-    assert isinstance(result, Value)
-    return result
+    return prims.cat(*cells, dim=dim)
 
 
 def _sum_dim(x: Value, dim: int) -> Value:
-    result = prims.sum(x, dims=(dim,))
-    assert isinstance(result, Value)
-    return result
+    return prims.sum(x, dims=(dim,))
 
 
 def _amax_dim(x: Value, dim: int) -> Value:
-    result = prims.amax(x, dims=(dim,))
-    assert isinstance(result, Value)
-    return result
+    return prims.amax(x, dims=(dim,))
 
 
 def adaptive_avg_pool(input: Value, spatial: int, output_size: object) -> Value:

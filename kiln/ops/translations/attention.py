@@ -51,9 +51,7 @@ def dropout(x: Value, p: float) -> Value:
     if p <= 0:
         return x
     if p >= 1:
-        result = prims.mul(x, 0.0)
-        assert isinstance(result, Value)
-        return result
+        return prims.mul(x, 0.0)
     builder = require_builder()
     shape = x.type.shape
     offset = builder.rng_offset(x.type.numel())
@@ -61,9 +59,7 @@ def dropout(x: Value, p: float) -> Value:
         builder.rng_seed(), shape=shape, dtype=torch.float32, device=x.type.device, offset=offset
     )
     keep = prims.ge(uniform, p)
-    result = prims.where(keep, prims.mul(x, 1.0 / (1.0 - p)), 0.0)
-    assert isinstance(result, Value)
-    return result
+    return prims.where(keep, prims.mul(x, 1.0 / (1.0 - p)), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,9 +96,7 @@ def _causal_mask(length: Dim, source: Dim, device: torch.device) -> Value:
     shape = (length, source)
     row = prims.broadcast(rows, shape=shape, dims=(0,))
     col = prims.broadcast(cols, shape=shape, dims=(1,))
-    result = prims.ge(row, col)
-    assert isinstance(result, Value)
-    return result
+    return prims.ge(row, col)
 
 
 def _apply_mask(scores: Value, mask: Value) -> Value:
@@ -175,11 +169,9 @@ def scaled_dot_product_attention(
         attn_mask = _float_mask(prims.logical_not(attn_mask), query.type.dtype, "attn_mask")
     if dropout_p > 0.0:
         return attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    result = prims.sdpa(
+    return prims.sdpa(
         query, key, value, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )
-    assert isinstance(result, Value)
-    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,9 +187,7 @@ def _float_mask(mask: Value | None, dtype: torch.dtype, name: str) -> Value | No
     if mask.type.dtype != torch.bool:
         return mask
     hidden = common.full(mask.type.shape, -math.inf, dtype, mask.type.device)
-    result = prims.where(mask, hidden, 0.0)
-    assert isinstance(result, Value)
-    return result
+    return prims.where(mask, hidden, 0.0)
 
 
 def _split_rows(x: Value, parts: int) -> list[Value]:
@@ -214,9 +204,7 @@ def _split_last(x: Value, parts: int) -> list[Value]:
 
 
 def _rows(x: Value, start: Dim, stop: Dim) -> Value:
-    result = prims.slice(x, dim=0, start=start, stop=stop)
-    assert isinstance(result, Value)
-    return result
+    return prims.slice(x, dim=0, start=start, stop=stop)
 
 
 def _in_projection(
@@ -251,9 +239,7 @@ def _heads(x: Value, batch: Dim, heads: int) -> Value:
     """(seq, batch, embed) -> (batch * heads, seq, head_dim)."""
     seq, _, embed = shape_of(x)
     split = reshape(x, (seq, batch * heads, embed // heads))
-    result = prims.permute(split, dims=(1, 0, 2))
-    assert isinstance(result, Value)
-    return result
+    return prims.permute(split, dims=(1, 0, 2))
 
 
 def _check_mask_shape(mask: Value, expected: Shape) -> None:
@@ -295,9 +281,7 @@ def _attention_mask(
     if attn_mask is None:
         return padding
     (left, right), _ = common.elementwise(attn_mask, padding)
-    result = prims.add(left, right)
-    assert isinstance(result, Value)
-    return result
+    return prims.add(left, right)
 
 
 def _mean_heads(weights: Value) -> Value:

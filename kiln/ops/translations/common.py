@@ -126,9 +126,7 @@ def broadcast_to(value: Value, shape: Shape) -> Value:
         return value
     offset = len(shape) - len(source)
     dims = tuple(range(offset, len(shape)))
-    result = prims.broadcast(value, shape=tuple(shape), dims=dims)
-    assert isinstance(result, Value)
-    return result
+    return prims.broadcast(value, shape=tuple(shape), dims=dims)
 
 
 def broadcast(*operands: Operand) -> list[Operand]:
@@ -178,9 +176,7 @@ def elementwise(
 def full(
     shape: Shape, value: bool | int | float | Sym, dtype: torch.dtype, device: torch.device
 ) -> Value:
-    result = prims.full(shape=tuple(shape), value=value, dtype=dtype, device=device)
-    assert isinstance(result, Value)
-    return result
+    return prims.full(shape=tuple(shape), value=value, dtype=dtype, device=device)
 
 
 def as_value(operand: Operand, like: Value) -> Value:

@@ -93,9 +93,7 @@ def detach(self: Value) -> Value:
 def clone(self: Value, *, memory_format: Any = None) -> Value:
     """A copy: a same-dtype ``convert`` node, so the result never aliases ``self`` when it leaves
     the graph (returning ``self`` would hand the caller its own input tensor back)."""
-    result = prims.convert(self, dtype=self.type.dtype)
-    assert isinstance(result, Value)
-    return result
+    return prims.convert(self, dtype=self.type.dtype)
 
 
 _TYPE_NAMES = {

@@ -78,7 +78,6 @@ def _same_padding(
         lead = input.type.rank - spatial
         zeros = (0,) * input.type.rank
         padded = prims.pad(input, low=zeros, high=(*(0,) * lead, *extra), value=0)
-        assert isinstance(padded, Value)
         input = padded
     return input, low
 
@@ -95,7 +94,6 @@ def _run(
     if unbatched:
         input = prims.unsqueeze(input, dims=(0,))
     result = prims.convolution(input, weight, bias, **geometry)
-    assert isinstance(result, Value)
     return prims.squeeze(result, dims=(0,)) if unbatched else result
 
 

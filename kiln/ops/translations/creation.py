@@ -263,9 +263,7 @@ def _keeping_gradient(self: Value, result: Value) -> Value:
     everywhere = prims.full(
         shape=self.type.shape, value=True, dtype=torch.bool, device=self.type.device
     )
-    selected = prims.where(everywhere, result, self)
-    assert isinstance(selected, Value)
-    return selected
+    return prims.where(everywhere, result, self)
 
 
 def _fill_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:
@@ -360,7 +358,6 @@ def bernoulli(input: Value, p: float | None = None, **options: Any) -> Value:
     u = random("uniform", input.type.shape, torch.float32, input.type.device)
     chance = p if p is not None else common.convert(input, torch.float32)
     drawn = prims.convert(prims.lt(u, chance), dtype=input.type.dtype)
-    assert isinstance(drawn, Value)
     return _keeping_gradient(input, drawn)  # eager: requires grad, with a zero gradient
 
 
@@ -371,9 +368,7 @@ def bernoulli_(self: Value, p: float | Value = 0.5, **options: Any) -> Value:
     u = random("uniform", self.type.shape, torch.float32, self.type.device)
     if isinstance(p, Value):
         p = common.broadcast_to(common.convert(p, torch.float32), self.type.shape)
-    drawn = prims.convert(prims.lt(u, p), dtype=self.type.dtype)
-    assert isinstance(drawn, Value)
-    return drawn
+    return prims.convert(prims.lt(u, p), dtype=self.type.dtype)
 
 
 def _factory_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:

@@ -146,9 +146,7 @@ def _permute(term: Term, order: Sequence[Label]) -> Value:
 def _permute_dims(value: Value, dims: Sequence[int]) -> Value:
     if tuple(dims) == tuple(range(len(dims))):
         return value
-    result = prims.permute(value, dims=tuple(dims))
-    assert isinstance(result, Value)
-    return result
+    return prims.permute(value, dims=tuple(dims))
 
 
 def _prepare(term: Term, needed: set[Label]) -> Term:

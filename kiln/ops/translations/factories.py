@@ -112,11 +112,9 @@ def arange(*bounds: Number, **options: Any) -> Value:
     dtype = dtype or (torch.int64 if integral else torch.get_default_dtype())
     if not integral and not dtype.is_floating_point:
         raise FallbackToExtern  # float bounds, integer values: eager's rounding
-    result = prims.iota(
+    return prims.iota(
         length=_length(start, end, step), start=start, step=step, dtype=dtype, device=device
     )
-    assert isinstance(result, Value)
-    return result
 
 
 def _size_calls(dtype: torch.dtype, device: torch.device) -> list[Call]:

@@ -59,18 +59,14 @@ def reshape(value: Value, shape: Shape) -> Value:
     """``value`` reshaped, skipping the node when the shape already is ``shape``."""
     if same_shape(value.type.shape, shape):
         return value
-    result = prims.reshape(value, shape=tuple(shape))
-    assert isinstance(result, Value)
-    return result
+    return prims.reshape(value, shape=tuple(shape))
 
 
 def transpose_last(value: Value) -> Value:
     """``value`` with its last two dims swapped."""
     rank = value.type.rank
     dims = (*range(rank - 2), rank - 1, rank - 2)
-    result = prims.permute(value, dims=dims)
-    assert isinstance(result, Value)
-    return result
+    return prims.permute(value, dims=dims)
 
 
 def product(a: Value, b: Value) -> Value:
@@ -84,9 +80,7 @@ def product(a: Value, b: Value) -> Value:
     shape = (*a.type.shape, b.type.shape[-1])
     left = common.broadcast_to(prims.unsqueeze(a, dims=(rank,)), shape)
     right = common.broadcast_to(prims.unsqueeze(b, dims=(rank - 2,)), shape)
-    result = prims.sum(prims.mul(left, right), dims=(rank - 1,))
-    assert isinstance(result, Value)
-    return result
+    return prims.sum(prims.mul(left, right), dims=(rank - 1,))
 
 
 def gemm(bias: Value, a: Value, b: Value, beta: Scalar = 1, alpha: Scalar = 1) -> Value:
@@ -105,9 +99,7 @@ def gemm(bias: Value, a: Value, b: Value, beta: Scalar = 1, alpha: Scalar = 1) -
     term = common.broadcast_to(bias, scaled.type.shape)
     if beta != 1:
         term = prims.mul(term, common.convert(beta, dtype))
-    result = prims.add(term, scaled)
-    assert isinstance(result, Value)
-    return result
+    return prims.add(term, scaled)
 
 
 def _check_inner(op: str, a: Shape, b: Shape) -> None:
@@ -298,9 +290,7 @@ def outer(input: Value, vec2: Value) -> Value:
             raise RuntimeError(f"outer: Expected 1-D argument {name}, but got {value.type.rank}-D")
     column = prims.unsqueeze(input, dims=(1,))
     (left, right), _ = common.elementwise(column, vec2)
-    result = prims.mul(left, right)
-    assert isinstance(result, Value)
-    return result
+    return prims.mul(left, right)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,9 +49,7 @@ def _lookup(weight: Value, indices: Value) -> Value:
         )
     if weight.type.rank != 2:
         raise RuntimeError(f"embedding: 'weight' must be 2-D, got {weight.type.rank}-D")
-    rows = prims.index(weight, common.convert(indices, torch.int64), dims=(0,), negative=False)
-    assert isinstance(rows, Value)
-    return rows
+    return prims.index(weight, common.convert(indices, torch.int64), dims=(0,), negative=False)
 
 
 def _embedding_indices(count: int, shape: tuple[int, ...]) -> T:
@@ -96,9 +94,7 @@ def _without_padding_gradient(
     hit = common.broadcast_to(prims.reshape(hit, shape=(*hit.type.shape, 1)), result.type.shape)
     with torch.no_grad():
         frozen = prims.convert(result, dtype=result.type.dtype)
-    masked = prims.where(hit, frozen, result)
-    assert isinstance(masked, Value)
-    return masked
+    return prims.where(hit, frozen, result)
 
 
 @translation(
@@ -227,9 +223,7 @@ def _gather_dim(x: Value, dim: int, index: list[int]) -> Value:
     if repeats:
         return _repeat_dim(x, dim, repeats)
     positions = common.constant(torch.tensor(index, dtype=torch.int64, device=x.type.device))
-    result = prims.index(x, positions, dims=(dim,))
-    assert isinstance(result, Value)
-    return result
+    return prims.index(x, positions, dims=(dim,))
 
 
 @translation(

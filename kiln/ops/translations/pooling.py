@@ -135,9 +135,7 @@ def _pad_dim(x: Value, dim: int, low: int, high: Dim, value: bool | int | float)
         return x
     lows = tuple(low if d == dim else 0 for d in range(x.type.rank))
     highs = tuple(high if d == dim else 0 for d in range(x.type.rank))
-    result = prims.pad(x, low=lows, high=highs, value=value)
-    assert isinstance(result, Value)
-    return result
+    return prims.pad(x, low=lows, high=highs, value=value)
 
 
 def pool_dim(
@@ -177,9 +175,7 @@ def divide_by_counts(total: Value, counts: Sequence[Sequence[Dim]]) -> Value:
     """``total`` divided by the outer product of per-dim window sizes (its trailing dims)."""
     flat = [math.prod(cell) for cell in _cells(counts)]
     if all(same_size(count, flat[0]) for count in flat[1:]):
-        result = prims.div(total, common.size_scalar(flat[0]) if flat else 1.0)
-        assert isinstance(result, Value)
-        return result
+        return prims.div(total, common.size_scalar(flat[0]) if flat else 1.0)
     shape = tuple(len(c) for c in counts)
     dtype, device = total.type.dtype, total.type.device
     if all(isinstance(count, int) for count in flat):
@@ -187,9 +183,7 @@ def divide_by_counts(total: Value, counts: Sequence[Sequence[Dim]]) -> Value:
     else:  # (symbolic window sizes: one full per window)
         cells = [common.full((1,), common.size_scalar(c), dtype, device) for c in flat]
         divisor = reshape(prims.cat(*cells, dim=0), shape)
-    result = prims.div(total, common.broadcast_to(divisor, total.type.shape))
-    assert isinstance(result, Value)
-    return result
+    return prims.div(total, common.broadcast_to(divisor, total.type.shape))
 
 
 def _cells(counts: Sequence[Sequence[Dim]]) -> list[tuple[Dim, ...]]:
@@ -237,9 +231,7 @@ def _first_max(a: Value, b: Value) -> Value:
     take = prims.gt(b, a)
     if a.type.dtype.is_floating_point:
         take = prims.logical_or(take, prims.isnan(b))
-    result = prims.where(take, b, a)
-    assert isinstance(result, Value)
-    return result
+    return prims.where(take, b, a)
 
 
 def _max_pool_cases(spatial: int) -> list[Case]:

@@ -440,9 +440,7 @@ def _extreme_of_all(extreme: Any, x: Value, dims: tuple[int, ...], largest: bool
     through_nans = prims.div(reduce(prims.sum, prims.where(nan, x, 0.0), dims), nans)
     with torch.no_grad():
         any_nan = prims.gt(nans, 0.0)
-    result = prims.where(any_nan, through_nans, clean)
-    assert isinstance(result, Value)
-    return result
+    return prims.where(any_nan, through_nans, clean)
 
 
 def _extreme_samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
