@@ -28,7 +28,7 @@ from kiln.ops.sampling import NUMERIC
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
 from kiln.ops.translations.linalg import check_same_dtype, product, reshape
-from kiln.ops.translations.shape import shape_of
+from kiln.ops.translations.shape import reorder, shape_of
 from kiln.ops.translations.table import Call, FallbackToExtern, translation
 
 # A label is a letter's code point; ellipsis dims are -1 (last), -2, ... (right-aligned).
@@ -119,7 +119,7 @@ def _diagonal(term: Term, label: Label) -> Term:
             f"match, {size} != {other}"
         )
     keep = [d for d in range(len(term.labels)) if d not in (first, second)]
-    moved = _permute_dims(term.value, (*keep, first, second))
+    moved = reorder(term.value, (*keep, first, second))
     lead = shape_of(moved)[: len(keep)]
     flat = reshape(moved, (*lead, size * size))
     diagonal = prims.slice(flat, dim=len(keep), start=0, stop=size * size, step=size + 1)
@@ -140,13 +140,7 @@ def _sum_labels(term: Term, labels: Sequence[Label]) -> Term:
 
 def _permute(term: Term, order: Sequence[Label]) -> Value:
     """``term`` with its dims in label ``order`` (labels unique)."""
-    return _permute_dims(term.value, [term.labels.index(label) for label in order])
-
-
-def _permute_dims(value: Value, dims: Sequence[int]) -> Value:
-    if tuple(dims) == tuple(range(len(dims))):
-        return value
-    return prims.permute(value, dims=tuple(dims))
+    return reorder(term.value, [term.labels.index(label) for label in order])
 
 
 def _prepare(term: Term, needed: set[Label]) -> Term:

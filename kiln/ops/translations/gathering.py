@@ -27,6 +27,7 @@ from kiln.ops.translations.common import (
     full,
     normalize_dim,
 )
+from kiln.ops.translations.elementwise_cases import concat_calls
 from kiln.ops.translations.indexing import INDEX_DTYPES, MASK_DTYPES, distinct, fitted
 from kiln.ops.translations.shape import numel_of, reshape, shape_of
 from kiln.ops.translations.slicing import fill_scalar
@@ -58,13 +59,6 @@ def _along_calls(x: tuple[int, ...], dim: int, source: tuple[int, ...]) -> CallF
         index = distinct(source[dim], x[dim], device) % x[dim]
         tensors = (make_tensor(x, dtype, device), index, make_tensor(source, dtype, device))
         return [Call((tensors[0], dim, *tensors[1:]))]
-
-    return samples
-
-
-def _joined(*factories: CallFn) -> CallFn:
-    def samples(dtype: torch.dtype, device: torch.device) -> list[Call]:
-        return [call for factory in factories for call in factory(dtype, device)]
 
     return samples
 
@@ -268,13 +262,14 @@ def _along_dim(
 
 
 _ALONG_CASES = (_along_calls((4, 5), 1, (4, 3)), _along_calls((5, 2), 0, (4, 2)))
+_ALONG = concat_calls(*_ALONG_CASES)
 
 
-@translation(torch.Tensor.index_add_, samples=_joined(*_ALONG_CASES), dtypes=ALL, inplace=True)
+@translation(torch.Tensor.index_add_, samples=_ALONG, dtypes=ALL, inplace=True)
 @translation(
     torch.Tensor.index_add,
     torch.index_add,
-    samples=_joined(
+    samples=concat_calls(
         *_ALONG_CASES,
         case_calls(
             (
@@ -294,8 +289,8 @@ def index_add(
     return _along_dim(input, dim, index, source, "index_add_", accumulate=True)
 
 
-@translation(torch.Tensor.index_copy_, samples=_joined(*_ALONG_CASES), dtypes=ALL, inplace=True)
-@translation(torch.Tensor.index_copy, torch.index_copy, samples=_joined(*_ALONG_CASES), dtypes=ALL)
+@translation(torch.Tensor.index_copy_, samples=_ALONG, dtypes=ALL, inplace=True)
+@translation(torch.Tensor.index_copy, torch.index_copy, samples=_ALONG, dtypes=ALL)
 def index_copy(input: Value, dim: int, index: Value, source: Value) -> Value:
     input, source = autocast("index_copy", input, source)  # (promote: the wider dtype)
     return _along_dim(input, dim, index, source, "index_copy_", accumulate=False)
