@@ -135,6 +135,11 @@ class _Block:
     def child(self) -> _Block:
         return _Block(self.indent + "  ", self)
 
+    def close(self, child: _Block) -> None:
+        """Append ``child`` (a block opened by this one's last line) and its closing brace."""
+        self.lines += child.lines
+        self.add("}")
+
 
 @dataclass(eq=False)
 class _Accumulator:
@@ -463,17 +468,14 @@ class _KernelPrinter:
             outer.add(f"for ({t} x = x0; x < x1; ++x) {{")
             inner = outer.child()
             self.pointwise_body(inner)
-            outer.lines += inner.lines
-            outer.add("}")
-            body.lines += outer.lines
-            body.add("}")
+            outer.close(inner)
+            body.close(outer)
             return
         body.add("#pragma omp simd")
         body.add(f"for ({t} x = 0; x < {xnumel}; ++x) {{")
         inner = body.child()
         self.pointwise_body(inner)
-        body.lines += inner.lines
-        body.add("}")
+        body.close(inner)
 
     def split_pointwise(self, body: _Block, plan: PointwiseSplit) -> None:
         """Blocks ``xb`` (in parallel) of a vectorized loop over lanes ``xl``: values of ``xl``
@@ -505,10 +507,8 @@ class _KernelPrinter:
                 self.store(store, inner)
             outer.add("#pragma omp simd")
             outer.add(f"for (int32_t {XL} = {segment.start}; {XL} < {segment.stop}; ++{XL}) {{")
-            outer.lines += inner.lines
-            outer.add("}")
-        body.lines += outer.lines
-        body.add("}")
+            outer.close(inner)
+        body.close(outer)
 
     @property
     def lane(self) -> str:
@@ -533,8 +533,7 @@ class _KernelPrinter:
         self.emit(values, inner)
         for value in values:
             inner.add(f"{names[id(value)]}[{self.lane}] = {self.name(value)};")
-        block.lines += inner.lines
-        block.add("}")
+        block.close(inner)
         self.lane_arrays = names
 
     def pointwise_body(self, block: _Block) -> None:
@@ -569,8 +568,7 @@ class _KernelPrinter:
             if loop_reduces or stores:
                 self.r_loop(loop_reduces, stores, row, split_rows)
             self.row_stores(row_stores, loop, row)
-        body.lines += row.lines
-        body.add("}")
+        body.close(row)
 
     def plan_row_cache(
         self, reduces: list[Reduce], r_stores: list[Store], phases: int, row: _Block
@@ -661,13 +659,11 @@ class _KernelPrinter:
             outer.add(f"for ({t} r = 0; r < {kernel.rnumel}; ++r) {{")
             per_r = outer.child()
             self.x_loop(per_r, stores, updating, finished)
-            outer.lines += per_r.lines
-            outer.add("}")
+            outer.close(per_r)
         row_stores = [s for s in kernel.stores if s not in r_stores]
         if row_stores:
             self.x_loop(outer, row_stores, [], accumulators)
-        body.lines += outer.lines
-        body.add("}")
+        body.close(outer)
 
     def column_blocks(self, body: _Block) -> tuple[_Block, int]:
         """Opens the loop over blocks of rows (in parallel): ``x0 <= x < x1``, or the block
@@ -711,8 +707,7 @@ class _KernelPrinter:
             self.store(store, inner)
         block.add("#pragma omp simd")
         block.add(self.lane_loop())
-        block.lines += inner.lines
-        block.add("}")
+        block.close(inner)
 
     def row_stores(self, stores: list[Store], phase: int, row: _Block) -> None:
         done = [s for s in stores if self.store_phase(s) == phase]
@@ -752,8 +747,7 @@ class _KernelPrinter:
         if pragma:
             row.add(f"#pragma {pragma}")
         row.add(f"for ({self.index_type} r = 0; r < {self.kernel.rnumel}; ++r) {{")
-        row.lines += loop.lines
-        row.add("}")
+        row.close(loop)
         self.cached |= self.caching
         self.caching = set()
         for acc in accumulators:
