@@ -95,22 +95,19 @@ def convert(text: str, source: torch.dtype, target: torch.dtype) -> str:
     return f"({compute_type(target)})({text})"
 
 
+# The half types are stored as 16-bit patterns and computed in float (the prelude's helpers).
+_LOADS = {torch.bfloat16: "kiln_bf16_to_float", torch.float16: "kiln_half_to_float"}
+_STORES = {torch.bfloat16: "kiln_float_to_bf16", torch.float16: "kiln_float_to_half"}
+
+
 def load(text: str, dtype: torch.dtype) -> str:
     """A stored element read into its compute type."""
-    if dtype == torch.bfloat16:
-        return f"kiln_bf16_to_float({text})"
-    if dtype == torch.float16:
-        return f"kiln_half_to_float({text})"
-    return text
+    return f"{_LOADS[dtype]}({text})" if dtype in _LOADS else text
 
 
 def store(text: str, dtype: torch.dtype) -> str:
     """A compute-type value as it is stored."""
-    if dtype == torch.bfloat16:
-        return f"kiln_float_to_bf16({text})"
-    if dtype == torch.float16:
-        return f"kiln_float_to_half({text})"
-    return text
+    return f"{_STORES[dtype]}({text})" if dtype in _STORES else text
 
 
 # ---------------------------------------------------------------------------------------------
