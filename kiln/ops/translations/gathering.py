@@ -29,6 +29,7 @@ from kiln.ops.translations.common import (
 )
 from kiln.ops.translations.elementwise_cases import concat_calls
 from kiln.ops.translations.indexing import INDEX_DTYPES, MASK_DTYPES, distinct, fitted
+from kiln.ops.translations.math import no_out
 from kiln.ops.translations.shape import numel_of, reshape, shape_of
 from kiln.ops.translations.slicing import fill_scalar
 from kiln.ops.translations.table import Call, CallFn, FallbackToExtern, translation
@@ -80,8 +81,7 @@ def _gather_samples(dtype: torch.dtype, device: torch.device) -> Sequence[Call]:
 def gather(
     input: Value, dim: int, index: Value, *, sparse_grad: bool = False, out: Any = None
 ) -> Value:
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     if numel_of(index) == 0 and not index.type.dtype.is_floating_point:
         # Eager takes an empty index of any int type and rank: an empty result of its shape.
         flat = reshape(input, (numel_of(input),))
@@ -177,8 +177,7 @@ def _vector_index(index: Value, op: str) -> Value:
     dtypes=ALL,
 )
 def index_select(input: Value, dim: int, index: Value, *, out: Any = None) -> Value:
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     index = _vector_index(index, "index_select")
     if input.type.rank == 0:
         if shape_of(index) != (1,):
@@ -357,8 +356,7 @@ def take(input: Value, index: Value) -> Value:
 def take_along_dim(
     input: Value, indices: Value, dim: int | None = None, *, out: Any = None
 ) -> Value:
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     if indices.type.dtype != torch.int64:
         raise RuntimeError(
             f"torch.take_along_dim(): dtype of indices should be Long but got {indices.type.dtype}"

@@ -25,6 +25,7 @@ from kiln.ops import prims
 from kiln.ops.sampling import ALL
 from kiln.ops.translations.cases import T, case_calls
 from kiln.ops.translations.common import autocast, normalize_dim
+from kiln.ops.translations.math import no_out
 from kiln.ops.translations.shape import (
     case,
     piece_count,
@@ -114,8 +115,7 @@ _CAT_CASES = [
     dtypes=ALL,
 )
 def cat(tensors: Sequence[Value], dim: int = 0, *, out: Any = None) -> Value:
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     return concatenate(tensors, dim)
 
 
@@ -127,8 +127,7 @@ def cat(tensors: Sequence[Value], dim: int = 0, *, out: Any = None) -> Value:
     dtypes=ALL,
 )
 def concatenate_(tensors: Sequence[Value], axis: int = 0, *, out: Any = None) -> Value:
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     return concatenate(tensors, axis, "torch.concatenate")
 
 
@@ -143,8 +142,7 @@ def concatenate_(tensors: Sequence[Value], axis: int = 0, *, out: Any = None) ->
     dtypes=ALL,
 )
 def stack(tensors: Sequence[Value], dim: int = 0, *, out: Any = None) -> Value:
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     if not tensors:
         raise RuntimeError("stack expects a non-empty TensorList")
     first = tensors[0].type.shape
@@ -184,8 +182,7 @@ def _stack_calls(*shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> CallFn:
     torch.hstack, samples=_stack_calls(((3,), (3,)), ((2, 3), (2, 1)), ((), (2,))), dtypes=ALL
 )
 def hstack(tensors: Sequence[Value], *, out: Any = None) -> Value:
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     values = [_at_least(t, 1) for t in tensors]
     dim = 0 if values and values[0].type.rank == 1 else 1
     return concatenate(values, dim, "torch.hstack")
@@ -198,8 +195,7 @@ def hstack(tensors: Sequence[Value], *, out: Any = None) -> Value:
     dtypes=ALL,
 )
 def vstack(tensors: Sequence[Value], *, out: Any = None) -> Value:
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     return concatenate([_at_least(t, 2) for t in tensors], 0, "torch.vstack")
 
 
@@ -209,8 +205,7 @@ def vstack(tensors: Sequence[Value], *, out: Any = None) -> Value:
     dtypes=ALL,
 )
 def dstack(tensors: Sequence[Value], *, out: Any = None) -> Value:
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     return concatenate([_at_least(t, 3) for t in tensors], 2, "torch.dstack")
 
 

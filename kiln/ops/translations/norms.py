@@ -22,6 +22,7 @@ import torch
 from kiln.ir.graph import Value
 from kiln.ops import prims
 from kiln.ops.translations import common
+from kiln.ops.translations.math import no_out
 from kiln.ops.translations.reductions import (
     Case,
     Dims,
@@ -127,8 +128,7 @@ def norm(
     out: Any = None,
     dtype: torch.dtype | None = None,
 ) -> Value:
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     if isinstance(p, str):
         if p != "fro" or not (dim is None or isinstance(dim, int) or len(dim) <= 2):
             raise FallbackToExtern  # nuclear and matrix norms: PyTorch's kernels
@@ -167,6 +167,5 @@ def linalg_norm(
         if not vector:
             raise FallbackToExtern  # matrix norms: PyTorch's kernels
         chosen = ord
-    if out is not None:
-        raise FallbackToExtern
+    no_out(out)
     return vector_norm_call("linalg.norm", A, chosen, dim, keepdim, dtype)
