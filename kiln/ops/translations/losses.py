@@ -18,6 +18,7 @@ with ``gather``::
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -128,39 +129,35 @@ WEIGHTED: tuple[Case, ...] = (
 )
 
 
-@translation(F.mse_loss, samples=case_calls(*REGRESSION_CASES, *LEGACY, *WEIGHTED))
-def mse_loss(
-    input: Value,
-    target: Value,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = "mean",
-    weight: Value | None = None,
-) -> Value:
-    input, target, weight = common.autocast("mse_loss", input, target, weight)
-    x, y, dtype = _pair("mse_loss", input, target)
-    difference = prims.sub(x, y)
-    loss = prims.mul(difference, difference)
-    result = _weighted(loss, weight, _reduction(size_average, reduce, reduction), True)
-    return common.convert(result, dtype)
+def _regression_loss(name: str, loss_of: Callable[[Value], Value]) -> Callable[..., Value]:
+    """The translation of ``F.{name}``: ``loss_of(input - target)``, weighted and reduced."""
+
+    def loss(
+        input: Value,
+        target: Value,
+        size_average: bool | None = None,
+        reduce: bool | None = None,
+        reduction: str = "mean",
+        weight: Value | None = None,
+    ) -> Value:
+        input, target, weight = common.autocast(name, input, target, weight)
+        x, y, dtype = _pair(name, input, target)
+        pointwise = loss_of(prims.sub(x, y))
+        result = _weighted(pointwise, weight, _reduction(size_average, reduce, reduction), True)
+        return common.convert(result, dtype)
+
+    loss.__name__ = loss.__qualname__ = name
+    return loss
 
 
+mse_loss = translation(F.mse_loss, samples=case_calls(*REGRESSION_CASES, *LEGACY, *WEIGHTED))(
+    _regression_loss("mse_loss", lambda difference: prims.mul(difference, difference))
+)
 # F.l1_loss drops ``weight`` when it hands the call to __torch_function__ (torch 2.13), so a
 # weight never reaches this translation while tracing: no weighted samples.
-@translation(F.l1_loss, samples=case_calls(*REGRESSION_CASES, *LEGACY))
-def l1_loss(
-    input: Value,
-    target: Value,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = "mean",
-    weight: Value | None = None,
-) -> Value:
-    input, target, weight = common.autocast("l1_loss", input, target, weight)
-    x, y, dtype = _pair("l1_loss", input, target)
-    loss = prims.abs(prims.sub(x, y))
-    result = _weighted(loss, weight, _reduction(size_average, reduce, reduction), True)
-    return common.convert(result, dtype)
+l1_loss = translation(F.l1_loss, samples=case_calls(*REGRESSION_CASES, *LEGACY))(
+    _regression_loss("l1_loss", lambda difference: prims.abs(difference))
+)
 
 
 def _quadratic_below(
