@@ -92,7 +92,6 @@ def adaptive_avg_pool(input: Value, spatial: int, output_size: object) -> Value:
     if not dtype.is_floating_point:
         raise RuntimeError(f"\"{op}\" not implemented for '{str(dtype).removeprefix('torch.')}'")
     total = common.convert(input, compute_dtype(dtype))
-    assert isinstance(total, Value)
     first = input.type.rank - spatial
     counts = []
     for offset, out in enumerate(outs):
@@ -100,7 +99,6 @@ def adaptive_avg_pool(input: Value, spatial: int, output_size: object) -> Value:
         total = adaptive_dim(total, first + offset, out, _sum_dim)
         counts.append([stop - start for start, stop in adaptive_bounds(size, out)])
     result = common.convert(divide_by_counts(total, counts), dtype)
-    assert isinstance(result, Value)
     return result
 
 

@@ -107,7 +107,6 @@ def _apply_mask(scores: Value, mask: Value) -> Value:
         result = prims.where(mask, scores, hidden)
     else:
         result = prims.add(scores, mask)
-    assert isinstance(result, Value)
     return result
 
 
@@ -289,7 +288,6 @@ def _mean_heads(weights: Value) -> Value:
     dtype = weights.type.dtype
     total = prims.sum(common.convert(weights, compute_dtype(dtype)), dims=(1,))
     mean = common.convert(prims.div(total, common.size_scalar(weights.type.shape[1])), dtype)
-    assert isinstance(mean, Value)
     return mean
 
 

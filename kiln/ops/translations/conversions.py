@@ -43,7 +43,6 @@ def _converted(x: Value, dtype: torch.dtype | None, device: DeviceLike | None) -
     if device is not None and not same_device(device, x.type.device):
         raise FallbackToExtern  # a move between devices: PyTorch does it
     result = common.convert(x, dtype or x.type.dtype)
-    assert isinstance(result, Value)
     return result
 
 
@@ -86,7 +85,6 @@ def detach(self: Value) -> Value:
     grad disabled so its result does not require grad."""
     with torch.no_grad():
         result = prims.convert(self, dtype=self.type.dtype)
-    assert isinstance(result, Value)
     return result
 
 
@@ -135,7 +133,6 @@ def copy_(self: Value, src: Value, non_blocking: bool = False) -> Value:
     if not same_device(src.type.device, self.type.device):
         raise FallbackToExtern
     converted = common.convert(src, self.type.dtype)
-    assert isinstance(converted, Value)
     return common.broadcast_to(converted, self.type.shape)
 
 

@@ -92,7 +92,6 @@ def filled(
     """A tensor of ``shape`` filled with ``value`` (a scalar, or a 0-d traced tensor)."""
     if isinstance(value, Value):
         converted = common.convert(value, dtype)
-        assert isinstance(converted, Value)
         return common.broadcast_to(converted, shape)
     return common.full(shape, fill_scalar(value, dtype), dtype, device)
 
@@ -109,7 +108,6 @@ def random(kind: str, shape: Shape, dtype: torch.dtype, device: torch.device) ->
         device=device,
         offset=builder.rng_offset(count),
     )
-    assert isinstance(result, Value)
     return result
 
 

@@ -330,7 +330,6 @@ def fitted(value: Value | bool | int | float, shape: Sequence[Dim], like: Value)
     if not isinstance(value, Value):
         return full(target, fill_scalar(value, dtype), dtype, like.type.device)
     converted = convert(value, dtype)
-    assert isinstance(converted, Value)
     value = _strip_leading_ones(converted, len(target))
     source = shape_of(value)
     offset = len(target) - len(source)

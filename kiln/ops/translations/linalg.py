@@ -73,7 +73,6 @@ def product(a: Value, b: Value) -> Value:
     """``a @ b`` of two 2-d or two 3-d values of one dtype and equal batch size."""
     if a.type.dtype.is_floating_point:
         result = prims.mm(a, b) if a.type.rank == 2 else prims.bmm(a, b)
-        assert isinstance(result, Value)
         return result
     # Integer products: broadcast (.., n, k, 1) * (.., 1, k, m) and sum k, exactly like eager.
     rank = a.type.rank
@@ -88,7 +87,6 @@ def gemm(bias: Value, a: Value, b: Value, beta: Scalar = 1, alpha: Scalar = 1) -
     if a.type.dtype.is_floating_point:
         gemm_prim = prims.addmm if a.type.rank == 2 else prims.baddbmm
         result = gemm_prim(bias, a, b, beta=beta, alpha=alpha)
-        assert isinstance(result, Value)
         return result
     dtype = a.type.dtype
     scaled = product(a, b)
