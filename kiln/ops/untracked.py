@@ -40,8 +40,7 @@ class _Untracked(torch.autograd.Function):
 
 
 def emit_untracked_write(old: Value, new: Value) -> Value:
-    result = extern_call(untracked_write, (old, new))
-    return result
+    return extern_call(untracked_write, (old, new))
 
 
 def _untracked_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:

@@ -98,8 +98,7 @@ def adaptive_avg_pool(input: Value, spatial: int, output_size: object) -> Value:
         size = input.type.shape[first + offset]
         total = adaptive_dim(total, first + offset, out, _sum_dim)
         counts.append([stop - start for start, stop in adaptive_bounds(size, out)])
-    result = common.convert(divide_by_counts(total, counts), dtype)
-    return result
+    return common.convert(divide_by_counts(total, counts), dtype)
 
 
 def adaptive_max_pool(

@@ -287,8 +287,7 @@ def _mean_heads(weights: Value) -> Value:
     """Mean over dim 1 (heads), accumulated in float32 for reduced precision, as eager."""
     dtype = weights.type.dtype
     total = prims.sum(common.convert(weights, compute_dtype(dtype)), dims=(1,))
-    mean = common.convert(prims.div(total, common.size_scalar(weights.type.shape[1])), dtype)
-    return mean
+    return common.convert(prims.div(total, common.size_scalar(weights.type.shape[1])), dtype)
 
 
 def _with_weights(

@@ -42,8 +42,7 @@ def same_device(device: DeviceLike, current: torch.device) -> bool:
 def _converted(x: Value, dtype: torch.dtype | None, device: DeviceLike | None) -> Value:
     if device is not None and not same_device(device, x.type.device):
         raise FallbackToExtern  # a move between devices: PyTorch does it
-    result = common.convert(x, dtype or x.type.dtype)
-    return result
+    return common.convert(x, dtype or x.type.dtype)
 
 
 def to(self: Value, *args: Any, **kwargs: Any) -> Value:

@@ -101,14 +101,13 @@ def random(kind: str, shape: Shape, dtype: torch.dtype, device: torch.device) ->
     builder = require_builder()
     count = math.prod(shape)
     prim = prims.random_uniform if kind == "uniform" else prims.random_normal
-    result = prim(
+    return prim(
         builder.rng_seed(),
         shape=tuple(shape),
         dtype=dtype,
         device=device,
         offset=builder.rng_offset(count),
     )
-    return result
 
 
 def unsupported(options: dict[str, Any], op: str) -> None:

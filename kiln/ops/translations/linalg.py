@@ -72,8 +72,7 @@ def transpose_last(value: Value) -> Value:
 def product(a: Value, b: Value) -> Value:
     """``a @ b`` of two 2-d or two 3-d values of one dtype and equal batch size."""
     if a.type.dtype.is_floating_point:
-        result = prims.mm(a, b) if a.type.rank == 2 else prims.bmm(a, b)
-        return result
+        return prims.mm(a, b) if a.type.rank == 2 else prims.bmm(a, b)
     # Integer products: broadcast (.., n, k, 1) * (.., 1, k, m) and sum k, exactly like eager.
     rank = a.type.rank
     shape = (*a.type.shape, b.type.shape[-1])
@@ -86,8 +85,7 @@ def gemm(bias: Value, a: Value, b: Value, beta: Scalar = 1, alpha: Scalar = 1) -
     """``beta * bias + alpha * (a @ b)``, ``bias`` broadcastable to the product (addmm)."""
     if a.type.dtype.is_floating_point:
         gemm_prim = prims.addmm if a.type.rank == 2 else prims.baddbmm
-        result = gemm_prim(bias, a, b, beta=beta, alpha=alpha)
-        return result
+        return gemm_prim(bias, a, b, beta=beta, alpha=alpha)
     dtype = a.type.dtype
     scaled = product(a, b)
     if alpha != 1:

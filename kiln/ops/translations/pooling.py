@@ -318,8 +318,7 @@ def avg_pool(
         counts.append(_window_counts(window, size, out, count_include_pad))
     if divisor_override is not None:
         counts = [[divisor_override]]
-    result = common.convert(divide_by_counts(total, counts), dtype)
-    return result
+    return common.convert(divide_by_counts(total, counts), dtype)
 
 
 def _avg_pool_cases(spatial: int) -> list[Case]:
