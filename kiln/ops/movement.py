@@ -576,12 +576,11 @@ def _pad_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
     ]
 
 
-def _pad_vjp(attrs: PadAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents) -> Grads:
+def _unpad(attrs: PadAttrs, x: Value, g: Value) -> Value:
     """The opposite pad: padding crops the cotangent, cropping pads it with zeros."""
-    (g,) = grads
     low = tuple(-amount for amount in attrs.low)
     high = tuple(-amount for amount in attrs.high)
-    return (prims.pad(g, low=low, high=high, value=0),)
+    return prims.pad(g, low=low, high=high, value=0)
 
 
 movement(
@@ -591,7 +590,7 @@ movement(
     _pad_impl,
     _pad_samples,
     "pad(x, low, high, value): constant padding per dim; negative amounts crop",
-    vjp=_pad_vjp,
+    vjp=input_gradient(_unpad),
 )
 
 
