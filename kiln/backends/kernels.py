@@ -12,6 +12,7 @@ A generator that cannot serve this machine raises :class:`Unavailable`. Under
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,10 +32,36 @@ from kiln.schedule.program import kernel_arguments
 
 _log = logger("kernels")
 
-KernelBuilder = Callable[[list[Kernel], torch.device], dict[str, Launcher]]
+KernelBuilder = Callable[..., dict[str, Launcher]]
+# Generated code by what it was generated from (kernel names of one stored program): a warm
+# process that read the program from the disk reads its code too (kiln/backends/programs.py).
+Memo = dict[tuple[Any, ...], Any]
 
 
-def _evaluator(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
+def _generated(memo: Memo | None, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _unique(kernels: list[Kernel], memo: Memo | None) -> tuple[list[Kernel], dict[str, str]]:
+    """:func:`deduplicate` (by kernel signature, which costs as much as printing a kernel)."""
+    names = tuple(k.name for k in kernels)
+
+    def make() -> tuple[list[str], dict[str, str]]:
+        unique, same_as = deduplicate(kernels)
+        return [k.name for k in unique], same_as
+
+    unique_names, same_as = _generated(memo, ("unique", names), make)
+    by_name = {k.name: k for k in kernels}
+    return [by_name[name] for name in unique_names], same_as
+
+
+def _evaluator(
+    kernels: list[Kernel], device: torch.device, memo: Memo | None = None
+) -> dict[str, Launcher]:
     def launcher(kernel: Kernel) -> Launcher:
         count = len(kernel_arguments(kernel))
 
@@ -47,29 +74,37 @@ def _evaluator(kernels: list[Kernel], device: torch.device) -> dict[str, Launche
     return {k.name: launcher(k) for k in kernels}
 
 
-def _cpp(kernels: list[Kernel], device: torch.device) -> dict[str, Launcher]:
+def _cpp(
+    kernels: list[Kernel], device: torch.device, memo: Memo | None = None
+) -> dict[str, Launcher]:
     if not cpp_compiler_available():
         raise Unavailable("no C++ compiler (g++) on PATH: install one for compiled CPU kernels")
-    unique, same_as = deduplicate([k for k in kernels if k.xnumel > 0])
-    launchers = load_kernels(cpp_library(unique)) if unique else {}
+    unique, same_as = _unique([k for k in kernels if k.xnumel > 0], memo)
+    key = ("cpp", tuple(k.name for k in unique))
+    text = _generated(memo, key, lambda: cpp_library(unique).source) if unique else ""
+    launchers = load_kernels(cpp_library(unique, source=text)) if unique else {}
     return {name: launchers[original] for name, original in same_as.items()}
 
 
 def _triton(
-    kernels: list[Kernel], device: torch.device, tuned: list[TuningRecord] | None = None
+    kernels: list[Kernel],
+    device: torch.device,
+    memo: Memo | None = None,
+    tuned: list[TuningRecord] | None = None,
 ) -> dict[str, Launcher]:
     interpret = device.type != "cuda"  # CPU tensors: Triton's interpreter (tests, CI)
     reason = triton_available(device, interpret=interpret)
     if reason is not None:
         raise Unavailable(reason)
-    unique, same_as = deduplicate([k for k in kernels if k.xnumel > 0])
+    unique, same_as = _unique([k for k in kernels if k.xnumel > 0], memo)
     supported = [k for k in unique if unsupported_reason(k) is None]
     launchers: dict[str, Launcher] = {}
     if tuned is not None and supported:
         launchers, records = load_tuned([_tuning_job(k, interpret) for k in supported], device)
         tuned += records
     elif supported:
-        launchers = load_triton_kernels([generate_triton(k, interpret) for k in supported], device)
+        sources = [_triton_source(k, interpret, memo) for k in supported]
+        launchers = load_triton_kernels(sources, device)
     for kernel in supported:  # (a kernel Triton fails to compile for the GPU: PyTorch ops)
         launcher = launchers.get(kernel.name)
         if hasattr(launcher, "fallback"):
@@ -79,6 +114,11 @@ def _triton(
         _log.info("%s runs as PyTorch ops: %s", kernel.name, unsupported_reason(kernel))
     launchers.update(_evaluator(others, device))
     return {name: launchers[original] for name, original in same_as.items()}
+
+
+def _triton_source(kernel: Kernel, interpret: bool, memo: Memo | None) -> Any:
+    key = ("triton", kernel.name, interpret)
+    return _generated(memo, key, lambda: generate_triton(kernel, interpret))
 
 
 def _tuning_job(kernel: Kernel, interpret: bool) -> TuningJob:
@@ -110,12 +150,16 @@ def codegen_for(device: torch.device, forced: str = "") -> str:
 
 
 def build_kernels(
-    kernels: list[Kernel], codegen: str = "", tuned: list[TuningRecord] | None = None
+    kernels: list[Kernel],
+    codegen: str = "",
+    tuned: list[TuningRecord] | None = None,
+    memo: Memo | None = None,
 ) -> tuple[dict[str, Launcher], list[str]]:
     """Launchers of every kernel, each device's kernels built by that device's generator
     (``codegen`` forces one); also the generators used. ``tuned`` (a list: autotuning on)
     receives a :class:`TuningRecord` per Triton kernel, its choice made at its first launch
-    (``kiln/runtime/autotune.py``)."""
+    (``kiln/runtime/autotune.py``). ``memo``: generated code to reuse and to add to (see
+    :data:`Memo`)."""
     launchers: dict[str, Launcher] = {}
     by_device: dict[torch.device, list[Kernel]] = {}
     for kernel in kernels:
@@ -127,7 +171,7 @@ def build_kernels(
             raise BackendError(f"unknown code generator {name!r} (KILN_CODEGEN)")
         names.append(name)
         if name == "triton" and tuned is not None:
-            launchers.update(_triton(group, device, tuned))
+            launchers.update(_triton(group, device, None, tuned))
         else:
-            launchers.update(CODEGENS[name](group, device))
+            launchers.update(CODEGENS[name](group, device, memo))
     return launchers, names

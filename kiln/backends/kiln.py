@@ -135,10 +135,15 @@ class KilnProgram:
         try:
             devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
             start_workers(devices, self.options.codegen)
-            program = self._schedule(inputs)
+            program, file_key, stored = self._schedule(inputs)
             scheduled = time.perf_counter()
             tuned: list[TuningRecord] | None = [] if self.options.autotune else None
-            launchers, names = build_kernels(program.kernels(), self.options.codegen, tuned)
+            memo = programs.load_generated(file_key) if stored and file_key else {}
+            known = len(memo)
+            kernels = program.kernels()
+            launchers, names = build_kernels(kernels, self.options.codegen, tuned, memo)
+            if file_key and len(memo) != known:
+                programs.store_generated(file_key, memo)
             self._tuned = tuned or []
             wrapper = Wrapper(program, launchers, self._observe, self.options.cpu_matmul)
             runner = wrapper.compile()
@@ -166,15 +171,17 @@ class KilnProgram:
         self._record("+".join(names), program, start)
         return _without_autocast(runner)
 
-    def _schedule(self, inputs: Sequence[torch.Tensor]) -> Program:
-        """The program for ``inputs``' layouts, from the disk when a process scheduled it."""
+    def _schedule(self, inputs: Sequence[torch.Tensor]) -> tuple[Program, str | None, bool]:
+        """The program for ``inputs``' layouts, from the disk when a process scheduled it;
+        its file key (None: not cached) and whether it came from the disk."""
         file_key = None if self.observed else programs.key(self.graph, inputs, self.options)
         program = programs.load(file_key, self.graph) if file_key else None
-        if program is None:
-            program = schedule(self.graph, inputs, self.observed)
-            if file_key:
-                programs.store(file_key, self.graph, program)
-        return program
+        if program is not None:
+            return program, file_key, True
+        program = schedule(self.graph, inputs, self.observed)
+        if file_key:
+            programs.store(file_key, self.graph, program)
+        return program, file_key, False
 
     def _record(
         self, codegen: str, program: Program | None, start: float, fallback: str = ""

@@ -13,11 +13,14 @@ What is stored is the program as the scheduler returned it, before code generati
 things rewritten: the graph's nodes and values it refers to are stored by position and bound
 to this process's graph (the wrapper reports layout observations by node), and its buffer plan,
 a dict keyed by ``id(buffer)``, is stored as pairs of buffers. Measured on ResNet-18 (CPU):
-scheduling 74 ms, pickling 3 ms (132 KB), unpickling 6 ms.
+scheduling 74 ms, pickling 3 ms (132 KB), unpickling 6 ms. The code generated from a program
+(C++ or Triton sources, and which kernels are duplicates) is stored beside it
+(``g-<key>.kart``) and reused only with a program read from the disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -57,7 +60,8 @@ def key(graph: Graph, inputs: Sequence[Any], options: Options) -> str | None:
 
 
 def _path(file_key: str) -> Path:
-    return Path(config.cache_dir) / "artifacts" / f"p-{file_key}.kart"
+    name = file_key if file_key.startswith("g-") else f"p-{file_key}"
+    return Path(config.cache_dir) / "artifacts" / f"{name}.kart"
 
 
 def load(file_key: str, graph: Graph) -> Program | None:
@@ -83,6 +87,25 @@ def store(file_key: str, graph: Graph, program: Program) -> None:
         artifact.write_entries(_path(file_key), [(buffer.getvalue(), b"")])
     except Exception as error:  # (an unpicklable attribute, a read-only cache: runs on)
         _log.info("program of %s not stored: %s: %s", graph.name, type(error).__name__, error)
+
+
+def load_generated(file_key: str) -> dict[Any, Any]:
+    """The code generated for the program stored under ``file_key`` (``kernels.Memo``): only
+    asked for when that program itself came from the disk, so its kernels are the ones the
+    code was generated from."""
+    for data, _ in artifact.read_entries(_path(f"g-{file_key}")):
+        with contextlib.suppress(Exception):
+            memo: dict[Any, Any] = pickle.loads(data)
+            return memo
+    return {}
+
+
+def store_generated(file_key: str, memo: dict[Any, Any]) -> None:
+    try:
+        data = pickle.dumps(memo, protocol=pickle.HIGHEST_PROTOCOL)
+        artifact.write_entries(_path(f"g-{file_key}"), [(data, b"")])
+    except Exception as error:  # (a read-only cache: the next process generates again)
+        _log.info("generated code not stored: %s: %s", type(error).__name__, error)
 
 
 class _Pickler(pickle.Pickler):

@@ -1,7 +1,7 @@
 """Scheduled programs on disk (kiln/backends/programs.py): a second compile of the same graph
-for the same input layouts reads the program instead of scheduling, runs it bound to its own
-graph (new weights, fresh inputs, every gradient equal to eager's) with the same buffer plan;
-another layout schedules anew."""
+for the same input layouts reads the program and its generated code instead of scheduling and
+generating, runs it bound to its own graph (new weights, fresh inputs, every gradient equal to
+eager's) with the same buffer plan; another layout schedules anew."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 import kiln
+from kiln.backends import kernels as backend_kernels
 from kiln.backends.kiln import CompiledProgramRecord
+from kiln.codegen import cpp
 from kiln.codegen.wrapper import Wrapper
 from kiln.config import config
 from kiln.recording import recording
@@ -48,7 +50,7 @@ def _programs(events: list) -> list[str]:
     return texts
 
 
-def test_a_second_compile_reads_the_programs(cache: Path) -> None:
+def test_a_second_compile_reads_the_programs(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model = _model()
     reference = copy.deepcopy(model)
@@ -57,7 +59,14 @@ def test_a_second_compile_reads_the_programs(cache: Path) -> None:
         loss.backward()
     assert kiln.counters.programs_reused == 0 and len(first) >= 2  # forward and backward
     assert len(list(cache.glob("p-*.kart"))) == len(first)
+    assert len(list(cache.glob("g-*.kart"))) == len(first)  # their generated code
     kiln.reset()
+
+    def unexpected(*args: object, **kwargs: object) -> None:
+        raise AssertionError("generated again: the stored code was not used")
+
+    monkeypatch.setattr(backend_kernels, "deduplicate", unexpected)
+    monkeypatch.setattr(cpp, "generate_cpp", unexpected)
     for module in (model, reference):  # other weights than the stored programs saw
         with torch.no_grad():
             for parameter in module.parameters():
