@@ -56,10 +56,15 @@ class CompiledProgramRecord:
     seconds: float
     fallback: str = ""  # why the graph runs on the reference interpreter instead
     phases: dict[str, float] = field(default_factory=dict)  # schedule / build / first run
-    unique_kernels: int = 0
     cpu_matmul: str = "auto"  # the options' library of float32 CPU matmuls
     # max-autotune: each Triton kernel's choice, made at its first launch (kiln/runtime/autotune.py)
     tuned: list[TuningRecord] = field(default_factory=list)
+
+    @property
+    def unique_kernels(self) -> int:
+        """Distinct kernels (by signature; computed when asked: benchmarks report it)."""
+        kernels = self.program.kernels() if self.program is not None else []
+        return len({kernel_signature(k) for k in kernels})
 
     def kernel_lines(self) -> list[str]:
         """One line per kernel (the ops it fuses and the user lines they come from) and per
@@ -191,8 +196,6 @@ class KilnProgram:
         record.phases = getattr(self, "_phases", {})
         record.cpu_matmul = self.options.cpu_matmul
         record.tuned = self._tuned
-        if program is not None:
-            record.unique_kernels = len({kernel_signature(k) for k in program.kernels()})
         record_event(record)
         if program is not None and _log.isEnabledFor(logging.INFO):
             for kernel in program.kernels():

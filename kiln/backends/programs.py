@@ -59,9 +59,9 @@ def key(graph: Graph, inputs: Sequence[Any], options: Options) -> str | None:
     return hashlib.sha256(graph_bytes + text.encode()).hexdigest()[:40]
 
 
-def _path(file_key: str) -> Path:
-    name = file_key if file_key.startswith("g-") else f"p-{file_key}"
-    return Path(config.cache_dir) / "artifacts" / f"{name}.kart"
+def _path(file_key: str, kind: str = "p") -> Path:
+    """``p-``: the program; ``g-``: the code generated from it."""
+    return Path(config.cache_dir) / "artifacts" / f"{kind}-{file_key}.kart"
 
 
 def load(file_key: str, graph: Graph) -> Program | None:
@@ -93,7 +93,7 @@ def load_generated(file_key: str) -> dict[Any, Any]:
     """The code generated for the program stored under ``file_key`` (``kernels.Memo``): only
     asked for when that program itself came from the disk, so its kernels are the ones the
     code was generated from."""
-    for data, _ in artifact.read_entries(_path(f"g-{file_key}")):
+    for data, _ in artifact.read_entries(_path(file_key, "g")):
         with contextlib.suppress(Exception):
             memo: dict[Any, Any] = pickle.loads(data)
             return memo
@@ -103,7 +103,7 @@ def load_generated(file_key: str) -> dict[Any, Any]:
 def store_generated(file_key: str, memo: dict[Any, Any]) -> None:
     try:
         data = pickle.dumps(memo, protocol=pickle.HIGHEST_PROTOCOL)
-        artifact.write_entries(_path(f"g-{file_key}"), [(data, b"")])
+        artifact.write_entries(_path(file_key, "g"), [(data, b"")])
     except Exception as error:  # (a read-only cache: the next process generates again)
         _log.info("generated code not stored: %s: %s", type(error).__name__, error)
 
