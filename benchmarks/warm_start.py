@@ -59,10 +59,12 @@ def child(name: str, mode: str, device: str, compiler: str, profile: bool) -> No
 
         profiler.disable()
         stats = pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative")
-        stats.print_stats(40)
+        stats.print_stats(45)
+        stats.sort_stats("tottime").print_stats(25)
         stats.print_callers("update' of '_hashlib|method 'read' of '_io.Buff|subprocess.py.*run")
     counters = kiln.counters
-    print(json.dumps([seconds, built, imported, counters.captures, counters.artifact_hits]))
+    kiln_counts = [counters.captures, counters.artifact_hits, counters.programs_reused]
+    print(json.dumps([seconds, built, imported, *kiln_counts]))
 
 
 def run_child(args: argparse.Namespace, name: str, compiler: str, env: dict, profile: bool) -> str:
@@ -77,9 +79,10 @@ def run_child(args: argparse.Namespace, name: str, compiler: str, env: dict, pro
         print(output.stderr[-12000:])
     else:  # what KILN_LOG asked for
         print("".join(line for line in output.stderr.splitlines(True) if line.startswith("[kiln")))
-    seconds, built, imported, captures, hits = json.loads(output.stdout.splitlines()[-1])
+    seconds, built, imported, captures, hits, programs = json.loads(output.stdout.splitlines()[-1])
     text = f"{seconds:6.3f} s (process {wall - built:5.2f} s, imports {imported:4.2f} s"
-    return text + (f", {captures} captures, {hits} hits)" if compiler == "kiln" else ")")
+    kiln_counts = f", {captures} captures, {hits} hits, {programs} programs reused)"
+    return text + (kiln_counts if compiler == "kiln" else ")")
 
 
 def main() -> None:

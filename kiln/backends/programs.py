@@ -45,9 +45,8 @@ def key(graph: Graph, inputs: Sequence[Any], options: Options) -> str | None:
     """The file key of ``graph`` scheduled for ``inputs``; None when it cannot have one."""
     if not config.artifact_cache:
         return None
-    state = {k: v for k, v in vars(graph).items() if k != "_names"}  # (a set: order varies)
     try:
-        graph_bytes = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        graph_bytes = _canonical_bytes(graph)
     except Exception as error:  # (a Python object in an attribute: scheduled every time)
         _log.info("program of %s not cached: %s: %s", graph.name, type(error).__name__, error)
         return None
@@ -57,6 +56,43 @@ def key(graph: Graph, inputs: Sequence[Any], options: Options) -> str | None:
     ]
     text = f"{layouts!r}\n{options!r}\n{config!r}\n{artifact.environment()}"
     return hashlib.sha256(graph_bytes + text.encode()).hexdigest()[:40]
+
+
+def _canonical_bytes(graph: Graph) -> bytes:
+    """``graph`` pickled so that equal graphs give equal bytes in any process: without the
+    pickle memo (whether two equal strings or tuples are one object varies between processes,
+    and the memo writes a back-reference for one and a copy for the other), nodes and values
+    written once each, in order, and referred to by position (which breaks the cycles that
+    memo-less pickling cannot follow). Only hashed, never read back."""
+    positions = {id(value): i for i, value in enumerate(_values(graph))}
+    positions.update((id(node), i) for i, node in enumerate(graph.nodes))
+
+    class Canonical(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            kind = "value" if isinstance(obj, Value) else "node" if isinstance(obj, Node) else ""
+            return (kind, positions[id(obj)]) if kind and id(obj) in positions else None
+
+        def reducer_override(self, obj: Any) -> Any:
+            if not isinstance(obj, torch.Tensor):
+                return NotImplemented
+            data = obj.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            digest = hashlib.sha256(data.tobytes()).hexdigest()
+            return tuple, ((str(obj.dtype), tuple(obj.shape), obj.stride(), digest),)
+
+    def fields(obj: Value | Node, *left_out: str) -> dict[str, Any]:
+        return {k: v for k, v in vars(obj).items() if k not in left_out}
+
+    state = {k: v for k, v in vars(graph).items() if k != "_names"}  # (a set: order varies)
+    state["inputs"] = [fields(value, "node") for value in graph.inputs]
+    state["nodes"] = [
+        (fields(node, "outputs"), [fields(value, "node") for value in node.outputs])
+        for node in graph.nodes
+    ]
+    buffer = io.BytesIO()
+    pickler = Canonical(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.fast = True  # (no memo: a cycle left would raise, and the graph is not cached)
+    pickler.dump(state)
+    return buffer.getvalue()
 
 
 def _path(file_key: str, kind: str = "p") -> Path:

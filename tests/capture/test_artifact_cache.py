@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -48,7 +49,8 @@ PROGRAM = textwrap.dedent(
             self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
 
         def forward(self, x):
-            return F.relu(self.bn(self.conv(x))).mean((2, 3))
+            # (arange: a tensor constant in the graph, whose own pickle differs by process)
+            return F.relu(self.bn(self.conv(x))).mean((2, 3)) * torch.arange(1.0, 5.0)
 
     class Broken(nn.Module):
         def __init__(self):
@@ -138,10 +140,12 @@ def test_second_process_skips_capture(program: Path, tmp_path: Path) -> None:
     assert first["captures"] >= 7 and first["hits"] == 0, first  # (3 for the break)
     assert all(first["ok"].values()), first
     assert first["programs"] == 0, first
+    stored = len(list((cache / "artifacts").glob("p-*.kart")))
+    assert stored >= 6, stored  # (a training step: a forward and a backward program)
     second = _run(program, cache, "2.0", "2")  # other random inputs and weights
     assert second["captures"] == 0, second
     assert second["hits"] == first["captures"], second
-    assert second["programs"] >= 4, second  # scheduled programs too (a training pair's both)
+    assert second["programs"] == stored, second  # every scheduled program too
     assert all(second["ok"].values()), second
     print("first calls, cold process:", first["first_call"])
     print("first calls, warm process:", second["first_call"])
@@ -402,3 +406,38 @@ def test_transformers_models_reused(tmp_path: Path) -> None:
     second = _run(script, tmp_path / "cache", "2")
     assert second["captures"] == 0 and second["hits"] == first["captures"], second
     assert all(second["ok"].values()), second
+
+
+def test_a_source_keeps_its_hash_in_process_only() -> None:
+    """Sources keep their hash once computed (a deep path hashed itself again at each dict
+    lookup), and pickle without it: a string hashes differently in another process."""
+    from kiln.capture.guards.sources import Attr, Item, Local
+
+    path = Item(Attr(Attr(Local("self"), "_modules"), "layer1"), "0")
+    table = {path: 1}
+    assert hash(path) == hash(Item(Attr(Attr(Local("self"), "_modules"), "layer1"), "0"))
+    assert "_hash" in vars(path)
+    copy = pickle.loads(pickle.dumps(path))
+    assert "_hash" not in vars(copy) and "_hash" not in vars(copy.base)
+    assert copy == path and table[copy] == 1
+    program = "import pickle, sys; print(hash(pickle.loads(sys.stdin.buffer.read())))"
+    other = subprocess.run(  # another process (another string hash seed) hashes it anew
+        [sys.executable, "-c", program],
+        input=pickle.dumps(path),
+        capture_output=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="123"),
+        check=True,
+    )
+    expected = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+            + "from kiln.capture.guards.sources import *; "
+            "print(hash(Item(Attr(Attr(Local('self'), '_modules'), 'layer1'), '0')))",
+        ],
+        capture_output=True,
+        env=dict(os.environ, PYTHONHASHSEED="123"),
+        check=True,
+    )
+    assert other.stdout == expected.stdout
