@@ -228,7 +228,33 @@ def _gather_vjp(
 ) -> Grads:
     x, index = inputs
     (g,) = grads
+    dim = attrs.dim % x.type.rank if x.type.rank else 0
+    if x.type.rank and _picks_one(x.type, index.type, dim):
+        return (_one_hot(x.type, index, g, dim), None)
     return (prims.scatter_add(_zeros(x.type), index, g, dim=attrs.dim), None)
+
+
+def _picks_one(x: TensorType, index: TensorType, dim: int) -> bool:
+    """Whether the gather picks one element along ``dim`` for every position of the other
+    dims (``logp.gather(1, target[:, None])``: a loss's pick)."""
+    if type(index.shape[dim]) is not int or index.shape[dim] != 1:
+        return False
+    others = tuple(size for d, size in enumerate(index.shape) if d != dim)
+    return same_shape(others, tuple(size for d, size in enumerate(x.shape) if d != dim))
+
+
+def _one_hot(x: TensorType, index: Value, g: Value, dim: int) -> Value:
+    """The adjoint of a one-element pick as elementwise work: ``g`` where the position along
+    ``dim`` is the picked one, else 0. A scatter into zeros would be a whole materialized
+    tensor (GPT-2's loss: an fp32 [8192, 50257] buffer, 1.5 GiB); this fuses into the
+    consumer (log_softmax's backward)."""
+    every = tuple(range(x.rank))
+    positions = prims.iota(
+        length=x.shape[dim], start=0, step=1, dtype=index.type.dtype, device=x.device
+    )
+    positions = prims.broadcast(positions, shape=x.shape, dims=(dim,))
+    picked = prims.eq(positions, prims.broadcast(index, shape=x.shape, dims=every))
+    return prims.where(picked, prims.broadcast(g, shape=x.shape, dims=every), 0)
 
 
 def _scatter_vjp(

@@ -13,6 +13,7 @@ from tiny_models import SmallResNet, tiny_bert_config, tiny_gpt2_config
 
 import kiln
 from kiln.autodiff.runtime import TrainingGraph
+from kiln.ir import Op
 from kiln.capture.driver.convert import GraphRunner
 
 
@@ -344,3 +345,41 @@ def test_cpu_attention_backward_is_the_flash_kernels_own(dtype: torch.dtype) -> 
         graph_ = optimize(kiln.trace(attend, *tensors))
         assert len([n for n in graph_.nodes if n.op.name == "EXTERN"]) == externs
         assert len([n for n in graph_.nodes if n.op.name == "SDPA"]) == 2 - externs
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_loss_backward_scatters_nothing_and_skips_the_max(autocast: bool) -> None:
+    """A language model's loss (transformers' shifted labels, ``ignore_index``, fp32 upcast):
+    the pick's adjoint is elementwise (no ``scatter_add`` into a zero [tokens, vocab] tensor,
+    1.5 GiB for GPT-2's 8x1024 batch) and log_softmax's max gets no gradient (the result does
+    not depend on the shift), so no amax adjoint is built. Every gradient equals eager's."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+
+    def loss_of(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden).float()
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        flat = shifted.reshape(-1)
+        return F.cross_entropy(logits.view(-1, 50), flat, ignore_index=-100, reduction="sum") / 7
+
+    compiled = kiln.compile(loss_of, options={"strict": True})
+    for step in range(3):  # fresh values each call
+        hidden = torch.randn(3, 9, 16, requires_grad=True)
+        labels = torch.randint(0, 50, (3, 9))
+        labels[0, step] = -100
+        grads = []
+        for fn in (compiled, loss_of):
+            head.zero_grad()
+            hidden.grad = None
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = fn(hidden, labels)
+            loss.backward()
+            grads.append((loss.detach(), hidden.grad, head.weight.grad, head.bias.grad))
+        tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast else {}
+        for got, want in zip(*grads, strict=True):
+            torch.testing.assert_close(got, want, **tolerance)
+    plan = _training_graph(compiled).plan
+    backward_ops = {node.op for node in plan.backward.nodes}
+    assert Op.SCATTER_ADD not in backward_ops and Op.SCATTER not in backward_ops
+    maxima = [node for node in plan.forward.nodes if node.op is Op.AMAX]
+    assert maxima and not any(v.type.requires_grad for n in maxima for v in n.outputs)

@@ -73,7 +73,8 @@ def softmax_of(x: Value, dim: int, dtype: torch.dtype | None, log: bool, op: str
         return x
     wide = common.convert(x, compute_dtype(x.type.dtype))
     dims = (axis,) if x.type.rank else ()
-    high = common.broadcast_to(reduce(prims.amax, wide, dims, True), wide.type.shape)
+    with torch.no_grad():  # (the result does not depend on the shift: no gradient through it)
+        high = common.broadcast_to(reduce(prims.amax, wide, dims, True), wide.type.shape)
     shifted = prims.sub(wide, high)
     exps = prims.exp(shifted)
     total = common.broadcast_to(reduce(prims.sum, exps, dims, True), wide.type.shape)
