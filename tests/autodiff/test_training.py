@@ -13,8 +13,8 @@ from tiny_models import SmallResNet, tiny_bert_config, tiny_gpt2_config
 
 import kiln
 from kiln.autodiff.runtime import TrainingGraph
-from kiln.ir import Op
 from kiln.capture.driver.convert import GraphRunner
+from kiln.ir import Op
 
 
 def _training_graph(compiled: Any) -> TrainingGraph:
