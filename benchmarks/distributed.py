@@ -279,7 +279,8 @@ def table(path: str) -> str:
     ]
     for r in rows:
         base = eager.get(r["mode"])
-        gap = max((abs(a - b) for a, b in zip(r["losses"], base, strict=False)), default=0.0)
+        pairs = zip(r["losses"], base or [], strict=False)  # (no eager run: no gap)
+        gap = max((abs(a - b) for a, b in pairs), default=0.0)
         gap_text = f"{gap:.2e}" if base else "-"
         comm = f"{r['comm_ms']:.1f}" if "comm_ms" in r else "-"
         under = f"{r['hidden_ms']:.1f} ({r['hidden_pct']:.0f}%)" if "comm_ms" in r else "-"

@@ -9,6 +9,9 @@
 # KEEP=1 appends to the results of earlier calls, so the table compares runs of several calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Kiln from this checkout. (torchrun puts benchmarks/ first on each rank's path, where
+# kernels.py shadows the Hugging Face package of that name; it then needs kiln importable.)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-.}"
 gpus="${NPROC:-2}"
 results="$out/distributed_results.txt"
