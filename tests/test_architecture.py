@@ -29,7 +29,7 @@ from pathlib import Path
 KILN = Path(__file__).resolve().parent.parent / "kiln"
 
 LAYERS: list[set[str]] = [
-    {"config", "errors", "recording", "collector"},
+    {"config", "errors", "recording", "collector", "code_cache"},
     {"options", "random_state"},
     {"ir"},
     {"ops"},

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kiln.code_cache import compiled as compiled_code
 from kiln.codegen import temp_pool
 from kiln.ir.op import Op, op_def
 from kiln.ops.externs import extern_runner
@@ -204,7 +205,7 @@ class Wrapper:
         filename = f"<kiln wrapper {self.program.name} {next(_serial)}>"
         # Tracebacks and memory snapshots show the host program's lines, not just numbers.
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        code = compile(source, filename, "exec")
+        code = compiled_code(source, filename)
         # The try of _noting_errors moves every body line one down.
         steps = {number + 1: step for number, step in self.steps.items()}
         self.namespace["note_error"] = functools.partial(

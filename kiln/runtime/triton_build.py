@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
+import importlib.machinery
 import importlib.util
 import os
 import tempfile
@@ -29,11 +30,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 import torch
 
+from kiln.code_cache import compiled as compiled_code
 from kiln.codegen.sources import TritonSource
 from kiln.config import config, logger
 from kiln.errors import BackendError
@@ -111,6 +113,13 @@ def write_module(source: TritonSource) -> Path:
     return path
 
 
+class _Loader(importlib.machinery.SourceFileLoader):
+    """Kernel modules' code from Kiln's code cache (``kiln/code_cache.py``)."""
+
+    def get_code(self, fullname: str) -> CodeType:
+        return compiled_code(Path(self.path).read_bytes(), self.path)
+
+
 def _import(path: Path, interpret: bool) -> ModuleType:
     key = f"{path}:{interpret}"
     with LOCK:
@@ -118,7 +127,7 @@ def _import(path: Path, interpret: bool) -> ModuleType:
         if module is not None:
             return module
         name = f"kiln_triton_{path.stem[:24]}{'_interpret' if interpret else ''}"
-        spec = importlib.util.spec_from_file_location(name, path)
+        spec = importlib.util.spec_from_file_location(name, path, loader=_Loader(name, str(path)))
         if spec is None or spec.loader is None:
             raise BackendError(f"cannot import the Triton kernel module {path}")
         module = importlib.util.module_from_spec(spec)

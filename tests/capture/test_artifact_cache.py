@@ -361,8 +361,9 @@ def test_cache_info_and_clear(artifact_cache: Path, capsys: pytest.CaptureFixtur
     kiln.compile(_count)(torch.randn(3))
     assert main(["cache", "info"]) == 0
     info = capsys.readouterr().out
-    # a capture, its scheduled program and its generated code (kiln/backends/programs.py)
-    assert "artifacts" in info and "3 files" in info and "bounded at 1024 MiB" in info
+    # a capture, its scheduled program and its generated code (kiln/backends/programs.py),
+    # the compiled guard, head and host program (kiln/code_cache.py)
+    assert "artifacts" in info and "6 files" in info and "bounded at 1024 MiB" in info
     assert main(["cache", "clear"]) == 0
     assert not artifact_cache.exists()
     assert "cleared" in capsys.readouterr().out

@@ -54,6 +54,7 @@ from kiln.capture.driver.convert import Capture, GraphRunner, param_names
 from kiln.capture.driver.resume import ResumeTarget
 from kiln.capture.guards.guards import Guard, Identity, compile_guards
 from kiln.capture.guards.sources import Attr, Binder, Item, Source
+from kiln.code_cache import compiled as compiled_code
 from kiln.config import config, logger
 
 _log = logger("cache")
@@ -476,7 +477,7 @@ def reuse(
             )
             continue
         scope = dict(capture.scope)
-        exec(compile(capture.head_source, f"<kiln head of {fn.__qualname__}>", "exec"), scope)
+        exec(compiled_code(capture.head_source, f"<kiln head of {fn.__qualname__}>"), scope)
         runners = [v for v in capture.scope.values() if isinstance(v, GraphRunner)]
         graph = runners[0].graph if runners else None
         reused = dataclasses.replace(capture, head=scope["___head"], guards=guards, graph=graph)

@@ -41,6 +41,7 @@ from kiln.capture.driver.resume import OPERATIONS, OPERATORS, emit_break
 from kiln.capture.guards.guards import Guard, Identity
 from kiln.capture.guards.sizes import SizePolicy, size_expression
 from kiln.capture.guards.sources import Binder, FunctionAttr, Local, safe_name
+from kiln.code_cache import compiled as compiled_code
 from kiln.config import config
 from kiln.errors import SourceLocation
 from kiln.frontends.proxy import TraceMode
@@ -221,7 +222,7 @@ def _capture_once(
         body = [call, *body]
     source = _head_source(param_names(code), body)
     scope = dict(binder.names)
-    exec(compile(source, f"<kiln head of {code.co_qualname}>", "exec"), scope)
+    exec(compiled_code(source, f"<kiln head of {code.co_qualname}>"), scope)
     training = runner.compiled if runner is not None else None
     return Capture(
         saved=list(getattr(training, "saved_names", [])),

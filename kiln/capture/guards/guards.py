@@ -38,6 +38,7 @@ from kiln.capture.guards.sources import (
     Source,
     safe_name,
 )
+from kiln.code_cache import compiled as compiled_code
 from kiln.ir.types import CPU
 
 
@@ -541,7 +542,7 @@ def compile_guards(
         f"        return False\n"
     )
     scope = dict(binder.names)
-    exec(compile(source, "<kiln guard>", "exec"), scope)
+    exec(compiled_code(source, "<kiln guard>"), scope)
     function = scope["___guard"]
 
     singles: list[tuple[Guard, Callable[..., bool], Callable[..., Any] | None]] = []
