@@ -20,6 +20,7 @@ import marshal
 import os
 import tempfile
 import types
+import warnings
 from pathlib import Path
 
 from kiln.config import config
@@ -45,6 +46,9 @@ def compiled(source: str | bytes, filename: str) -> types.CodeType:
                 code = marshal.loads(payload)
                 if isinstance(code, types.CodeType):
                     return _renamed(code, filename)
+        warnings.warn(
+            f"kiln: compiled-code cache file {path} is damaged; rebuilding it", stacklevel=2
+        )
     code = compile(source, filename, "exec", dont_inherit=True)
     payload = marshal.dumps(code)
     with contextlib.suppress(OSError):  # (a read-only cache: compiled every time)

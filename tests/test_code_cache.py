@@ -52,10 +52,12 @@ def test_a_damaged_file_is_compiled_over(cache: Path) -> None:
         damaged = bytearray(data)
         damaged[position] ^= 0xFF
         path.write_bytes(bytes(damaged))
-        assert _twice(code_cache.compiled(SOURCE, "<kiln test>")) == 42
+        with pytest.warns(UserWarning, match="is damaged; rebuilding it"):
+            assert _twice(code_cache.compiled(SOURCE, "<kiln test>")) == 42
         assert path.read_bytes() == bytes(data)  # written again whole
     path.write_bytes(data[:10])  # truncated
-    assert _twice(code_cache.compiled(SOURCE, "<kiln test>")) == 42
+    with pytest.warns(UserWarning, match="is damaged"):
+        assert _twice(code_cache.compiled(SOURCE, "<kiln test>")) == 42
 
 
 def test_off_with_the_artifact_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
