@@ -6,9 +6,9 @@ instead of compiling the sources again (GPT-2's warm start on the H100 spent 0.2
 
 The key hashes the source and the interpreter's bytecode version; code read back is renamed to
 the file name asked for (host programs' names carry a serial number for their tracebacks). A
-file starts with a SHA-256 of the marshalled code: a damaged file (unmarshalling arbitrary
-bytes can crash the interpreter) is never loaded, only compiled over. Off with the artifact
-cache (``KILN_ARTIFACT_CACHE=0``).
+file holds a SHA-256 of the marshalled code (``checked_files.py``): a damaged file
+(unmarshalling arbitrary bytes can crash the interpreter) is never loaded, only reported and
+compiled over. Off with the artifact cache (``KILN_ARTIFACT_CACHE=0``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import contextlib
 import hashlib
 import importlib.util
 import marshal
-import os
-import tempfile
 import types
-import warnings
 from pathlib import Path
 
+from kiln.checked_files import read_checked, write_checked
 from kiln.config import config
 
 _MAGIC = b"KILNCODE1" + importlib.util.MAGIC_NUMBER
@@ -35,28 +33,15 @@ def compiled(source: str | bytes, filename: str) -> types.CodeType:
     text = source.encode() if isinstance(source, str) else source
     digest = hashlib.sha256(_MAGIC + text).hexdigest()[:40]
     path = Path(config.cache_dir) / "artifacts" / f"c-{digest}.kart"
-    with contextlib.suppress(OSError):
-        data = path.read_bytes()
-        payload = data[len(_MAGIC) + 32 :]
-        if (
-            data[: len(_MAGIC)] == _MAGIC
-            and hashlib.sha256(payload).digest() == data[len(_MAGIC) : len(_MAGIC) + 32]
-        ):
-            with contextlib.suppress(ValueError, EOFError, TypeError):
-                code = marshal.loads(payload)
-                if isinstance(code, types.CodeType):
-                    return _renamed(code, filename)
-        warnings.warn(
-            f"kiln: compiled-code cache file {path} is damaged; rebuilding it", stacklevel=2
-        )
+    payload = read_checked(path, _MAGIC)
+    if payload is not None:
+        with contextlib.suppress(ValueError, EOFError, TypeError):  # (another Python's code)
+            code = marshal.loads(payload)
+            if isinstance(code, types.CodeType):
+                return _renamed(code, filename)
     code = compile(source, filename, "exec", dont_inherit=True)
-    payload = marshal.dumps(code)
     with contextlib.suppress(OSError):  # (a read-only cache: compiled every time)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(handle, "wb") as file:
-            file.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
-        os.replace(temporary, path)
+        write_checked(path, _MAGIC, marshal.dumps(code))
     return code
 
 

@@ -4,7 +4,9 @@ code stays within its line budget (the count is printed at the end of every test
 
 The layers, bottom to top; a module may import its own layer and the layers below it only:
 
-    config, errors, recording   foundations (environment, error types, explain's events)
+    config, errors, recording,  foundations (environment, error types, explain's events, the
+    collector, checked_files,   garbage-collector pause, damage-checked cache files, compiled
+    code_cache                  code on disk)
     options, random_state   per-compile choices; the RNG state capture and compiles preserve
     ir                      the graph IR
     ops                     registry rows, translations, externs
@@ -29,7 +31,7 @@ from pathlib import Path
 KILN = Path(__file__).resolve().parent.parent / "kiln"
 
 LAYERS: list[set[str]] = [
-    {"config", "errors", "recording", "collector", "code_cache"},
+    {"config", "errors", "recording", "collector", "code_cache", "checked_files"},
     {"options", "random_state"},
     {"ir"},
     {"ops"},

@@ -41,9 +41,7 @@ import os
 import pickle
 import platform
 import sys
-import tempfile
 import types
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +52,7 @@ from kiln.capture.driver.convert import Capture, GraphRunner, param_names
 from kiln.capture.driver.resume import ResumeTarget
 from kiln.capture.guards.guards import Guard, Identity, compile_guards
 from kiln.capture.guards.sources import Attr, Binder, Item, Source
+from kiln.checked_files import read_checked, write_checked
 from kiln.code_cache import compiled as compiled_code
 from kiln.config import config, logger
 
@@ -330,29 +329,12 @@ def _path(code: types.CodeType, options: Any) -> Path:
 
 def read_entries(path: Path) -> list[tuple[bytes, bytes]]:
     """The entries stored at ``path``; a damaged file is removed with a warning."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return []
-    payload = data[len(MAGIC) + 32 :]
-    if data[: len(MAGIC)] != MAGIC or hashlib.sha256(payload).digest() != data[len(MAGIC) :][:32]:
-        warnings.warn(f"kiln: artifact cache file {path} is damaged; rebuilding it", stacklevel=2)
-        with contextlib.suppress(OSError):
-            path.unlink()
-        return []
-    with contextlib.suppress(OSError):
-        os.utime(path)  # (least recently used goes first)
-    entries: list[tuple[bytes, bytes]] = pickle.loads(payload)
-    return entries
+    payload = read_checked(path, MAGIC)
+    return [] if payload is None else pickle.loads(payload)
 
 
 def write_entries(path: Path, entries: list[tuple[bytes, bytes]]) -> None:
-    payload = pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(handle, "wb") as file:
-        file.write(MAGIC + hashlib.sha256(payload).digest() + payload)
-    os.replace(temporary, path)
+    write_checked(path, MAGIC, pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL))
     evict(config.artifact_cache_bytes)
 
 
