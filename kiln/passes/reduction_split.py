@@ -126,6 +126,22 @@ def _channels_last_plan(node: Node) -> tuple[int, int | None] | None:
     return rows, _chunks(rows, shape[1])
 
 
+def _pooling_plan(node: Node) -> tuple[int, int] | None:
+    """(rows, chunks) of a spatial pooling, ``[N, C, H, W]`` reduced over ``(2, 3)``, held
+    channels-last on the GPU: ``N`` column reductions of ``[H*W, C]`` whose ``N*C`` outputs
+    are too few programs (a squeeze-excitation's mean over 112x112)."""
+    shape = _operand_shape(node)
+    if shape is None or len(shape) != 4 or tuple(sorted(node.attrs.dims)) != (2, 3):
+        return None
+    operand = node.inputs[0]
+    assert isinstance(operand, Value)
+    if not _holds_channels_last(operand):
+        return None
+    rows = shape[2] * shape[3]
+    chunks = _chunks(rows, shape[0] * shape[1])
+    return None if chunks is None else (rows, chunks)
+
+
 def _chunks_columns(value: Value) -> bool:
     """Whether column reductions of ``value`` are cut into chunks (on the GPU)."""
     return value.type.device.type == "cuda"
@@ -145,8 +161,16 @@ def _emit(node: Node, builder: GraphBuilder) -> None:
         if widen:
             source = prims.convert(source, dtype=torch.float32)
         channels_last = _channels_last_plan(node)
+        pooling = _pooling_plan(node)
         plan = _plan(node)
-        if channels_last is not None:
+        if pooling is not None:
+            rows, pieces = pooling
+            n, c = concrete_shape(source.type.shape)[:2]
+            rows_first = prims.permute(source, dims=(0, 2, 3, 1))
+            chunked = prims.reshape(rows_first, shape=(n, pieces, rows // pieces, c))
+            partial = prims.call(node.op, chunked, dims=(2,))
+            result = prims.call(node.op, partial, dims=(1,))
+        elif channels_last is not None:
             rows, chunks = channels_last
             shape = concrete_shape(source.type.shape)
             rows_first = prims.permute(source, dims=(0, 2, 3, 1))
@@ -181,7 +205,8 @@ def _column_sum(
 
 
 def _chosen(node: Node) -> bool:
-    return any(plan(node) is not None for plan in (_channels_last_plan, _plan, _column_plan))
+    plans = (_channels_last_plan, _pooling_plan, _plan, _column_plan)
+    return any(plan(node) is not None for plan in plans)
 
 
 def split_reductions(graph: Graph) -> Graph:

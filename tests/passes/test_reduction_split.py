@@ -142,6 +142,96 @@ def test_gpu_batchnorm_statistics_are_channels_last_columns(
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_spatial_pooling_with_few_outputs_is_chunked(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A squeeze-excitation's mean over ``(2, 3)`` of a channels-last ``[N, C, H, W]`` keeps
+    ``N*C`` column outputs: too few programs, so each image's ``H*W`` rows are cut into chunks
+    (the rewrite is checked on the CPU, claiming the GPU's layout)."""
+    from kiln.passes import reduction_split
+
+    monkeypatch.setattr(reduction_split, "_holds_channels_last", lambda value: True)
+    x = torch.randn(4, 32, 48, 48, dtype=dtype)
+
+    def pools(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.mean((2, 3)), x.amax((3, 2))
+
+    graph = kiln.trace(pools, x)
+    inputs = graph_inputs(graph, pools, x)
+    expected = interpret(graph, inputs)
+    split = verify(split_reductions(graph))
+    assert [n.attrs.dims for n in split.nodes if n.op is Op.PERMUTE] == [(0, 2, 3, 1)] * 2
+    chunked = [n.attrs.shape for n in split.nodes if n.op is Op.RESHAPE]
+    assert len(chunked) == 2 and chunked[0][:1] + chunked[0][3:] == (4, 32)
+    assert chunked[0][1] > 1 and chunked[0][1] * chunked[0][2] == 48 * 48
+    assert _reductions(split) == [(Op.SUM, (2,)), (Op.SUM, (1,)), (Op.AMAX, (2,)), (Op.AMAX, (1,))]
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for got, want in zip(interpret(split, inputs), expected, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_gpu_spatial_pooling_with_many_outputs_or_small_images_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kiln.passes import reduction_split
+
+    monkeypatch.setattr(reduction_split, "_holds_channels_last", lambda value: True)
+    for shape in ((64, 2048, 7, 7), (2, 8, 7, 7), (256, 96, 56, 56)):
+        graph = kiln.trace(lambda x: x.sum((2, 3)), torch.randn(*shape))
+        assert _reductions(split_reductions(graph)) == [(Op.SUM, (2, 3))]
+
+
+def test_squeeze_excitation_trains_after_the_pooling_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forward and every gradient of a squeeze-excitation block equal eager's with its pooling
+    (and its backward's pooled sum) split as on the GPU."""
+    from kiln.passes import reduction_split
+
+    monkeypatch.setattr(reduction_split, "_holds_channels_last", lambda value: True)
+    plans: list[tuple[int, int]] = []
+    plan = reduction_split._pooling_plan
+
+    def recorded(node: kiln.ir.Node) -> tuple[int, int] | None:
+        chosen = plan(node)
+        plans.extend([chosen] if chosen is not None else [])
+        return chosen
+
+    monkeypatch.setattr(reduction_split, "_pooling_plan", recorded)
+    kiln.counters.reset()
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(16, 16, 1)
+    squeeze, excite = torch.nn.Conv2d(16, 4, 1), torch.nn.Conv2d(4, 16, 1)
+    modules = torch.nn.ModuleList([conv, squeeze, excite]).to(memory_format=torch.channels_last)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.silu(conv(x))
+        scale = excite(torch.nn.functional.silu(squeeze(y.mean((2, 3), keepdim=True))))
+        return y * scale.sigmoid()
+
+    compiled = kiln.compile(block)
+    for _ in range(2):
+        x = torch.randn(8, 16, 48, 48).to(memory_format=torch.channels_last)
+        x.requires_grad_()
+        grad = torch.randn(8, 16, 48, 48)
+        block(x).backward(grad)
+        expected = [x.grad, *(p.grad for p in modules.parameters())]
+        x.grad = None
+        modules.zero_grad(set_to_none=True)
+        out = compiled(x)
+        torch.testing.assert_close(out, block(x), rtol=1e-4, atol=1e-5)
+        out.backward(grad)
+        got = [x.grad, *(p.grad for p in modules.parameters())]
+        for g, want in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
+        modules.zero_grad(set_to_none=True)
+    assert {rows for rows, _ in plans} == {48 * 48}  # the mean, and its backward's sum
+    assert kiln.counters.graphs == 1 and not kiln.counters.graph_breaks
+    assert not kiln.counters.fallbacks
+
+
 def test_cpu_column_reductions_stay_whole() -> None:
     """The C++ kernels run columns in parallel already: no chunks on the CPU."""
     graph = kiln.trace(lambda x: x.sum(0), torch.randn(4096, 96))
