@@ -19,7 +19,7 @@ from kiln.schedule import index as ix
 from kiln.schedule.layouts import channels_last_strides, memory_order, strides_in_order
 from kiln.schedule.lowering import REDUCE_KINDS, shape_of
 from kiln.schedule.program import View
-from kiln.schedule.views import VIEW_OPS, is_dense
+from kiln.schedule.views import VIEW_OPS
 
 
 class LayoutChoice:
@@ -32,28 +32,37 @@ class LayoutChoice:
 
     def strides_for(self, value: Value) -> tuple[int, ...]:
         """The layout of a value a kernel stores: channels-last when it feeds a convolution on
-        the GPU (cuDNN's fast path), the layout of a same-shaped dense input it is computed
-        from (as eager's elementwise ops keep ``channels_last``), else contiguous."""
+        the GPU (cuDNN's fast path), the dim order of a dense input it is computed from (as
+        eager's elementwise ops, pooling and cropping keep ``channels_last``), else
+        contiguous."""
         shape = shape_of(value)
         contiguous = ix.contiguous_strides(shape)
         if self.wants_channels_last(value):
             return channels_last_strides(shape)
-        layout = self._source_layout(value, shape)
-        if layout is not None and is_dense(layout) and 0 not in layout.strides:
+        layout = self._source_layout(value, shape) or self._source_layout(value, shape, True)
+        if layout is not None and 0 not in layout.strides:  # (dense or not: a strided slice)
             return strides_in_order(shape, memory_order(layout.strides))
         return contiguous
 
-    def _source_layout(self, value: Value, shape: tuple[int, ...]) -> View | None:
+    def _source_layout(
+        self, value: Value, shape: tuple[int, ...], resized: bool = False
+    ) -> View | None:
         """The layout of the first same-shaped value in memory that ``value``'s inlined
-        elementwise work reads (depth-first, operands in order)."""
+        elementwise work reads (depth-first, operands in order). ``resized``: the first value of
+        the same rank, none of its dims broadcast, read through pads and the views that keep
+        the dims in order (a max pool's strided slices of its padded input; its backward's
+        interleaving ``unsqueeze``, ``pad``, ``reshape``)."""
         stack, seen = [value], {value}
         while stack:
             current = stack.pop()
             node = current.node
-            if node is None or node.op in REDUCE_KINDS or node.op in VIEW_OPS:
+            if node is None or node.op in REDUCE_KINDS:
+                continue
+            if node.op in VIEW_OPS and not (resized and node.op in _ORDERED_VIEWS):
                 continue
             for operand in reversed(list(node.input_values())):
-                if operand in seen or shape_of(operand) != shape:
+                alike = _alike(shape_of(operand), shape, resized)
+                if operand in seen or not (alike or (resized and operand not in self.layouts)):
                     continue
                 seen.add(operand)
                 if operand in self.layouts:
@@ -95,6 +104,19 @@ class LayoutChoice:
             and view.strides == ix.contiguous_strides(shape)
             and self.wants_channels_last(operand)
         )
+
+
+# Views whose dims stay in their order (sizes split, joined, added or dropped), so a source read
+# through them tells the memory order of the result's same-rank dims.
+_ORDERED_VIEWS = frozenset({Op.SLICE, Op.RESHAPE, Op.UNSQUEEZE, Op.SQUEEZE})
+
+
+def _alike(shape: tuple[int, ...], target: tuple[int, ...], resized: bool) -> bool:
+    if not resized:
+        return shape == target
+    return len(shape) == len(target) and all(
+        a > 1 or b <= 1 for a, b in zip(shape, target, strict=True)
+    )
 
 
 def channels_last_copy(operand: Value, convolution: Node) -> Value:
