@@ -96,11 +96,13 @@ class CatAttrs:
 
 @dataclass(frozen=True)
 class PadAttrs:
-    """PAD with a constant: ``low[i]``/``high[i]`` elements before/after dim i (negative crops)."""
+    """PAD with a constant: ``low[i]``/``high[i]`` elements before/after dim i (negative crops),
+    and ``interior[i]`` between neighbours along it (a strided slice's adjoint; () for none)."""
 
     low: tuple[Dim, ...]
     high: tuple[Dim, ...]
     value: Scalar = 0
+    interior: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -358,26 +358,18 @@ def _slice_impl(attrs: SliceAttrs, x: torch.Tensor) -> torch.Tensor:
 
 
 def _slice_vjp(attrs: SliceAttrs, inputs: Sequence[Any], outputs: Any, grads: Cotangents) -> Grads:
-    """Zeros with the cotangent at the sliced positions: a strided slice first spreads it out
-    (``step - 1`` zeros after each element), then a pad places it."""
+    """Zeros with the cotangent at the sliced positions: one pad places it, ``step - 1`` zeros
+    between neighbours (its lowering divides the index: no gather)."""
     (x,) = inputs
     (g,) = grads
     dim, step, rank = attrs.dim, attrs.step, x.type.rank
     size, count = x.type.shape[dim], g.type.shape[dim]
-    spread = g
-    if step > 1:
-        # [.., n, ..] -> [.., n, 1, ..] -> [.., n, step, ..] -> [.., n * step, ..]
-        spread = prims.unsqueeze(g, dims=(dim + 1,))
-        tail = tuple(step - 1 if d == dim + 1 else 0 for d in range(rank + 1))
-        spread = prims.pad(spread, low=(0,) * (rank + 1), high=tail, value=0)
-        shape = list(g.type.shape)
-        shape[dim] = count * step
-        spread = prims.reshape(spread, shape=tuple(shape))
-    length = count * step
+    interior = tuple(step - 1 if d == dim else 0 for d in range(rank)) if step > 1 else ()
     low = tuple(attrs.start if d == dim else 0 for d in range(rank))
-    # Negative where the spread runs past the end: it crops only the padded zeros.
-    high = tuple(size - attrs.start - length if d == dim else 0 for d in range(rank))
-    return (prims.pad(spread, low=low, high=high, value=0),)
+    high = tuple(
+        size - attrs.start - spread(count, step - 1) if d == dim else 0 for d in range(rank)
+    )
+    return (prims.pad(g, low=low, high=high, value=0, interior=interior),)
 
 
 movement(
@@ -538,49 +530,79 @@ def _check_pad_value(value: Scalar, dtype: torch.dtype) -> None:
 
 def _pad_meta(attrs: PadAttrs, x: TensorType) -> TensorType:
     x = tensor_operand(Op.PAD, x)
-    if len(attrs.low) != x.rank or len(attrs.high) != x.rank:
+    interior = attrs.interior or (0,) * x.rank
+    if len(attrs.low) != x.rank or len(attrs.high) != x.rank or len(interior) != x.rank:
         raise RuntimeError(
-            f"pad: low {attrs.low} and high {attrs.high} need one entry per dim of the "
-            f"{x.rank}-d input"
+            f"pad: low {attrs.low}, high {attrs.high} and interior {attrs.interior} need one "
+            f"entry per dim of the {x.rank}-d input"
         )
+    if any(amount < 0 for amount in interior):
+        raise RuntimeError(f"pad: interior {attrs.interior} must not be negative")
     _check_pad_value(attrs.value, x.dtype)
-    shape = [add_sizes(lo, s, hi) for lo, s, hi in zip(attrs.low, x.shape, attrs.high, strict=True)]
+    shape = [
+        add_sizes(lo, spread(s, k), hi)
+        for lo, s, k, hi in zip(attrs.low, x.shape, interior, attrs.high, strict=True)
+    ]
     for dim, size in enumerate(shape):
         if size < 0:
             raise RuntimeError(f"pad: dim {dim} of size {x.shape[dim]} crops to {size} elements")
     return result(x, shape)
 
 
+def spread(size: Dim, interior: int) -> Dim:
+    """The size of a dim of ``size`` elements with ``interior`` more between neighbours."""
+    if interior == 0:
+        return size
+    if isinstance(size, int):
+        return size + max(size - 1, 0) * interior
+    return size * (interior + 1) - interior  # (a symbolic size is at least 2)
+
+
 def _pad_impl(attrs: PadAttrs, x: torch.Tensor) -> torch.Tensor:
+    if any(attrs.interior):
+        shape = [spread(s, k) for s, k in zip(x.shape, attrs.interior, strict=True)]
+        spaced = x.new_full(concrete(tuple(shape)), attrs.value)
+        spaced[tuple(slice(None, None, k + 1) for k in attrs.interior)] = x
+        x = spaced
     # F.pad takes (low, high) pairs starting from the last dim.
     pairs = [(lo, hi) for lo, hi in zip(attrs.low, attrs.high, strict=True)]
     flat = list(concrete(tuple(amount for pair in reversed(pairs) for amount in pair)))
     return F.pad(x, flat, mode="constant", value=attrs.value)
 
 
-PAD_CASES: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], str], ...] = (
-    ((3, 4), (1, 0), (2, 1), ""),
-    ((3, 4), (-1, 1), (0, -2), "negative pads crop"),
-    ((3, 4), (0, -2), (0, -2), "crop to 0-size"),
-    ((), (), (), "0-d"),
-    ((0, 4), (1, 0), (1, 0), "0-size grows"),
-    ((2, 1, 3), (0, 2, 0), (0, 0, 1), "size-1 dim"),
+PAD_CASES: tuple[
+    tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], str], ...
+] = (
+    ((3, 4), (1, 0), (2, 1), (), ""),
+    ((3, 4), (-1, 1), (0, -2), (), "negative pads crop"),
+    ((3, 4), (0, -2), (0, -2), (), "crop to 0-size"),
+    ((), (), (), (), "0-d"),
+    ((0, 4), (1, 0), (1, 0), (), "0-size grows"),
+    ((2, 1, 3), (0, 2, 0), (0, 0, 1), (), "size-1 dim"),
+    ((3, 4), (1, 0), (0, 2), (1, 2), "interior"),
+    ((3, 4), (-1, 2), (0, -1), (2, 0), "interior, cropped"),
+    ((0, 1, 2), (1, 0, 0), (0, 1, 0), (3, 3, 1), "interior of 0- and 1-size dims"),
 )
 
 
 def _pad_samples(dtype: torch.dtype, device: torch.device) -> list[Sample]:
     value = scalar_for(dtype)
     return [
-        Sample((make_tensor(shape, dtype, device),), PadAttrs(low, high, value), note)
-        for shape, low, high, note in PAD_CASES
+        Sample((make_tensor(shape, dtype, device),), PadAttrs(low, high, value, inner), note)
+        for shape, low, high, inner, note in PAD_CASES
     ]
 
 
 def _unpad(attrs: PadAttrs, x: Value, g: Value) -> Value:
-    """The opposite pad: padding crops the cotangent, cropping pads it with zeros."""
+    """The opposite pad: padding crops the cotangent, cropping pads it with zeros; interior
+    elements are stepped over."""
     low = tuple(-amount for amount in attrs.low)
     high = tuple(-amount for amount in attrs.high)
-    return prims.pad(g, low=low, high=high, value=0)
+    g = prims.pad(g, low=low, high=high, value=0)
+    for dim, amount in enumerate(attrs.interior):
+        if amount:
+            g = prims.slice(g, dim=dim, start=0, stop=g.type.shape[dim], step=amount + 1)
+    return g
 
 
 movement(

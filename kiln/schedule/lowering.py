@@ -385,8 +385,17 @@ def _pad(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> Exp
     sizes = shape_of(source)
     current = list(index)
     masks: list[Expr] = []
+    interior = attrs.interior or (0,) * len(sizes)
     for dim, low in enumerate(attrs.low):
         current[dim] = index[dim] - concrete(low)
+        if interior[dim]:  # every (interior + 1)-th position holds an element
+            step = interior[dim] + 1
+            shift = -(-max(concrete(low), 0) // step) * step  # keeps the divided index >= 0
+            shifted = current[dim] + shift
+            current[dim] = shifted // step - shift // step
+            zero = lowering.const(0, torch.int64)
+            on_step = lowering.index_value(shifted % step)
+            masks.append(lowering.apply(Op.EQ, (on_step, zero), torch.bool))
         check = lowering.in_range(current[dim], 0, sizes[dim])
         if check is not None:
             masks.append(check)

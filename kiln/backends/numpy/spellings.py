@@ -191,6 +191,8 @@ def refuse(node: Node) -> str:
         return "negative padding (a crop) not supported"
     if node.op is Op.PAD and not node.attrs.low:
         return "padding a 0-d tensor not supported"
+    if node.op is Op.PAD and any(node.attrs.interior):
+        return "interior padding not supported"
     if node.op in (Op.ARGMAX, Op.ARGMIN) and node.inputs[0].type.rank == 0:  # type: ignore[union-attr]
         return "arg-reduction of a 0-d tensor not supported"
     return ""
