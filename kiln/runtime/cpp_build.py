@@ -13,7 +13,11 @@ Flags, tried in order: ``-O3 -march=native -fopenmp`` with libmvec math; then ``
 ``-march=native`` or libmvec; then without OpenMP (one warning: kernels run on one thread).
 ``-fno-math-errno`` (``sqrtf``) and ``-fno-trapping-math`` (``floorf``, blends) let more loops
 vectorize and change no result: NaN stays NaN, only errno and FP exception flags go. There is
-no ``-ffast-math``, which would break NaN semantics.
+no ``-ffast-math``, which would break NaN semantics. ``-fno-tree-pre``: GCC 12's partial
+redundancy elimination turns a NaN test of a select (a max pool's ``isnan`` of a ReLU) into
+branches and leaves the loop scalar, with a mispredicted branch per element (a max pool over
+channels-last rows: 22 ms, 0.5 ms without it); elsewhere it changed nothing measurable
+(``benchmarks/cpp_flags.py``, RESULTS.md).
 
 ``load_kernels(library)`` (a :class:`~kiln.codegen.sources.CppSource`) gives one callable per
 kernel taking CPU tensors in kernel-argument order (then the seed as an int) and passing their
@@ -52,6 +56,7 @@ COMMON_FLAGS = (
     "-std=c++17",
     "-fno-math-errno",
     "-fno-trapping-math",
+    "-fno-tree-pre",
     "-Wl,-z,defs",
 )
 FLAG_PLANS: tuple[tuple[str, ...], ...] = (
