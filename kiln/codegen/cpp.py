@@ -84,6 +84,10 @@ COLUMN_BLOCK = 256  # rows reduced side by side when a reduction reads along col
 # A row-shaped transcendental two ``r`` loops need (softmax's exp) is kept in a per-row array
 # by the first loop and read by the later ones, for rows up to this long (array on the stack).
 ROW_CACHE_LIMIT = 16384
+# Blocks count in 64 bits: GCC vectorized no lane loop whose 32-bit address it had to widen
+# (a max pool's backward over 20x20 images; benchmarks/cpp_flags.py --set ...BLOCK_INDEX).
+BLOCK_INDEX = "int64_t"
+LANE_FLAG_LIMIT = 4096  # lanes of a block above which its flags stay scalar (stack arrays)
 TRANSCENDENTAL = frozenset(
     {Op.EXP, Op.EXP2, Op.EXPM1, Op.LOG, Op.LOG1P, Op.LOG2, Op.TANH, Op.ERF, Op.SIGMOID, Op.POW}
 )
@@ -492,11 +496,25 @@ class _KernelPrinter:
             self.fill_lane_arrays(body, lane_values, lanes)
         if self.parallel:
             body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
-        body.add(f"for ({self.index_type} xb = 0; xb < {plan.split.blocks}; ++xb) {{")
+        body.add(f"for ({BLOCK_INDEX} xb = 0; xb < {plan.split.blocks}; ++xb) {{")
         outer = body.child()
         values = {id(v): v for v in plan.lane_values}
+        flags = self.block_flags(plan) if lanes <= LANE_FLAG_LIMIT else []
+        if flags:  # each read in the lane loop from a per-lane copy (``block_flags``)
+            self.emit(flags, outer)
+            names = [f"flag{number}" for number in range(len(flags))]
+            outer.add(f"uint8_t {', '.join(f'{name}[{lanes}]' for name in names)};")
+            outer.add("#pragma omp simd")
+            copies = " ".join(
+                f"{n}[{XL}] = {self.name(f)};" for n, f in zip(names, flags, strict=True)
+            )
+            outer.add(f"for (int32_t {XL} = 0; {XL} < {lanes}; ++{XL}) {{ {copies} }}")
         for segment in segments:  # kiln/codegen/cpp_segments.py: masks constant in each
             inner = outer.child()
+            for name, flag in zip(names if flags else [], flags, strict=True):
+                ctype = compute_type(flag.dtype)
+                inner.add(f"const {ctype} {self.name(flag)} = {name}[{XL}];")  # (shadows it)
+                inner.defined.add(id(flag))
             for key, value in segment.constants.items():
                 expr = values[key]
                 literal = cpp_math.literal(value, expr.dtype)
@@ -509,6 +527,26 @@ class _KernelPrinter:
             outer.add(f"for (int32_t {XL} = {segment.start}; {XL} < {segment.stop}; ++{XL}) {{")
             outer.close(inner)
         body.close(outer)
+
+    def block_flags(self, plan: PointwiseSplit) -> list[Expr]:
+        """The booleans of the block alone that lane values read (a padding test of a row, as
+        a load's mask or a select's condition), when one of them is read by a boolean lane
+        value (the mask of a load of a bool buffer). GCC 12 does not vectorize a select of
+        bytes on a loop-invariant condition, nor then the selects of floats beside it, and
+        leaves the lane loop scalar (a max pool's backward: 178 ms against 10 ms with the
+        flags read from per-lane copies). Flags that only floats read stay as they are: GCC
+        unswitches that loop on them (a max pool's NCHW forward, 1.8x slower with copies)."""
+        found: dict[int, Expr] = {}
+        bytes_read = False
+        for expr in walk(self.roots):
+            if not plan.on_lane[id(expr)]:
+                continue
+            for child in children(expr):
+                flag = child.dtype == torch.bool and not isinstance(child, Const)
+                if flag and not plan.on_lane[id(child)]:
+                    found[id(child)] = child
+                    bytes_read = bytes_read or expr.dtype == torch.bool
+        return list(found.values()) if bytes_read else []
 
     @property
     def lane(self) -> str:
