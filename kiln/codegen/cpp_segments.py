@@ -8,7 +8,7 @@ change value at a few lanes only, so the generator (:mod:`kiln.codegen.cpp`) pri
 per segment of lanes with the masks as constants, and the compiler drops the loads a segment
 does not need::
 
-    for (int32_t xb = 0; xb < 256; ++xb) {
+    for (int64_t xb = 0; xb < 256; ++xb) {
       #pragma omp simd
       for (int32_t xl = 0; xl < 128; ++xl) {     // t1 = 1, t5 = 0, t7 = 0
         ...; a0[384*xb + xl] = t15;

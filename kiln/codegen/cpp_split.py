@@ -36,7 +36,7 @@ Its flat BatchNorm-apply (abridged), with ``rsqrtf`` once per channel, not once 
     float lane0[32];                                 // scale, then shift in lane1
     #pragma omp simd
     for (int32_t xl = 0; xl < 32; ++xl) { ...; lane0[xl] = t5; lane1[xl] = t11; }
-    for (int32_t xb = 0; xb < 8192; ++xb) {
+    for (int64_t xb = 0; xb < 8192; ++xb) {
       #pragma omp simd
       for (int32_t xl = 0; xl < 32; ++xl) { ...; a0[32*xb + xl] = a5[32*xb + xl]*t5 + t11; }
     }

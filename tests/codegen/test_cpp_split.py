@@ -192,10 +192,10 @@ def test_pointwise_batchnorm_apply_computes_channel_math_once(layout: str, cache
     assert "omp parallel for" in body and body.count("sqrtf(") == 1
     if layout == "channels_last":
         assert "float lane0[32];" in body and "= lane0[xl];" in body
-        assert body.index("sqrtf(") < body.index("for (int32_t xb")  # once per kernel
+        assert body.index("sqrtf(") < body.index("for (int64_t xb")  # once per kernel
     else:
         assert "a2[((xb) % 32)]" in body  # the channel of a block of H*W elements
-        assert body.index("for (int32_t xb") < body.index("sqrtf(") < body.index("xl = 0")
+        assert body.index("for (int64_t xb") < body.index("sqrtf(") < body.index("xl = 0")
     inputs = {"data": torch.randn(n * C * hw), **channel_inputs(n * hw)}
     result = run_both(kernel, inputs, cache)
     expected_scale, expected_shift = expected_scale_shift(inputs, n * hw)
