@@ -2,7 +2,8 @@
 
 Every model is built from a config with random weights (nothing is downloaded), on the CPU
 under ``torch.manual_seed(0)``, so every worker process builds bit-identical weights and can
-compare its results with the eager process's. Dropout is off in the transformer configs:
+compare its results with the eager process's. Dropout is off in the transformer configs and
+in the torchvision models (stochastic depth too):
 Kiln draws its own random numbers (``docs/architecture.md``), so a training step with dropout
 could never match eager's, and a correctness column that always fails would hide real bugs.
 
@@ -74,6 +75,9 @@ def _torchvision(name: str, size: int, **kwargs: int) -> Callable[[int], Workloa
         import torchvision
 
         model = getattr(torchvision.models, name)(weights=None, **kwargs)
+        for module in model.modules():  # no dropout, no stochastic depth (module docstring)
+            if type(module).__name__ in ("Dropout", "StochasticDepth"):
+                module.p = 0.0
         return Workload(model, _images(batch, size))
 
     return build

@@ -111,16 +111,20 @@ def _column_plan(node: Node) -> tuple[int, int] | None:
     return None if chunks is None else (rows, chunks)
 
 
+def _channels_last_shape(node: Node, dims: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape of a 4-D reduction over ``dims`` of a value held channels-last."""
+    shape = _operand_shape(node)
+    if shape is None or len(shape) != 4 or tuple(sorted(node.attrs.dims)) != dims:
+        return None
+    return shape if _holds_channels_last(node.inputs[0]) else None  # type: ignore[arg-type]
+
+
 def _channels_last_plan(node: Node) -> tuple[int, int | None] | None:
     """(rows, chunks or None) of a BatchNorm-style reduction of an ``[N, C, H, W]`` tensor on
     the GPU, which holds it channels-last (``[N, H, W, C]`` in memory, as it feeds or comes
     from a convolution): there it is a column reduction of ``[N*H*W, C]``."""
-    shape = _operand_shape(node)
-    if shape is None or len(shape) != 4 or tuple(sorted(node.attrs.dims)) != (0, 2, 3):
-        return None
-    operand = node.inputs[0]
-    assert isinstance(operand, Value)
-    if not _holds_channels_last(operand):
+    shape = _channels_last_shape(node, (0, 2, 3))
+    if shape is None:
         return None
     rows = shape[0] * shape[2] * shape[3]
     return rows, _chunks(rows, shape[1])
@@ -130,16 +134,11 @@ def _pooling_plan(node: Node) -> tuple[int, int] | None:
     """(rows, chunks) of a spatial pooling, ``[N, C, H, W]`` reduced over ``(2, 3)``, held
     channels-last on the GPU: ``N`` column reductions of ``[H*W, C]`` whose ``N*C`` outputs
     are too few programs (a squeeze-excitation's mean over 112x112)."""
-    shape = _operand_shape(node)
-    if shape is None or len(shape) != 4 or tuple(sorted(node.attrs.dims)) != (2, 3):
+    shape = _channels_last_shape(node, (2, 3))
+    if shape is None:
         return None
-    operand = node.inputs[0]
-    assert isinstance(operand, Value)
-    if not _holds_channels_last(operand):
-        return None
-    rows = shape[2] * shape[3]
-    chunks = _chunks(rows, shape[0] * shape[1])
-    return None if chunks is None else (rows, chunks)
+    chunks = _chunks(shape[2] * shape[3], shape[0] * shape[1])
+    return None if chunks is None else (shape[2] * shape[3], chunks)
 
 
 def _chunks_columns(value: Value) -> bool:

@@ -18,6 +18,7 @@ from kiln.bench import models
 from kiln.bench.progress import Progress
 from kiln.bench.runner import Options, run_suite
 from kiln.bench.table import format_table
+from kiln.bench.worker import prepare
 from kiln.cli import main
 
 
@@ -129,3 +130,24 @@ def test_every_worker_runs_with_mallocs_thresholds_pinned(
     tunables = seen[0]["GLIBC_TUNABLES"].split(":")
     assert tunables[0] == "glibc.pthread.rseq=0"
     assert "glibc.malloc.trim_threshold=1073741824" in tunables
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in models.SUITES["broad-tiny"] if "torchvision" in models.MODELS[n].requires]
+)
+def test_torchvision_training_steps_draw_no_random_numbers(name: str) -> None:
+    """Kiln draws its own random numbers, so a suite model whose training step drops paths or
+    units (ConvNeXt's, Swin's, MaxViT's stochastic depth, MobileNet's dropout) could never
+    match eager's, and its check column would fail on every run, hiding real bugs: two eager
+    steps under different seeds give the same gradients."""
+    pytest.importorskip("torchvision")
+    model, inputs, step = prepare(name, "train", torch.device("cpu"), torch.float32)
+    grads = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        step(model, inputs)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert grads[0]
+    for first, second in zip(*grads, strict=True):
+        assert torch.equal(first, second)
