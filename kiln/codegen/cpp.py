@@ -499,8 +499,8 @@ class _KernelPrinter:
         body.add(f"for ({BLOCK_INDEX} xb = 0; xb < {plan.split.blocks}; ++xb) {{")
         outer = body.child()
         values = {id(v): v for v in plan.lane_values}
-        flags = self.block_flags(plan) if lanes <= LANE_FLAG_LIMIT else []
-        if flags:  # each read in the lane loop from a per-lane copy (``block_flags``)
+        flags = cpp_split.block_flags(self.roots, plan) if lanes <= LANE_FLAG_LIMIT else []
+        if flags:  # each read in the lane loop from a per-lane copy (``cpp_split.block_flags``)
             self.emit(flags, outer)
             names = [f"flag{number}" for number in range(len(flags))]
             outer.add(f"uint8_t {', '.join(f'{name}[{lanes}]' for name in names)};")
@@ -527,26 +527,6 @@ class _KernelPrinter:
             outer.add(f"for (int32_t {XL} = {segment.start}; {XL} < {segment.stop}; ++{XL}) {{")
             outer.close(inner)
         body.close(outer)
-
-    def block_flags(self, plan: PointwiseSplit) -> list[Expr]:
-        """The booleans of the block alone that lane values read (a padding test of a row, as
-        a load's mask or a select's condition), when one of them is read by a boolean lane
-        value (the mask of a load of a bool buffer). GCC 12 does not vectorize a select of
-        bytes on a loop-invariant condition, nor then the selects of floats beside it, and
-        leaves the lane loop scalar (a max pool's backward: 178 ms against 10 ms with the
-        flags read from per-lane copies). Flags that only floats read stay as they are: GCC
-        unswitches that loop on them (a max pool's NCHW forward, 1.8x slower with copies)."""
-        found: dict[int, Expr] = {}
-        bytes_read = False
-        for expr in walk(self.roots):
-            if not plan.on_lane[id(expr)]:
-                continue
-            for child in children(expr):
-                flag = child.dtype == torch.bool and not isinstance(child, Const)
-                if flag and not plan.on_lane[id(child)]:
-                    found[id(child)] = child
-                    bytes_read = bytes_read or expr.dtype == torch.bool
-        return list(found.values()) if bytes_read else []
 
     @property
     def lane(self) -> str:

@@ -47,6 +47,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from kiln.schedule.index import FloorDiv, Index, Mod, Var, floordiv, mod, var
 from kiln.schedule.loops import (
     Const,
@@ -228,6 +230,28 @@ def pointwise_split(xnumel: int, roots: list[Expr], min_blocks: int) -> Pointwis
     if not lane_values and not loop_invariants(roots, on_lane) and not fewer_divisions:
         return None
     return PointwiseSplit(split, lane_values, on_lane)
+
+
+def block_flags(roots: list[Expr], plan: PointwiseSplit) -> list[Expr]:
+    """The booleans of the block alone that lane values read (a padding test of a row, as
+    a load's mask or a select's condition), when one of them is read by a boolean lane
+    value (the mask of a load of a bool buffer): the C++ generator copies them into per-lane
+    arrays. GCC 12 does not vectorize a select of bytes on a loop-invariant condition, nor
+    then the selects of floats beside it, and leaves the lane loop scalar (a max pool's
+    backward: 178 ms against 10 ms with the copies). Flags that only floats read stay as
+    they are: GCC unswitches that loop on them (a max pool's NCHW forward, 1.8x slower with
+    copies)."""
+    found: dict[int, Expr] = {}
+    bytes_read = False
+    for expr in walk(roots):
+        if not plan.on_lane[id(expr)]:
+            continue
+        for child in children(expr):
+            flag = child.dtype == torch.bool and not isinstance(child, Const)
+            if flag and not plan.on_lane[id(child)]:
+                found[id(child)] = child
+                bytes_read = bytes_read or expr.dtype == torch.bool
+    return list(found.values()) if bytes_read else []
 
 
 def _divisions(index: Index) -> int:
