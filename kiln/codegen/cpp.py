@@ -500,9 +500,9 @@ class _KernelPrinter:
         outer = body.child()
         values = {id(v): v for v in plan.lane_values}
         flags = cpp_split.block_flags(self.roots, plan) if lanes <= LANE_FLAG_LIMIT else []
+        names = [f"flag{number}" for number in range(len(flags))]
         if flags:  # each read in the lane loop from a per-lane copy (``cpp_split.block_flags``)
             self.emit(flags, outer)
-            names = [f"flag{number}" for number in range(len(flags))]
             outer.add(f"uint8_t {', '.join(f'{name}[{lanes}]' for name in names)};")
             outer.add("#pragma omp simd")
             copies = " ".join(
@@ -511,7 +511,7 @@ class _KernelPrinter:
             outer.add(f"for (int32_t {XL} = 0; {XL} < {lanes}; ++{XL}) {{ {copies} }}")
         for segment in segments:  # kiln/codegen/cpp_segments.py: masks constant in each
             inner = outer.child()
-            for name, flag in zip(names if flags else [], flags, strict=True):
+            for name, flag in zip(names, flags, strict=True):
                 ctype = compute_type(flag.dtype)
                 inner.add(f"const {ctype} {self.name(flag)} = {name}[{XL}];")  # (shadows it)
                 inner.defined.add(id(flag))

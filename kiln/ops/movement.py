@@ -555,7 +555,7 @@ def spread(size: Dim, interior: int) -> Dim:
         return size
     if isinstance(size, int):
         return size + max(size - 1, 0) * interior
-    return size * (interior + 1) - interior  # (a symbolic size is at least 2)
+    return size * (interior + 1) - interior  # (a symbolic size is at least 1)
 
 
 def _pad_impl(attrs: PadAttrs, x: torch.Tensor) -> torch.Tensor:

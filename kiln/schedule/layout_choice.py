@@ -32,9 +32,8 @@ class LayoutChoice:
 
     def strides_for(self, value: Value) -> tuple[int, ...]:
         """The layout of a value a kernel stores: channels-last when it feeds a convolution on
-        the GPU (cuDNN's fast path), the dim order of a dense input it is computed from (as
-        eager's elementwise ops, pooling and cropping keep ``channels_last``), else
-        contiguous."""
+        the GPU (cuDNN's fast path), the dim order of an input it is computed from (as eager's
+        elementwise ops, pooling and cropping keep ``channels_last``), else contiguous."""
         shape = shape_of(value)
         contiguous = ix.contiguous_strides(shape)
         if self.wants_channels_last(value):
