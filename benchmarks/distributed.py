@@ -197,7 +197,27 @@ def profile(step: Callable[..., Any], data: Iterable[Any], device: torch.device)
             trace = json.load(file)
     line, numbers = overlap_line(trace)
     print(f"[rank {dist.get_rank()}] profile of 3 steps: {line}", flush=True)
+    if dist.get_rank() == 0:
+        print(kernel_summary(trace, steps=3), flush=True)
     return numbers
+
+
+def kernel_summary(trace: dict[str, Any], steps: int, top: int = 12) -> str:
+    """GPU-busy time per step (the union of all kernels' intervals) and the kernels taking
+    the most time, per step: whether a step waits on the host or on its kernels, and which."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        return "(no GPU kernels in the trace)"
+    busy = sum(end - start for start, end in merged((e["ts"], e["ts"] + e["dur"]) for e in kernels))
+    totals: dict[str, list[float]] = {}
+    for event in kernels:
+        entry = totals.setdefault(event["name"][:70], [0.0, 0])
+        entry[0] += event["dur"]
+        entry[1] += 1
+    lines = [f"GPU busy {busy / 1000 / steps:.2f} ms a step, {len(kernels) // steps} kernels"]
+    for name, (time_us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {time_us / 1000 / steps:7.3f} ms  x{count // steps:<4} {name}")
+    return "\n".join(lines)
 
 
 def peak_memory(device: torch.device) -> list[float]:
@@ -238,6 +258,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                     f"step {index}: loss {losses[-1]:.6f}  ({times[-1] * 1000:.1f} ms)", flush=True
                 )
     timed = times[args.steps :] or times[1:] or times
+    if dist.get_rank() == 0:  # drift or outliers show here, not in the median
+        print("timed steps ms: " + " ".join(f"{1000 * t:.1f}" for t in timed), flush=True)
     result: dict[str, Any] = {
         "mode": args.mode,
         "compiler": args.compiler,
