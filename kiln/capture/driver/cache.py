@@ -396,7 +396,7 @@ def _install(
     guard, source, first_failure = reused or compile_guards(capture.guards, params)
     entry = Entry(capture, guard, source, first_failure, owner)
     cache.entries.insert(0, entry)
-    if wants_native(capture.guards):  # rebuilt with C++ tensor checks once they are built
+    if wants_native(capture.guards, source):  # rebuilt with C++ checks once they load
         native_guards.when_ready(lambda: _nativize(entry, params))
     counters.artifact_hits += reused is not None
     counters.captures += reused is None
