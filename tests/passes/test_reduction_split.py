@@ -175,12 +175,30 @@ def test_gpu_spatial_pooling_with_few_outputs_is_chunked(
 def test_gpu_spatial_pooling_with_many_outputs_or_small_images_is_left_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Enough programs already, too little work, or chunks shorter than 128 rows (at
+    128x240x14x14 two chunks of 98 rows ran slower than one program per output block)."""
     from kiln.passes import reduction_split
 
     monkeypatch.setattr(reduction_split, "_holds_channels_last", lambda value: True)
-    for shape in ((64, 2048, 7, 7), (2, 8, 7, 7), (256, 96, 56, 56)):
+    for shape in ((64, 2048, 7, 7), (2, 8, 7, 7), (128, 240, 14, 14)):
         graph = kiln.trace(lambda x: x.sum((2, 3)), torch.randn(*shape))
         assert _reductions(split_reductions(graph)) == [(Op.SUM, (2, 3))]
+
+
+@pytest.mark.parametrize(("channels", "size", "chunks"), [(96, 56, 7), (144, 56, 4), (240, 28, 4)])
+def test_gpu_spatial_pooling_of_long_rows_aims_at_eight_programs_per_sm(
+    channels: int, size: int, chunks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EfficientNet-B0's squeeze-excitations at batch 128 have 192-480 output blocks of 64
+    channels: each image's rows are cut towards 1056 programs, in chunks of >= 128 rows."""
+    from kiln.passes import reduction_split
+
+    monkeypatch.setattr(reduction_split, "_holds_channels_last", lambda value: True)
+    graph = kiln.trace(lambda x: x.mean((2, 3)), torch.empty(128, channels, size, size))
+    split = split_reductions(graph)
+    shapes = [n.attrs.shape for n in split.nodes if n.op is Op.RESHAPE]
+    assert shapes[0] == (128, chunks, size * size // chunks, channels)
+    assert _reductions(split) == [(Op.SUM, (2,)), (Op.SUM, (1,))]
 
 
 def test_squeeze_excitation_trains_after_the_pooling_split(
