@@ -36,27 +36,10 @@ from kiln.schedule.loops import Apply, Const, Expr, IndexValue
 MAX_SEGMENTS = 8  # more loops than this cost more than the masked loads they save
 MAX_LANES = 4096  # lanes evaluated one by one at compile time
 
-_COMPARE = {
-    Op.LT: lambda a, b: a < b,
-    Op.LE: lambda a, b: a <= b,
-    Op.GT: lambda a, b: a > b,
-    Op.GE: lambda a, b: a >= b,
-    Op.EQ: lambda a, b: a == b,
-    Op.NE: lambda a, b: a != b,
-}
-_LOGICAL = {
-    Op.LOGICAL_AND: lambda a, b: bool(a) and bool(b),
-    Op.LOGICAL_OR: lambda a, b: bool(a) or bool(b),
-    Op.LOGICAL_XOR: lambda a, b: bool(a) != bool(b),
-    Op.BITWISE_AND: lambda a, b: a & b,
-    Op.BITWISE_OR: lambda a, b: a | b,
-    Op.BITWISE_XOR: lambda a, b: a ^ b,
-}
-_ARITHMETIC = {
-    Op.ADD: lambda a, b: a + b,
-    Op.SUB: lambda a, b: a - b,
-    Op.MUL: lambda a, b: a * b,
-}
+# Ops on lane values, by their torch functions' names: booleans, then integer arithmetic.
+_OPS = "lt le gt ge eq ne logical_and logical_or logical_xor bitwise_and bitwise_or bitwise_xor"
+_COMPARE = {Op[name.upper()]: getattr(torch, name) for name in _OPS.split()}
+_ARITHMETIC = {Op[name.upper()]: getattr(torch, name) for name in ("add", "sub", "mul")}
 
 
 @dataclass(frozen=True)
@@ -77,65 +60,81 @@ def lane_segments(split: LaneSplit, values: list[Expr]) -> list[Segment] | None:
     ``xl`` alone) is constant; None when there is one segment, too many, or no such value."""
     if split.lanes > MAX_LANES:
         return None
-    masks = [v for v in values if v.dtype is torch.bool]
-    columns: dict[int, list[bool]] = {}
-    for mask in masks:
-        try:
-            columns[id(mask)] = [bool(_value(mask, split, xl)) for xl in range(split.lanes)]
-        except _NotConstant:
-            continue
+    lanes = torch.arange(split.lanes, dtype=torch.int64)
+    known: dict[int, torch.Tensor | None] = {}  # by expression id: its lanes, None: unknown
+    columns: dict[int, torch.Tensor] = {}
+    for mask in values:
+        column = _lanes(mask, split, lanes, known) if mask.dtype is torch.bool else None
+        if column is not None:
+            columns[id(mask)] = column.bool().expand(split.lanes)
     if not columns:
         return None
-    starts = [0] + [
-        xl
-        for xl in range(1, split.lanes)
-        if any(column[xl] != column[xl - 1] for column in columns.values())
-    ]
+    stacked = torch.stack(list(columns.values()))
+    changed = (stacked[:, 1:] != stacked[:, :-1]).any(0).nonzero().flatten() + 1
+    starts = [0, *changed.tolist()]
     if not 1 < len(starts) <= MAX_SEGMENTS:
         return None
     stops = [*starts[1:], split.lanes]
     return [
-        Segment(start, stop, {key: column[start] for key, column in columns.items()})
+        Segment(start, stop, {key: bool(column[start]) for key, column in columns.items()})
         for start, stop in zip(starts, stops, strict=True)
     ]
 
 
-def _value(expr: Expr, split: LaneSplit, xl: int) -> int | float | bool:
-    if isinstance(expr, Const):
-        return expr.value
+def _lanes(
+    expr: Expr, split: LaneSplit, lanes: torch.Tensor, known: dict[int, torch.Tensor | None]
+) -> torch.Tensor | None:
+    """``expr`` at every lane at once (an integer or boolean tensor over ``lanes``), or None
+    when it is not a function of the lane alone that this module evaluates. Each node of the
+    expression DAG is evaluated once: a DenseNet's concatenations share deep mask trees (lane
+    by lane, unshared, they took 85 of a 100 s first call)."""
+    if id(expr) not in known:
+        try:
+            known[id(expr)] = _evaluate(expr, split, lanes, known)
+        except _NotConstant:
+            known[id(expr)] = None
+    return known[id(expr)]
+
+
+def _evaluate(
+    expr: Expr, split: LaneSplit, lanes: torch.Tensor, known: dict[int, torch.Tensor | None]
+) -> torch.Tensor:
+    if isinstance(expr, Const) and not expr.dtype.is_floating_point:
+        return torch.tensor(expr.value, dtype=torch.bool if expr.dtype is torch.bool else None)
     if isinstance(expr, IndexValue):
-        return _index(split.substitute(expr.index), xl)
+        return _index(split.substitute(expr.index), lanes)
     if not isinstance(expr, Apply):
         raise _NotConstant
-    args = [_value(arg, split, xl) for arg in expr.args]
+    found = [_lanes(arg, split, lanes, known) for arg in expr.args]
+    args = [arg for arg in found if arg is not None and not arg.is_floating_point()]
+    if len(args) < len(found):
+        raise _NotConstant
     if expr.op in _COMPARE:
         return _COMPARE[expr.op](*args)
-    if expr.op in _LOGICAL:
-        return _LOGICAL[expr.op](*args)
-    if expr.op in _ARITHMETIC and not expr.dtype.is_floating_point:
-        return _ARITHMETIC[expr.op](*args)
+    if expr.op in _ARITHMETIC and not expr.dtype.is_floating_point:  # bools add as ints
+        return _ARITHMETIC[expr.op](*(a.long() if a.dtype is torch.bool else a for a in args))
     if expr.op is Op.LOGICAL_NOT:
-        return not args[0]
+        return torch.logical_not(args[0])
     if expr.op is Op.WHERE:
-        return args[1] if args[0] else args[2]
+        return torch.where(args[0].bool(), args[1], args[2])
     if expr.op is Op.CONVERT and expr.dtype is torch.bool:
-        return args[0] != 0
-    if expr.op is Op.CONVERT and not expr.dtype.is_floating_point and isinstance(args[0], int):
+        return torch.ne(args[0], 0)
+    if expr.op is Op.CONVERT and not expr.dtype.is_floating_point:
         return args[0]
     raise _NotConstant
 
 
-def _index(index: Index, xl: int) -> int:
-    """``index`` at lane ``xl`` as the printed C++ computes it (division truncates)."""
-    total = index.const
+def _index(index: Index, lanes: torch.Tensor) -> torch.Tensor:
+    """``index`` at every lane as the printed C++ computes it (division truncates)."""
+    total = torch.full_like(lanes, index.const)
     for atom, coef in index.terms:
         if isinstance(atom, Var) and atom.name == XL:
-            value = xl
+            value = lanes
         elif isinstance(atom, (FloorDiv, Mod)):
-            operand = _index(atom.operand, xl)
-            quotient = abs(operand) // atom.divisor * (1 if operand >= 0 else -1)
+            operand = _index(atom.operand, lanes)
+            quotient = torch.div(operand, atom.divisor, rounding_mode="trunc")
             value = quotient if isinstance(atom, FloorDiv) else operand - quotient * atom.divisor
         else:
             raise _NotConstant  # another loop variable, or a gathered index
-        total += coef * value
+        total = total + coef * value
     return total
