@@ -55,7 +55,11 @@ LAYERS: list[set[str]] = [
 FORBIDDEN = {("runtime", "codegen"), ("runtime", "schedule")}
 PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may still be read as
 
-LINE_BUDGET = 32_000  # code lines of kiln/ (no blanks, comments, docstrings) after all features
+# Code lines of kiln/ (no blanks, comments, docstrings) after all features. 32,000 until
+# 2026-11-27; +50 for passes/pointwise_conv.py (squeeze-excitation convolutions as matmuls),
+# the first new pass since the budget was set, after freeing what duplicates and dead code
+# offered (the lane evaluator's rewrite gave back 8).
+LINE_BUDGET = 32_050
 
 
 def _module_name(path: Path) -> str:

@@ -17,6 +17,7 @@ from kiln.passes.dce import eliminate_dead_code
 from kiln.passes.markers import remove_autodiff_markers
 from kiln.passes.matmul_padding import pad_matmul
 from kiln.passes.matmul_transpose import transpose_matmul
+from kiln.passes.pointwise_conv import convolutions_as_matmuls
 from kiln.passes.reduction_split import split_reductions
 from kiln.passes.relu_mask import read_relu_masks_from_outputs
 from kiln.passes.sum_factor import factor_sums
@@ -28,6 +29,7 @@ PIPELINE = [
     fuse_attention,
     keep_attention_statistics,
     fold_conv_batchnorm,
+    convolutions_as_matmuls,
     transpose_matmul,
     pad_matmul,
     factor_sums,
@@ -59,6 +61,7 @@ def optimize(graph: Graph, *, differentiating: bool = False) -> Graph:
 __all__ = [
     "AFTER_AUTODIFF",
     "PIPELINE",
+    "convolutions_as_matmuls",
     "eliminate_common_subexpressions",
     "eliminate_dead_code",
     "factor_sums",
