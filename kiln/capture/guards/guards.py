@@ -493,7 +493,8 @@ def wants_native(guards: Sequence[Guard], source: str) -> bool:
     """Whether ``guards``, compiled as ``source``, are worth compiling again once the extension
     is loaded: enough of them, and ``source`` checks none natively. The extension's state
     afterwards does not tell: loading it from the disk cache in the build thread can finish
-    between compiling and asking (which left a RegNet's 3,793 guards in Python, 1.6 ms a call)."""
+    between compiling and asking (which left a RegNet's 3,793 guards in Python: 355 us a call on
+    this project's CPU, 145 native)."""
     if native_guards.module() is None and not native_guards.pending():  # failed, or off
         return False
     return len(guards) >= native_guards.NATIVE_MIN_TENSORS and "native_check" not in source
