@@ -52,6 +52,7 @@ import torch
 
 from kiln.codegen import cpp_math, cpp_segments, cpp_split
 from kiln.codegen.cpp_math import compute_type, storage_type
+from kiln.codegen.cpp_segments import Segment
 from kiln.codegen.cpp_split import XL, LaneSplit, PointwiseSplit
 from kiln.codegen.sources import CppEntry, CppSource
 from kiln.ir.op import Op
@@ -97,9 +98,7 @@ def generate_cpp(kernels: list[Kernel], threads: int | None = None) -> str:
     """One C++ translation unit defining every kernel of ``kernels``; ``threads`` (default:
     ``torch.get_num_threads()``) is baked into the OpenMP pragmas."""
     count = torch.get_num_threads() if threads is None else max(int(threads), 1)
-    parts = [cpp_math.PRELUDE]
-    parts += [_KernelPrinter(kernel, count).source() for kernel in kernels]
-    return "\n".join(parts)
+    return "\n".join([cpp_math.PRELUDE, *(_KernelPrinter(k, count).source() for k in kernels)])
 
 
 def cpp_library(
@@ -282,6 +281,8 @@ class _KernelPrinter:
         self.split: LaneSplit | None = None  # x printed as lanes*xb + xl (kiln/codegen/cpp_split)
         self.lane_arrays: dict[int, str] = {}  # expression id -> the per-lane array keeping it
         self.across_rows: dict[int, bool] = {}  # in column reductions: varies along the block
+        self.row_segments: list[Segment | None] = [None]  # rows' constant masks
+        self.masks: dict[int, Expr] = {}  # the segments' masks by expression id
         self.linkage = 'extern "C"'  # a part's own function is static
 
     # -- names and the signature ----------------------------------------------------------
@@ -489,7 +490,7 @@ class _KernelPrinter:
         lanes = plan.split.lanes
         segments = cpp_segments.lane_segments(plan.split, plan.lane_values)
         if segments is None:  # one loop over every lane
-            segments = [cpp_segments.Segment(0, lanes, {})]
+            segments = [Segment(0, lanes, {})]
         constant = segments[0].constants
         lane_values = [v for v in plan.lane_values if id(v) not in constant]
         if lane_values:
@@ -515,11 +516,7 @@ class _KernelPrinter:
                 ctype = compute_type(flag.dtype)
                 inner.add(f"const {ctype} {self.name(flag)} = {name}[{XL}];")  # (shadows it)
                 inner.defined.add(id(flag))
-            for key, value in segment.constants.items():
-                expr = values[key]
-                literal = cpp_math.literal(value, expr.dtype)
-                inner.add(f"const {compute_type(expr.dtype)} {self.name(expr)} = {literal};")
-                inner.defined.add(key)
+            self.define_constants(inner, segment, values)
             self.emit(self.roots, inner, outer, plan.on_lane)
             for store in self.kernel.stores:
                 self.store(store, inner)
@@ -528,16 +525,26 @@ class _KernelPrinter:
             outer.close(inner)
         body.close(outer)
 
+    def define_constants(self, block: _Block, segment: Segment | None, of: dict[int, Expr]) -> None:
+        """The masks ``segment`` holds constant, defined as literals at the top of ``block``."""
+        for key, value in segment.constants.items() if segment else ():
+            ctype, literal = compute_type(of[key].dtype), cpp_math.literal(value, of[key].dtype)
+            block.add(f"const {ctype} {self.name(of[key])} = {literal};")
+            block.defined.add(key)
+
     @property
     def lane(self) -> str:
         """The C++ index of the current row within its block of rows."""
         return XL if self.split else "x - x0"
 
-    def lane_loop(self) -> str:
-        """The head of a (vectorized) loop over the rows of one block."""
+    def lane_loop(self, rows: Segment | None = None) -> str:
+        """The head of a (vectorized) loop over the rows of one block (those of ``rows``)."""
         if self.split:
             return f"for (int32_t {XL} = 0; {XL} < {self.split.lanes}; ++{XL}) {{"
-        return f"for ({self.index_type} x = x0; x < x1; ++x) {{"
+        if rows is None:
+            return f"for ({self.index_type} x = x0; x < x1; ++x) {{"
+        t, a, b = self.index_type, rows.start, rows.stop
+        return f"for ({t} x = (x0 > {a} ? x0 : {a}); x < (x1 < {b} ? x1 : {b}); ++x) {{"
 
     def fill_lane_arrays(self, block: _Block, values: list[Expr], lanes: int) -> None:
         """One array slot per row of a block for each of ``values``, filled by one loop over
@@ -657,6 +664,10 @@ class _KernelPrinter:
         )
         # (one the same for every row, a constant, is computed where it is read instead)
         invariants = [e for e in invariants if self.phase[id(e)] == 0 and self.across_rows[id(e)]]
+        segments = None if self.split else cpp_segments.row_segments(kernel.xnumel, invariants)
+        if segments:  # one loop per run of rows reading one input of a cat (cpp_segments.py)
+            self.row_segments, self.masks = list(segments), {id(e): e for e in invariants}
+            invariants = [e for e in invariants if id(e) not in segments[0].constants]
         if invariants:  # a BatchNorm's per-channel scale and shift, once per block
             self.fill_lane_arrays(outer, invariants, lanes)
         accumulators = [self.accumulator(reduce) for reduce in reduces]
@@ -709,23 +720,25 @@ class _KernelPrinter:
         """A vectorized loop over the rows of a block: it reads the results of the ``finished``
         accumulators, updates the ``updating`` ones (inside an ``r`` loop), then runs
         ``stores``."""
-        inner = block.child()
-        slot = f"[{self.lane}]"
-        for acc in finished:
-            ctype = compute_type(acc.reduce.dtype)
-            inner.add(f"const {ctype} {self.name(acc.reduce)} = {acc.result(slot)};")
-            inner.defined.add(id(acc.reduce))
-        values = [acc.reduce.value for acc in updating]
-        needs = values + [e for s in stores for e in _store_needs(s)]
-        self.emit(needs, inner, block, self.across_rows)  # a row's own values once per r
-        for acc in updating:
-            for line in acc.update(self.operand(acc.reduce.value), slot):
-                inner.add(line)
-        for store in stores:
-            self.store(store, inner)
-        block.add("#pragma omp simd")
-        block.add(self.lane_loop())
-        block.close(inner)
+        for segment in self.row_segments:
+            inner = block.child()
+            self.define_constants(inner, segment, self.masks)
+            slot = f"[{self.lane}]"
+            for acc in finished:
+                ctype = compute_type(acc.reduce.dtype)
+                inner.add(f"const {ctype} {self.name(acc.reduce)} = {acc.result(slot)};")
+                inner.defined.add(id(acc.reduce))
+            values = [acc.reduce.value for acc in updating]
+            needs = values + [e for s in stores for e in _store_needs(s)]
+            self.emit(needs, inner, block, self.across_rows)  # a row's own values once per r
+            for acc in updating:
+                for line in acc.update(self.operand(acc.reduce.value), slot):
+                    inner.add(line)
+            for store in stores:
+                self.store(store, inner)
+            block.add("#pragma omp simd")
+            block.add(self.lane_loop(segment))
+            block.close(inner)
 
     def row_stores(self, stores: list[Store], phase: int, row: _Block) -> None:
         done = [s for s in stores if self.store_phase(s) == phase]

@@ -24,6 +24,7 @@ so a segment's constants are exactly what the loop would have computed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +32,10 @@ import torch
 from kiln.codegen.cpp_split import XL, LaneSplit
 from kiln.ir.op import Op
 from kiln.schedule.index import FloorDiv, Index, Mod, Var
-from kiln.schedule.loops import Apply, Const, Expr, IndexValue
+from kiln.schedule.loops import Apply, Const, Expr, IndexValue, X
 
 MAX_SEGMENTS = 8  # more loops than this cost more than the masked loads they save
+MAX_ROW_SEGMENTS = 64  # a column reduction's: each loop reads one input of a cat
 MAX_LANES = 4096  # lanes evaluated one by one at compile time
 
 # Ops on lane values, by their torch functions' names: booleans, then integer arithmetic.
@@ -58,23 +60,38 @@ class _NotConstant(Exception):
 def lane_segments(split: LaneSplit, values: list[Expr]) -> list[Segment] | None:
     """Segments of ``split``'s lanes over which every boolean of ``values`` (functions of
     ``xl`` alone) is constant; None when there is one segment, too many, or no such value."""
-    if split.lanes > MAX_LANES:
+    return _segments(values, split.lanes, (split.substitute, XL), MAX_SEGMENTS)
+
+
+def row_segments(rows: int, values: list[Expr]) -> list[Segment] | None:
+    """Segments of a column reduction's rows ``0 <= x < rows`` over which every boolean of
+    ``values`` (functions of ``x`` alone) is constant: a BatchNorm's statistics over a
+    DenseNet ``cat`` of up to 32 inputs, whose every element otherwise walked a 32-deep chain
+    of masked loads. Each segment's loop reads one input, so more segments pay here."""
+    return _segments(values, rows, (lambda index: index, X), MAX_ROW_SEGMENTS)
+
+
+_How = tuple[Callable[[Index], Index], str]  # the index in the lane variable, and its name
+
+
+def _segments(values: list[Expr], count: int, how: _How, limit: int) -> list[Segment] | None:
+    if count > MAX_LANES:
         return None
-    lanes = torch.arange(split.lanes, dtype=torch.int64)
+    lanes = torch.arange(count, dtype=torch.int64)
     known: dict[int, torch.Tensor | None] = {}  # by expression id: its lanes, None: unknown
     columns: dict[int, torch.Tensor] = {}
     for mask in values:
-        column = _lanes(mask, split, lanes, known) if mask.dtype is torch.bool else None
+        column = _lanes(mask, how, lanes, known) if mask.dtype is torch.bool else None
         if column is not None:
-            columns[id(mask)] = column.bool().expand(split.lanes)
+            columns[id(mask)] = column.bool().expand(count)
     if not columns:
         return None
     stacked = torch.stack(list(columns.values()))
     changed = (stacked[:, 1:] != stacked[:, :-1]).any(0).nonzero().flatten() + 1
     starts = [0, *changed.tolist()]
-    if not 1 < len(starts) <= MAX_SEGMENTS:
+    if not 1 < len(starts) <= limit:
         return None
-    stops = [*starts[1:], split.lanes]
+    stops = [*starts[1:], count]
     return [
         Segment(start, stop, {key: bool(column[start]) for key, column in columns.items()})
         for start, stop in zip(starts, stops, strict=True)
@@ -82,7 +99,7 @@ def lane_segments(split: LaneSplit, values: list[Expr]) -> list[Segment] | None:
 
 
 def _lanes(
-    expr: Expr, split: LaneSplit, lanes: torch.Tensor, known: dict[int, torch.Tensor | None]
+    expr: Expr, how: _How, lanes: torch.Tensor, known: dict[int, torch.Tensor | None]
 ) -> torch.Tensor | None:
     """``expr`` at every lane at once (an integer or boolean tensor over ``lanes``), or None
     when it is not a function of the lane alone that this module evaluates. Each node of the
@@ -90,22 +107,22 @@ def _lanes(
     by lane, unshared, they took 85 of a 100 s first call)."""
     if id(expr) not in known:
         try:
-            known[id(expr)] = _evaluate(expr, split, lanes, known)
+            known[id(expr)] = _evaluate(expr, how, lanes, known)
         except _NotConstant:
             known[id(expr)] = None
     return known[id(expr)]
 
 
 def _evaluate(
-    expr: Expr, split: LaneSplit, lanes: torch.Tensor, known: dict[int, torch.Tensor | None]
+    expr: Expr, how: _How, lanes: torch.Tensor, known: dict[int, torch.Tensor | None]
 ) -> torch.Tensor:
     if isinstance(expr, Const) and not expr.dtype.is_floating_point:
         return torch.tensor(expr.value, dtype=torch.bool if expr.dtype is torch.bool else None)
     if isinstance(expr, IndexValue):
-        return _index(split.substitute(expr.index), lanes)
+        return _index(how[0](expr.index), lanes, how[1])
     if not isinstance(expr, Apply):
         raise _NotConstant
-    found = [_lanes(arg, split, lanes, known) for arg in expr.args]
+    found = [_lanes(arg, how, lanes, known) for arg in expr.args]
     args = [arg for arg in found if arg is not None and not arg.is_floating_point()]
     if len(args) < len(found):
         raise _NotConstant
@@ -124,14 +141,14 @@ def _evaluate(
     raise _NotConstant
 
 
-def _index(index: Index, lanes: torch.Tensor) -> torch.Tensor:
+def _index(index: Index, lanes: torch.Tensor, variable: str) -> torch.Tensor:
     """``index`` at every lane as the printed C++ computes it (division truncates)."""
     total = torch.full_like(lanes, index.const)
     for atom, coef in index.terms:
-        if isinstance(atom, Var) and atom.name == XL:
+        if isinstance(atom, Var) and atom.name == variable:
             value = lanes
         elif isinstance(atom, (FloorDiv, Mod)):
-            operand = _index(atom.operand, lanes)
+            operand = _index(atom.operand, lanes, variable)
             quotient = torch.div(operand, atom.divisor, rounding_mode="trunc")
             value = quotient if isinstance(atom, FloorDiv) else operand - quotient * atom.divisor
         else:

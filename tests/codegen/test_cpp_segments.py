@@ -166,3 +166,37 @@ def test_column_sums_read_per_row_values_once_per_r(cache: Path) -> None:
     expected = (inputs["grad"] * scaled).sum(0)
     torch.testing.assert_close(out["weight_grad"], expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out["bias_grad"], inputs["grad"].sum(0), rtol=1e-4, atol=1e-4)
+
+
+def test_batchnorm_over_a_channel_cat_reads_each_input_in_its_own_row_loop() -> None:
+    """DenseNet's BatchNorm statistics over a ``cat`` of channels-last features: a column
+    reduction whose rows (channels) come from one input each. Each run of rows gets its own
+    loop with the masks as constants (``row_segments``), so no element walks the chain of
+    masked loads; outputs and every gradient match eager."""
+    torch.manual_seed(0)
+    pieces = [
+        torch.randn(2, width, 5, 5).to(memory_format=torch.channels_last).requires_grad_()
+        for width in (24, 40, 16, 48)
+    ]
+    weight = torch.rand(128, requires_grad=True)
+    bias = torch.randn(128, requires_grad=True)
+
+    def fn(*xs: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.batch_norm(torch.cat(xs, 1), None, None, weight, bias, True)
+        return torch.relu(out)
+
+    records: list[object] = []
+    listen(records, CompiledProgramRecord)
+    try:
+        mine = kiln.compile(fn, options={"codegen": "cpp"})(*pieces)
+        grads = torch.autograd.grad(mine, [*pieces, weight, bias], torch.ones_like(mine))
+    finally:
+        unlisten(records)
+        kiln.reset()
+    expected = fn(*pieces)
+    want = torch.autograd.grad(expected, [*pieces, weight, bias], torch.ones_like(expected))
+    torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-5)
+    for got, wanted in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-5)
+    sources = [generate_cpp(r.program.kernels()) for r in records if r.program]  # type: ignore[attr-defined]
+    assert any("x = (x0 > 24 ? x0 : 24); x < (x1 < 64 ? x1 : 64)" in s for s in sources)
