@@ -18,8 +18,12 @@ does not need::
       ...
     }
 
-Masks are evaluated here, lane by lane, with C++'s integer semantics (truncating division),
-so a segment's constants are exactly what the loop would have computed.
+A column reduction's rows get the same treatment (:func:`row_segments`): its loop over the
+rows of a block runs once per run of rows whose masks are constant.
+
+Masks are evaluated here at compile time, for every lane at once and each expression node
+once, with C++'s integer semantics (truncating division), so a segment's constants are exactly
+what the loop would have computed.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from kiln.schedule.loops import Apply, Const, Expr, IndexValue, X
 
 MAX_SEGMENTS = 8  # more loops than this cost more than the masked loads they save
 MAX_ROW_SEGMENTS = 64  # a column reduction's: each loop reads one input of a cat
-MAX_LANES = 4096  # lanes evaluated one by one at compile time
+MAX_LANES = 4096  # most lanes (or rows) evaluated at compile time
 
 # Ops on lane values, by their torch functions' names: booleans, then integer arithmetic.
 _OPS = "lt le gt ge eq ne logical_and logical_or logical_xor bitwise_and bitwise_or bitwise_xor"
