@@ -4,6 +4,11 @@ model from the bench suites, after warm-up, sorted by own time. For launch-bound
 
     python benchmarks/host_profile.py --model resnet50 --mode train [--steps 5] [--top 30]
         [--compile-mode reduce-overhead]
+
+In training, CUDA's autograd engine runs the backward on its own thread. Python 3.12's
+``cProfile`` (on ``sys.monitoring``) sees every thread; before 3.12 a profiler enabled on the
+main thread never sees that one, so the compiled backward gets a second profiler, enabled
+inside each call on its thread, reported after the first.
 """
 
 from __future__ import annotations
@@ -12,11 +17,13 @@ import argparse
 import cProfile
 import io
 import pstats
+import sys
 import time
 
 import torch
 
 import kiln
+from kiln.autodiff import runtime
 from kiln.bench.worker import prepare
 from kiln.capture.guards import native_guards
 
@@ -46,18 +53,38 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     plain = (time.perf_counter() - start) / args.steps * 1e3
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(args.steps):
-        step(run, inputs)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(args.top)
+    profiler, backward_profiler = cProfile.Profile(), cProfile.Profile()
+    original = runtime._Function.backward
+
+    def backward(ctx: object, *grads: torch.Tensor) -> object:
+        backward_profiler.enable()
+        try:
+            return original(ctx, *grads)
+        finally:
+            backward_profiler.disable()
+
+    # (on the CPU the backward runs on the main thread; 3.12 allows one profiler at a time)
+    if device.type == "cuda" and sys.version_info < (3, 12):
+        runtime._Function.backward = staticmethod(backward)  # type: ignore[assignment]
+    try:
+        profiler.enable()
+        for _ in range(args.steps):
+            step(run, inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        profiler.disable()
+    finally:
+        runtime._Function.backward = staticmethod(original)  # type: ignore[assignment]
     print(f"== {args.model} {args.mode}: {plain:.2f} ms per step without the profiler")
-    print(text.getvalue()[-12000:])
+    for title, which in (("main thread", profiler), ("compiled backward", backward_profiler)):
+        text = io.StringIO()
+        try:
+            stats = pstats.Stats(which, stream=text)
+        except TypeError:  # nothing recorded (inference)
+            continue
+        stats.sort_stats("tottime").print_stats(args.top)
+        print(f"-- {title} ({args.steps} steps)")
+        print(text.getvalue()[-8000:])
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Triton, cuBLAS/cuDNN externs, copies, other), GPU-busy time against the step's w
 
     python benchmarks/profile_gpu.py --models gpt2,resnet50 [--compilers kiln,eager,torch]
         [--mode infer|train] [--compile-mode reduce-overhead] [--top 15] [--roofline 20]
+        [--host]   (also: the CUDA runtime calls on the host, and synchronizing calls)
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ def kind_of(name: str) -> str:
 
 
 def profile(
-    name: str, compiler: str, mode: str, top: int, compile_mode: str | None, roofline_top: int = 0
+    name: str,
+    compiler: str,
+    mode: str,
+    top: int,
+    compile_mode: str | None,
+    roofline_top: int = 0,
+    host: bool = False,
 ) -> None:
     model, inputs, base = prepare(name, mode, torch.device("cuda"))
     if compiler == "kiln":
@@ -74,10 +81,15 @@ def profile(
             step(run, inputs)
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) / STEPS * 1e3
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        if host:
+            activities.append(torch.profiler.ProfilerActivity.CPU)
+        with torch.profiler.profile(activities=activities) as prof:
             for _ in range(STEPS):
                 step(run, inputs)
             torch.cuda.synchronize()
+        syncs = synchronizing_calls(lambda: step(run, inputs)) if host else []
+        split = host_phases(lambda: step(run, inputs)) if host else ""
     unlisten(records)
     print(
         f"== {name} {mode} {compiler}: first call {first:.2f} s, step {wall_ms:.2f} ms", flush=True
@@ -96,7 +108,15 @@ def profile(
     if compiler == "kiln":
         for line in kiln.explain().cudagraphs:
             print(f"   {line}")
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    if host:
+        print(f"   host time per step (no sync): {split}")
+        print_host(prof, syncs)
+    # Kernels only: with CPU activity on, the ops that launched them carry device time too.
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA
+    ]
     by_kind: dict[str, float] = defaultdict(float)
     launches: dict[str, int] = defaultdict(int)
     for event in events:
@@ -122,6 +142,86 @@ def profile(
     print(flush=True)
 
 
+def synchronizing_calls(step: object) -> list[str]:
+    """One step under ``torch.cuda.set_sync_debug_mode("warn")``: each synchronizing call's
+    message and the innermost frames of its Python stack (a synchronization leaves the GPU
+    idle until the host catches up)."""
+    import traceback
+
+    found: list[str] = []
+
+    def show(message: object, *args: object, **kwargs: object) -> None:
+        frames = traceback.extract_stack()[:-2][-4:]
+        where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in frames)
+        found.append(f"{str(message)[:80]} at {where}")
+
+    original = warnings.showwarning
+    warnings.showwarning = show  # type: ignore[assignment]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show  # type: ignore[assignment]
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()  # type: ignore[operator]
+                torch.cuda.set_sync_debug_mode(0)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        warnings.showwarning = original
+    return found
+
+
+def host_phases(step: object) -> str:
+    """Host time of a step's parts without synchronizing: up to ``loss.backward()``, inside
+    it (the autograd engine runs the backward's host work before returning), and the wait
+    for the GPU after it. A step whose wait is near zero is host-bound."""
+    marks: list[float] = []
+    original = torch.Tensor.backward
+
+    def backward(self: torch.Tensor, *args: object, **kwargs: object) -> None:
+        marks.append(time.perf_counter())
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+        marks.append(time.perf_counter())
+
+    torch.cuda.synchronize()
+    torch.Tensor.backward = backward  # type: ignore[method-assign]
+    try:
+        start = time.perf_counter()
+        step()  # type: ignore[operator]
+        enqueued = time.perf_counter()
+        torch.cuda.synchronize()
+        end = time.perf_counter()
+    finally:
+        torch.Tensor.backward = original  # type: ignore[method-assign]
+    if len(marks) == 2:
+        return (
+            f"forward {(marks[0] - start) * 1e3:.2f} ms, backward {(marks[1] - marks[0]) * 1e3:.2f}"
+            f" ms, then GPU wait {(end - enqueued) * 1e3:.2f} ms"
+        )
+    return (
+        f"enqueue {(enqueued - start) * 1e3:.2f} ms, then GPU wait {(end - enqueued) * 1e3:.2f} ms"
+    )
+
+
+def print_host(prof: torch.profiler.profile, syncs: list[str]) -> None:
+    """The CUDA runtime calls a step makes on the host (launches, allocations, copies,
+    synchronizations), and the synchronizing calls' Python frames."""
+    runtime = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu"))]
+    runtime = [e for e in runtime if e.self_device_time_total == 0]
+    for event in sorted(runtime, key=lambda e: -e.self_cpu_time_total)[:8]:
+        print(
+            f"   host {event.self_cpu_time_total / STEPS / 1e3:7.3f} ms  "
+            f"x{event.count / STEPS:<6.1f} {event.key[:80]}"
+        )
+    counts: dict[str, int] = defaultdict(int)
+    for line in syncs:
+        counts[line] += 1
+    print(f"   synchronizing calls in one step: {len(syncs)}")
+    for line, count in sorted(counts.items(), key=lambda kv: -kv[1])[:6]:
+        print(f"     x{count} {line[:300]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt2")
@@ -130,10 +230,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--compile-mode", default=None)
     parser.add_argument("--roofline", type=int, default=0, help="Kiln: the N slowest kernels")
+    parser.add_argument("--host", action="store_true", help="CUDA runtime calls, syncs")
     args = parser.parse_args()
     for name in args.models.split(","):
         for compiler in args.compilers.split(","):
-            profile(name, compiler, args.mode, args.top, args.compile_mode, args.roofline)
+            profile(
+                name, compiler, args.mode, args.top, args.compile_mode, args.roofline, args.host
+            )
 
 
 if __name__ == "__main__":
