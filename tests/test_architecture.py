@@ -58,8 +58,10 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # Code lines of kiln/ (no blanks, comments, docstrings) after all features. 32,000 until
 # 2026-11-27; +50 for passes/pointwise_conv.py (squeeze-excitation convolutions as matmuls),
 # the first new pass since the budget was set, after freeing what duplicates and dead code
-# offered (the lane evaluator's rewrite gave back 8).
-LINE_BUDGET = 32_050
+# offered (the lane evaluator's rewrite gave back 8). +110 the same day for CUDA attention's
+# own backward kernels (ops/attention.py's flash, memory-efficient and cuDNN calls and the
+# pass that picks them), which replace re-running the forward in every training step.
+LINE_BUDGET = 32_160
 
 
 def _module_name(path: Path) -> str:

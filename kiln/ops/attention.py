@@ -3,10 +3,11 @@ and the externs its gradients run as.
 
 Two backward paths. The general one (``sdpa_backward``) re-runs the forward under autograd
 with only the operands that need gradients as leaves, so PyTorch picks the same kernel eager
-would and runs its backward. On the CPU, a differentiated graph instead calls the flash kernel
-directly (``sdpa_cpu_forward``, chosen by ``passes.attention_statistics``), keeps its
-log-sum-exp, and its VJP is the kernel's own backward (``sdpa_cpu_backward``), so the forward
-runs once a step.
+would and runs its backward. Where ``passes.attention_statistics`` can name the kernel eager
+picks, a differentiated graph instead calls that kernel directly, keeps its log-sum-exp, and
+its VJP is the kernel's own backward, so the forward runs once a step: the CPU flash kernel
+(``sdpa_cpu_forward``, ``sdpa_cpu_backward``) and CUDA's flash, memory-efficient and cuDNN
+kernels (``sdpa_cuda_forward``, ``sdpa_cuda_backward``, the kernel an argument).
 """
 
 from __future__ import annotations
@@ -132,6 +133,124 @@ def sdpa_cpu_backward(
     return gq, gk, gv
 
 
+# CUDA's kernels, by ``torch.nn.attention.SDPBackend`` value.
+CUDA_FLASH, CUDA_EFFICIENT, CUDA_CUDNN = 1, 2, 3
+# The memory-efficient kernel reads a bias whose rows start at multiples of this many elements
+# (PyTorch pads a bias that is not, keeping its values: so does ``_efficient_bias``).
+_BIAS_ALIGNMENT = 16
+_aten = torch.ops.aten
+
+
+def sdpa_cuda_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    backend: int = CUDA_FLASH,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention by the CUDA kernel ``backend`` (the one ``F.scaled_dot_product_attention``
+    picks for these operands: ``passes.attention_statistics`` asks PyTorch), and its
+    log-sum-exp for :func:`sdpa_cuda_backward`. Without dropout; the pass calls the flash and
+    cuDNN kernels only without a mask and with head sizes that need no padding."""
+    if backend == CUDA_FLASH:
+        found = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)
+    elif backend == CUDA_CUDNN:
+        found = _aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, is_causal, scale=scale
+        )
+    else:
+        bias = _efficient_bias(mask, q, k)
+        found = _aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, is_causal, scale=scale
+        )
+    return found[0], found[1]
+
+
+def sdpa_cuda_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool = False,
+    scale: float | None = None,
+    backend: int = CUDA_FLASH,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k and v of :func:`sdpa_cuda_forward`, by the kernel's backward
+    from the forward's output and log-sum-exp (what eager autograd saves). No dropout: the
+    random state arguments are never read; the flash and cuDNN kernels' sequence offsets are
+    undefined (``None``), as for dense operands."""
+    seed, offset = _no_dropout_state(q.device)
+    length, keys = q.shape[-2], k.shape[-2]
+    if backend == CUDA_FLASH:
+        return _aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, None, None, length, keys, 0.0, is_causal, seed, offset,
+            scale=scale,
+        )  # fmt: skip
+    if backend == CUDA_CUDNN:
+        return _aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, seed, offset, None, None, None, length, keys, 0.0,
+            is_causal, scale=scale,
+        )  # fmt: skip
+    bias = _efficient_bias(mask, q, k)
+    gq, gk, gv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], is_causal,
+        scale=scale,
+    )  # fmt: skip
+    return gq, gk, gv
+
+
+def _no_dropout_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for the random state (made per call: a cached one could be a FakeTensor of
+    the run that typed the extern)."""
+    seed = torch.zeros(2, dtype=torch.int64, device=device)
+    return seed, torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> Any:
+    """The bias the memory-efficient kernel reads, as ``F.scaled_dot_product_attention``
+    prepares it: a boolean mask as 0/-inf in the query's dtype, rows aligned (padded past the
+    last column, the values unchanged), broadcast to ``[B, H, L, S]``."""
+    if mask is None:
+        return None
+    bias = _additive(mask, q)
+    assert bias is not None
+    size = bias.shape[-1]
+    aligned = bias.stride(-1) == 1 and all(s % _BIAS_ALIGNMENT == 0 for s in bias.stride()[:-1])
+    if not aligned or bias.storage_offset() % _BIAS_ALIGNMENT:
+        padded = bias.new_zeros((*bias.shape[:-1], size + (-size) % _BIAS_ALIGNMENT))
+        bias = padded[..., :size].copy_(bias)
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def _sdpa_cuda_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+    def operand(arg: Any) -> Any:
+        return inputs[arg.index] if isinstance(arg, Slot) else arg
+
+    q, k, v, mask = (operand(arg) for arg in attrs.args[:4])
+    out, lse = outputs
+    results = extern_call(sdpa_cuda_backward, (grads[0], q, k, v, mask, out, lse), attrs.kwargs)
+    return _spread_qkv(attrs, inputs, results)
+
+
+def _spread_qkv(attrs: ExternAttrs, inputs: Sequence[Any], results: Any) -> Grads:
+    """q's, k's and v's gradients at their operands' positions (q, k and v may share a slot:
+    the same tensor)."""
+    spread: list[Any] = [None] * len(inputs)
+    for arg, grad in zip(attrs.args[:3], results, strict=True):
+        if isinstance(arg, Slot):
+            previous = spread[arg.index]
+            spread[arg.index] = grad if previous is None else prims.add(previous, grad)
+    return tuple(spread)
+
+
+EXTERN_VJPS[sdpa_cuda_forward] = _sdpa_cuda_vjp
+
+
 def _sdpa_cpu_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
     def operand(arg: Any) -> Any:
         return inputs[arg.index] if isinstance(arg, Slot) else arg
@@ -139,12 +258,7 @@ def _sdpa_cpu_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads
     q, k, v, mask = (operand(arg) for arg in attrs.args[:4])
     out, lse = outputs
     results = extern_call(sdpa_cpu_backward, (grads[0], q, k, v, mask, out, lse), attrs.kwargs)
-    spread: list[Any] = [None] * len(inputs)
-    for arg, grad in zip(attrs.args[:3], results, strict=True):
-        if isinstance(arg, Slot):  # q, k and v may share a slot (the same tensor)
-            previous = spread[arg.index]
-            spread[arg.index] = grad if previous is None else prims.add(previous, grad)
-    return tuple(spread)
+    return _spread_qkv(attrs, inputs, results)
 
 
 EXTERN_VJPS[sdpa_cpu_forward] = _sdpa_cpu_vjp

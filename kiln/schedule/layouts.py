@@ -18,7 +18,13 @@ import torch
 
 from kiln.ir.graph import Node
 from kiln.ir.op import Op, op_def
-from kiln.ops.attention import sdpa_backward, sdpa_cpu_backward, sdpa_cpu_forward
+from kiln.ops.attention import (
+    sdpa_backward,
+    sdpa_cpu_backward,
+    sdpa_cpu_forward,
+    sdpa_cuda_backward,
+    sdpa_cuda_forward,
+)
 from kiln.ops.attrs import Slot
 from kiln.ops.externs import convolution_backward
 from kiln.schedule import index as ix
@@ -164,7 +170,8 @@ def _is_probed(node: Node) -> bool:
     """Externs whose CUDA layout depends on the kernel PyTorch picks: attention and its
     backward, convolutions."""
     return node.op in (Op.SDPA, Op.CONVOLUTION) or (
-        node.op is Op.EXTERN and node.attrs.fn is sdpa_backward
+        node.op is Op.EXTERN
+        and node.attrs.fn in (sdpa_backward, sdpa_cuda_forward, sdpa_cuda_backward)
     )
 
 

@@ -271,7 +271,7 @@ def test_attention_backward_asks_only_for_the_gradients_it_needs(monkeypatch: An
     import kiln.passes.attention_statistics as statistics
     from kiln.ops.attention import sdpa_backward
 
-    monkeypatch.setattr(statistics, "_flash_is_eagers_choice", lambda node: False)
+    monkeypatch.setattr(statistics, "_kernel", lambda node: None)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> Any:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)

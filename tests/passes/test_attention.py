@@ -208,3 +208,40 @@ def test_transformers_eager_attention(name: str) -> None:
     ops = _ops(fused)
     assert ops.count(Op.SDPA) == 2 and Op.BMM not in ops and Op.NE not in ops
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_efficient_bias_keeps_values_aligned_and_broadcast() -> None:
+    """The memory-efficient CUDA kernel's bias (``ops.attention._efficient_bias``): a boolean
+    mask becomes 0/-inf in the query's dtype, a bias whose rows are not 16-element aligned is
+    padded (values unchanged), and both broadcast to [B, H, L, S]."""
+    from kiln.ops.attention import _efficient_bias
+
+    q, k = torch.randn(B, H, L, D), torch.randn(B, H, 77, D)
+    bias = torch.randn(B, 1, 1, 77)  # rows of 77: misaligned
+    got = _efficient_bias(bias, q, k)
+    assert got.shape == (B, H, L, 77) and got.stride(0) % 16 == 0 and got.stride(-1) == 1
+    torch.testing.assert_close(got, bias.expand(B, H, L, 77), rtol=0, atol=0)
+    mask = torch.rand(1, 1, L, 77) > 0.5
+    got = _efficient_bias(mask, q, k)
+    assert got.dtype == q.dtype and got.shape == (B, H, L, 77)
+    assert torch.equal(got[1, 2] == 0, mask[0, 0]) and torch.isinf(got[0, 0][~mask[0, 0]]).all()
+    assert _efficient_bias(None, q, k) is None
+
+
+def test_cuda_attention_without_a_device_keeps_the_general_rule() -> None:
+    """Which CUDA kernel eager would pick is asked of PyTorch on empty CUDA tensors; where
+    that cannot be asked (no CUDA here, or symbolic sizes) the pass leaves the node alone."""
+    import kiln.passes.attention_statistics as statistics
+    from kiln.ir.types import TensorType
+
+    graph = kiln.trace(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), *_qkv())
+    node = next(n for n in graph.nodes if n.op is Op.SDPA)
+    for value in node.inputs[:3]:
+        assert value is not None
+        value.type = TensorType(
+            value.type.shape, value.type.dtype, torch.device("cuda"), requires_grad=True
+        )
+    expected = None if not torch.cuda.is_available() else statistics._kernel(node)
+    assert statistics._kernel(node) == expected
+    if not torch.cuda.is_available():
+        assert not statistics._chosen(node)
