@@ -137,7 +137,7 @@ def sdpa_cpu_backward(
 CUDA_FLASH, CUDA_EFFICIENT, CUDA_CUDNN = 1, 2, 3
 # The memory-efficient kernel reads a bias whose rows start at multiples of this many elements
 # (PyTorch pads a bias that is not, keeping its values: so does ``_efficient_bias``).
-_BIAS_ALIGNMENT = 16
+_ALIGN = 16
 _aten = torch.ops.aten
 
 
@@ -184,7 +184,10 @@ def sdpa_cuda_backward(
     from the forward's output and log-sum-exp (what eager autograd saves). No dropout: the
     random state arguments are never read; the flash and cuDNN kernels' sequence offsets are
     undefined (``None``), as for dense operands."""
-    seed, offset = _no_dropout_state(q.device)
+    # Stand-ins for the random state, made per call (a cached one could be a FakeTensor of
+    # the run that typed the extern).
+    seed = torch.zeros(2, dtype=torch.int64, device=q.device)
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
     length, keys = q.shape[-2], k.shape[-2]
     if backend == CUDA_FLASH:
         return _aten._scaled_dot_product_flash_attention_backward(
@@ -204,13 +207,6 @@ def sdpa_cuda_backward(
     return gq, gk, gv
 
 
-def _no_dropout_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stand-ins for the random state (made per call: a cached one could be a FakeTensor of
-    the run that typed the extern)."""
-    seed = torch.zeros(2, dtype=torch.int64, device=device)
-    return seed, torch.zeros((), dtype=torch.int64, device=device)
-
-
 def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> Any:
     """The bias the memory-efficient kernel reads, as ``F.scaled_dot_product_attention``
     prepares it: a boolean mask as 0/-inf in the query's dtype, rows aligned (padded past the
@@ -219,10 +215,9 @@ def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor)
         return None
     bias = _additive(mask, q)
     assert bias is not None
-    size = bias.shape[-1]
-    aligned = bias.stride(-1) == 1 and all(s % _BIAS_ALIGNMENT == 0 for s in bias.stride()[:-1])
-    if not aligned or bias.storage_offset() % _BIAS_ALIGNMENT:
-        padded = bias.new_zeros((*bias.shape[:-1], size + (-size) % _BIAS_ALIGNMENT))
+    size, strides = bias.shape[-1], (*bias.stride()[:-1], bias.storage_offset())
+    if bias.stride(-1) != 1 or any(stride % _ALIGN for stride in strides):
+        padded = bias.new_zeros((*bias.shape[:-1], size + (-size) % _ALIGN))
         bias = padded[..., :size].copy_(bias)
     return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 

@@ -17,12 +17,17 @@ A kernel joins the one before it when:
 - the joining kernel is pointwise and reads only graph inputs (weights, parameters): its work
   could run anywhere before its reader, so running it a step early changes nothing but when
   its output is allocated.
+
+Such a kernel that finds no kernel just before it (it follows an extern, or starts the
+program: a BatchNorm's ``num_batches_tracked += 1`` in training) joins a later kernel's launch
+instead, when no step between them reads what it writes or writes what it reads: it then runs
+after that kernel's own programs.
 """
 
 from __future__ import annotations
 
 from kiln.schedule.loops import BufferKind, Kernel, KernelKind
-from kiln.schedule.program import Step
+from kiln.schedule.program import Step, View
 
 MAX_PARTS = 8  # kernels a launch combines at most (each part adds a branch to the kernel)
 
@@ -31,14 +36,35 @@ def combine_kernels(steps: list[Step]) -> list[Step]:
     """``steps`` with each kernel that can run in the launch of the kernel before it moved
     into that kernel's ``parts`` (in place)."""
     combined: list[Step] = []
+    movable: list[Kernel] = []  # input-only kernels on their own, free to run later
     for step in steps:
         head = combined[-1] if combined else None
         if isinstance(head, Kernel) and isinstance(step, Kernel) and joins(head, step):
             head.parts.append(step)
             head.fused += step.fused
             continue
+        for early in [k for k in movable if isinstance(step, Kernel) and joins(step, k)]:
+            combined.remove(early)
+            movable.remove(early)
+            step.parts.append(early)  # type: ignore[union-attr]
+            step.fused += early.fused  # type: ignore[union-attr]
+        movable = [k for k in movable if not _conflicts(step, k)]
         combined.append(step)
+        if isinstance(step, Kernel) and all(b.kind is BufferKind.INPUT for b in step.reads()):
+            movable.append(step)  # (joins() checks the rest)
     return combined
+
+
+def _conflicts(step: Step, kernel: Kernel) -> bool:
+    """Whether ``kernel`` must stay before ``step``: ``step`` reads what it writes, or writes
+    what it reads or writes."""
+    if isinstance(step, Kernel):
+        reads, writes = step.reads(), step.writes()
+    else:
+        reads, writes = [o.buffer for o in step.operands if isinstance(o, View)], [*step.outputs]
+    written = {id(b) for b in kernel.writes()}
+    touched = written | {id(b) for b in kernel.reads()}
+    return any(id(b) in written for b in reads) or any(id(b) in touched for b in writes)
 
 
 def joins(head: Kernel, kernel: Kernel) -> bool:

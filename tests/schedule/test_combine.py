@@ -4,6 +4,7 @@ programs per part in Triton's interpreter."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -125,3 +126,55 @@ def test_a_reduction_kernel_launches_its_part(
     (kernel,) = program.kernels()
     assert kernel.rnumel == 300 and len(kernel.parts) == 1
     matches_eager(softmax_and_cast, graph, [(700, 300), (90, 130)], codegen, monkeypatch)
+
+
+def cast_after_matmul(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> Any:
+    """The first kernel, ``v * 2 + 1``, reads only an input but follows an extern (it starts
+    the program after the matmul): it joins the next kernel's launch instead."""
+    y = x @ w
+    return (v * 2 + 1).to(torch.float64), (y * 3).relu()
+
+
+def feeds_the_matmul(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> Any:
+    """``w * 2`` reads only an input but the matmul reads it: it stays before the matmul."""
+    return ((x @ (w * 2)) * 3).relu(), v + 1
+
+
+@pytest.mark.parametrize("codegen", ["evaluate", "cpp"])
+def test_an_input_only_kernel_after_an_extern_joins_a_later_launch(
+    codegen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shapes = [(40, 30), (30, 20), (50, 60)]
+    program, graph = program_of(cast_after_matmul, *(torch.randn(s) for s in shapes))
+    (kernel,) = program.kernels()
+    (part,) = kernel.parts
+    assert all(b.kind is BufferKind.INPUT for b in part.reads())
+    matches_eager(cast_after_matmul, graph, shapes, codegen, monkeypatch)
+    program, graph = program_of(feeds_the_matmul, *(torch.randn(s) for s in shapes))
+    first = program.steps[0]
+    assert first in program.kernels() and not first.parts  # type: ignore[union-attr]
+    matches_eager(feeds_the_matmul, graph, shapes, codegen, monkeypatch)
+
+
+def test_batchnorm_counters_join_a_launch_in_training() -> None:
+    """``num_batches_tracked += 1`` of each training BatchNorm (an input-only kernel that
+    starts the program) runs in another kernel's launch, and still counts every step."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.BatchNorm2d(8))
+    eager = copy.deepcopy(model)
+    records: list[Any] = []
+    listen(records, CompiledProgramRecord)
+    try:
+        compiled = kiln.compile(model)
+        for _ in range(3):
+            x = torch.randn(2, 3, 10, 10)
+            compiled(x).sum().backward()
+            eager(x).sum().backward()
+    finally:
+        unlisten(records)
+    forward = records[0].program
+    assert not any(k.name.endswith("_add") and not k.parts for k in forward.kernels())
+    for (name, mine), (_, theirs) in zip(
+        model.state_dict().items(), eager.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5, msg=name)
+    assert int(model[1].num_batches_tracked) == 3 == int(model[3].num_batches_tracked)
