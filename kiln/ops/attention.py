@@ -222,16 +222,6 @@ def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor)
     return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-def _sdpa_cuda_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
-    def operand(arg: Any) -> Any:
-        return inputs[arg.index] if isinstance(arg, Slot) else arg
-
-    q, k, v, mask = (operand(arg) for arg in attrs.args[:4])
-    out, lse = outputs
-    results = extern_call(sdpa_cuda_backward, (grads[0], q, k, v, mask, out, lse), attrs.kwargs)
-    return _spread_qkv(attrs, inputs, results)
-
-
 def _spread_qkv(attrs: ExternAttrs, inputs: Sequence[Any], results: Any) -> Grads:
     """q's, k's and v's gradients at their operands' positions (q, k and v may share a slot:
     the same tensor)."""
@@ -243,20 +233,21 @@ def _spread_qkv(attrs: ExternAttrs, inputs: Sequence[Any], results: Any) -> Grad
     return tuple(spread)
 
 
-EXTERN_VJPS[sdpa_cuda_forward] = _sdpa_cuda_vjp
+def _kernel_vjp(backward: Any) -> Any:
+    """The VJP of a forward that kept its log-sum-exp: ``backward`` (the kernel's own) from
+    the forward's operands, output and log-sum-exp."""
+
+    def vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
+        q, k, v, mask = (inputs[a.index] if isinstance(a, Slot) else a for a in attrs.args[:4])
+        out, lse = outputs
+        results = extern_call(backward, (grads[0], q, k, v, mask, out, lse), attrs.kwargs)
+        return _spread_qkv(attrs, inputs, results)
+
+    return vjp
 
 
-def _sdpa_cpu_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
-    def operand(arg: Any) -> Any:
-        return inputs[arg.index] if isinstance(arg, Slot) else arg
-
-    q, k, v, mask = (operand(arg) for arg in attrs.args[:4])
-    out, lse = outputs
-    results = extern_call(sdpa_cpu_backward, (grads[0], q, k, v, mask, out, lse), attrs.kwargs)
-    return _spread_qkv(attrs, inputs, results)
-
-
-EXTERN_VJPS[sdpa_cpu_forward] = _sdpa_cpu_vjp
+EXTERN_VJPS[sdpa_cpu_forward] = _kernel_vjp(sdpa_cpu_backward)
+EXTERN_VJPS[sdpa_cuda_forward] = _kernel_vjp(sdpa_cuda_backward)
 
 
 def _flash_operands(attrs: ExternAttrs, operands: Sequence[Any]) -> list[TensorType] | None:

@@ -43,11 +43,12 @@ def combine_kernels(steps: list[Step]) -> list[Step]:
             head.parts.append(step)
             head.fused += step.fused
             continue
-        for early in [k for k in movable if isinstance(step, Kernel) and joins(step, k)]:
-            combined.remove(early)
-            movable.remove(early)
-            step.parts.append(early)  # type: ignore[union-attr]
-            step.fused += early.fused  # type: ignore[union-attr]
+        if isinstance(step, Kernel):
+            for early in [k for k in movable if joins(step, k)]:
+                combined.remove(early)
+                movable.remove(early)
+                step.parts.append(early)
+                step.fused += early.fused
         movable = [k for k in movable if not _conflicts(step, k)]
         combined.append(step)
         if isinstance(step, Kernel) and all(b.kind is BufferKind.INPUT for b in step.reads()):

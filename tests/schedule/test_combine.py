@@ -171,6 +171,10 @@ def test_batchnorm_counters_join_a_launch_in_training() -> None:
             eager(x).sum().backward()
     finally:
         unlisten(records)
+    for (name, mine), (_, theirs) in zip(
+        model.named_parameters(), eager.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5, msg=name)
     forward = records[0].program
     assert not any(k.name.endswith("_add") and not k.parts for k in forward.kernels())
     for (name, mine), (_, theirs) in zip(
