@@ -10,7 +10,10 @@ forward value ``v`` is an edge ``v_in -> v_out`` whose capacity is its size in b
 source feeds graph inputs (free to keep: they are alive anyway) and the outputs of nodes that
 may not be recomputed; ``v_out`` feeds the sink when the backward reads ``v``; a use of ``u``
 by the node producing ``w`` is an infinite edge ``u_out -> w_in``. The cut's edges are the
-values to save; everything the backward needs beyond them is recomputed there.
+values to save; everything the backward needs beyond them is recomputed there. The cut
+weighs bytes only, so a value it would recompute from more than ``MAX_RECOMPUTE_READS``
+saved values of its size (a residual stream summed again from every branch's output) is
+saved instead, and the cut is taken again.
 
 For ``gelu(x @ w + b)`` this saves ``x``, ``w``, ``b`` and ``x @ w`` and recomputes the bias
 add and gelu's elementwise chain in the backward. Nodes of a ``torch.utils.checkpoint`` region
@@ -20,6 +23,7 @@ matmuls included, as eager's checkpoint does.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from itertools import pairwise
@@ -31,6 +35,9 @@ from kiln.ir.op import Op, Tag, op_def
 INFINITE = 1 << 62
 _RECOMPUTABLE_TAGS = frozenset({Tag.ELEMENTWISE, Tag.MOVEMENT, Tag.CREATION, Tag.RANDOM})
 _NOT_RECOMPUTABLE = frozenset({Op.GATHER, Op.SCATTER, Op.SCATTER_ADD, Op.INDEX, Op.INDEX_PUT})
+MAX_RECOMPUTE_READS = 3  # stored full-size values one recomputed value may read
+MAX_CUTS = 4  # rounds of cutting, then saving what recomputes from too much
+Producers = dict[Value, Node | None]  # forward values and the nodes making them
 
 
 @dataclass
@@ -54,20 +61,17 @@ def recomputable(node: Node) -> bool:
 
 def _size(value: Value) -> int:
     """Bytes of ``value`` (a symbolic dim counts as 1024 elements: large, not free)."""
-    numel = 1
-    for dim in value.type.shape:
-        numel *= dim if isinstance(dim, int) else 1024
-    return max(1, numel * value.type.dtype.itemsize)
+    return max(1, _numel(value) * value.type.dtype.itemsize)
 
 
 def choose_saved(joint: Joint) -> list[Value]:
-    """The forward values to save: a minimum cut of the recomputation network."""
+    """The forward values to save: a minimum cut of the recomputation network, then again
+    with each value whose recomputation reads too much (:func:`_costly_recomputations`)
+    saved."""
     forward_nodes = joint.graph.nodes[: joint.forward_count]
     backward_nodes = joint.graph.nodes[joint.forward_count :]
     cotangents = set(joint.cotangents)
-    forward_values: dict[Value, Node | None] = {
-        v: None for v in joint.graph.inputs if v not in cotangents
-    }
+    forward_values: Producers = {v: None for v in joint.graph.inputs if v not in cotangents}
     for node in forward_nodes:
         for out in node.outputs:
             forward_values[out] = node
@@ -76,6 +80,19 @@ def choose_saved(joint: Joint) -> list[Value]:
     }
     if not needed:
         return []
+    kept: set[Value] = set()
+    for _ in range(MAX_CUTS):
+        saved = _min_cut(forward_values, needed, kept)
+        costly = _costly_recomputations(forward_values, needed, set(saved))
+        if not costly:
+            return saved
+        kept |= costly
+    return saved
+
+
+def _min_cut(forward_values: Producers, needed: set[Value], kept: set[Value]) -> list[Value]:
+    """The values on a minimum cut between what may not be recomputed (and ``kept``) and
+    what the backward reads."""
     flow = _Network()
     for value, producer in forward_values.items():
         if producer is None:
@@ -88,7 +105,7 @@ def choose_saved(joint: Joint) -> list[Value]:
         if producer.recompute:
             cost = INFINITE  # checkpointed: recomputed from the region's inputs, never saved
         flow.edge(("in", value), ("out", value), cost)
-        if not recomputable(producer):
+        if not recomputable(producer) or value in kept:
             flow.edge("S", ("in", value), INFINITE)
         for operand in producer.input_values():
             flow.edge(("out", operand), ("in", value), INFINITE)
@@ -100,6 +117,46 @@ def choose_saved(joint: Joint) -> list[Value]:
         for value in forward_values
         if ("in", value) in source_side and ("out", value) not in source_side
     ]
+
+
+def _costly_recomputations(values: Producers, needed: set[Value], saved: set[Value]) -> set[Value]:
+    """Values the backward reads that the cut recomputes from more than
+    ``MAX_RECOMPUTE_READS`` stored values of their own size, taken in forward order, each
+    counted as stored once it is found (the next ones recompute from it).
+
+    The cut weighs bytes kept alive only. A residual stream in float32 is four bytes an
+    element where each branch's bfloat16 output is two, so the cut saved every branch output
+    and recomputed the stream, ``x0 + a1 + ... + an``, once for every LayerNorm backward that
+    reads it: MaxViT's backward summed up to 23 saved tensors an element in one kernel, each
+    through its own window permutation (a 1.1 MB Triton source)."""
+    costly: set[Value] = set()
+    stored = set(saved)
+    for value, producer in values.items():
+        if value not in needed or value in stored or producer is None or producer.recompute:
+            continue
+        if _recompute_reads(value, values, stored) > MAX_RECOMPUTE_READS:
+            costly.add(value)
+            stored.add(value)
+    return costly
+
+
+def _recompute_reads(value: Value, values: Producers, stored: set[Value]) -> int:
+    """How many stored values (saved, or graph inputs) with at least ``value``'s elements its
+    recomputation reads."""
+    reads, seen, stack = 0, {value}, [value]
+    while stack and reads <= MAX_RECOMPUTE_READS:
+        producer = values.get(current := stack.pop())
+        if current is not value and (current in stored or producer is None):
+            reads += _numel(current) >= _numel(value)
+        elif producer is not None:
+            operands = [v for v in dict.fromkeys(producer.input_values()) if v not in seen]
+            stack += operands
+            seen.update(operands)
+    return reads
+
+
+def _numel(value: Value) -> int:
+    return math.prod(d if isinstance(d, int) else 1024 for d in value.type.shape)
 
 
 class _Network:

@@ -92,10 +92,6 @@ def carries_gradient(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-def is_integral(dtype: torch.dtype) -> bool:
-    return dtype in INTEGRAL
-
-
 Scalar = bool | int | float
 
 

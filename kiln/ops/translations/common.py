@@ -179,13 +179,6 @@ def full(
     return prims.full(shape=tuple(shape), value=value, dtype=dtype, device=device)
 
 
-def as_value(operand: Operand, like: Value) -> Value:
-    """A Value for ``operand``: a Python scalar becomes a full tensor shaped like ``like``."""
-    if isinstance(operand, Value):
-        return operand
-    return full(like.type.shape, operand, like.type.dtype, like.type.device)
-
-
 def with_gradient(value: Value, x: Value, weight: Value, nonfinite: Value | None = None) -> Value:
     """``value`` (elementwise in ``x``) with the gradient ``weight`` at finite ``x``, for eager's
     backward formulas that differ from the derivative of the forward at special points; where
