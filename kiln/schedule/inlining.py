@@ -10,7 +10,8 @@ inlined into the kernels that read it unless recomputing it there costs too much
   each: up to ``STENCIL_LIMIT`` ops an element;
 - a value read by several kernels is stored once it costs more than ``RECOMPUTE_LIMIT`` ops,
   unless recomputing it reads no more memory than storing it would (it reads at most one
-  full-size value), up to ``TRAFFIC_RECOMPUTE_LIMIT`` ops.
+  full-size value), up to ``TRAFFIC_RECOMPUTE_LIMIT`` ops; and, however cheap, once it
+  reads more than ``MAX_RECOMPUTED_READS`` full-size values.
 
 Where a value's work ends up and at how many positions it is read comes from one reverse walk
 over the graph (:func:`read_sites`), counted as distinct routes to the sink through views, pad,
@@ -29,6 +30,7 @@ from kiln.schedule.program import View
 from kiln.schedule.views import VIEW_OPS
 
 RECOMPUTE_LIMIT = 6  # a value several kernels read is stored once it costs more ops than this
+MAX_RECOMPUTED_READS = 2  # or once it reads more full-size values in memory than this
 # Ops per element one kernel may recompute reading a value at many positions (CPU, GPU). The GPU
 # has compute to spare in memory-bound kernels: ResNet-50's BatchNorm, ReLU and 3x3 max pool
 # are one kernel there. A CPU recomputing the BatchNorm 9 times was 1.5x slower than storing it.
@@ -93,13 +95,16 @@ class Inlining:
         # kernel the reads of its full-size operands: with at most one, no more traffic than
         # reading it back, and the write is saved (a BatchNorm backward's centered values,
         # recomputed from the saved input instead of stored and reloaded).
+        # However cheap, an expression reading more than two of them costs each kernel more
+        # than storing it does (a residual stream, x0 + a1 + a2 + ..., summed again in every
+        # LayerNorm that reads it).
         traffic_limit = TRAFFIC_RECOMPUTE_LIMIT[value.type.device.type == "cuda"]
-        if (
-            several
-            and cost > RECOMPUTE_LIMIT
-            and (self._full_size_operands(value) > 1 or cost > traffic_limit)
-        ):
-            return True
+        if several:
+            operands = self._full_size_operands(value) if cost > 1 else 1
+            if operands > MAX_RECOMPUTED_READS or (
+                cost > RECOMPUTE_LIMIT and (operands > 1 or cost > traffic_limit)
+            ):
+                return True
         reads = self.reads[value]
         return reads > 1 and reads * cost > limit
 

@@ -17,7 +17,7 @@ from kiln.frontends.trace import graph_inputs
 from kiln.ir.interpreter import interpret
 from kiln.ir.op import Op
 from kiln.passes import optimize
-from kiln.schedule.loops import Apply, Kernel, Reduce, walk
+from kiln.schedule.loops import Apply, Kernel, Load, Reduce, walk
 from kiln.schedule.program import Program
 from kiln.schedule.scheduler import schedule
 from tests.backends.op_table import run_compiled
@@ -281,6 +281,24 @@ def test_a_value_two_kernels_read_is_recomputed_when_that_moves_no_more_data() -
         assert len(program.kernels()) == 2, fn.__name__
         full = [st for k in program.kernels() for st in k.stores if st.buffer.shape == (6, 10)]
         assert len(full) == stored, fn.__name__
+
+
+def test_a_cheap_value_reading_many_full_size_values_is_stored() -> None:
+    # A residual stream x + a + b + c + d feeds two kernels (sums over rows and columns): four
+    # adds are cheap, but recomputing the stream in the second kernel would read all five
+    # full-size operands again. It is stored, and the second kernel reads it back.
+    def stream(*branches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        total = branches[0]
+        for branch in branches[1:]:
+            total = total + branch
+        return total.sum(0), total.sum(1)
+
+    program = scheduled(stream, *[torch.randn(6, 10) for _ in range(5)])
+    loads = [
+        {e.buffer for e in walk([s.value for s in k.stores]) if isinstance(e, Load)}
+        for k in program.kernels()
+    ]
+    assert sorted(len(found) for found in loads) == [1, 5]
 
 
 @pytest.mark.parametrize("codegen", ["triton", "cpp"])
