@@ -17,7 +17,7 @@ from kiln.ops.attrs import ConvertAttrs
 from kiln.ops.externs import convolution_backward
 from kiln.schedule import index as ix
 from kiln.schedule.layouts import channels_last_strides, memory_order, strides_in_order
-from kiln.schedule.lowering import REDUCE_KINDS, shape_of
+from kiln.schedule.lowering import REDUCE_KINDS, in_kernels, shape_of
 from kiln.schedule.program import View
 from kiln.schedule.views import VIEW_OPS
 
@@ -41,7 +41,25 @@ class LayoutChoice:
         layout = self._source_layout(value, shape) or self._source_layout(value, shape, True)
         if layout is not None and 0 not in layout.strides:  # (dense or not: a strided slice)
             return strides_in_order(shape, memory_order(layout.strides))
-        return contiguous
+        return channels_last_strides(shape) if self._feeds_channels_last(value) else contiguous
+
+    def _feeds_channels_last(self, value: Value) -> bool:
+        """Whether elementwise work of ``value``'s shape leads from it to a convolution's
+        operand: a residual stream whose bfloat16 copy a convolution reads (ConvNeXt's, after
+        a LayerNorm reached through permutes) is stored in the order of that copy, or the
+        kernel storing both reads and writes one of them across its rows."""
+        shape, stack, seen = shape_of(value), [value], {value}
+        while stack:
+            for user in self.users.get(stack.pop(), ()):
+                out = user.outputs[0] if len(user.outputs) == 1 else None
+                if out is None or out in seen or user.op in REDUCE_KINDS or user.op in VIEW_OPS:
+                    continue
+                if not _is_convolution(user) and shape_of(out) == shape and in_kernels(user):
+                    if self.wants_channels_last(out):
+                        return True
+                    seen.add(out)
+                    stack.append(out)
+        return False
 
     def _source_layout(
         self, value: Value, shape: tuple[int, ...], resized: bool = False

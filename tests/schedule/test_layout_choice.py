@@ -46,3 +46,27 @@ def test_windows_and_crops_keep_the_input_dim_order(
         assert got.is_contiguous(memory_format=memory_format)
         assert got.stride() == want.stride()
     assert not kiln.counters.graph_breaks and not kiln.counters.fallbacks
+
+
+def test_a_convolution_operand_is_channels_last_beside_a_contiguous_store() -> None:
+    # The kernel storing the residual stream (contiguous, like the input it is computed from)
+    # also stores the convolution's operand: that one is still channels-last, cuDNN's fast
+    # layout (an NCHW depthwise convolution is PyTorch's generic kernel on the GPU).
+    from kiln.ir import Op
+    from kiln.schedule.program import ExternCall
+    from tests.schedule.test_fusion import scheduled
+
+    def block(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        stream = x + a
+        return stream, F.conv2d(stream * 2.0, w, padding=1, groups=8)
+
+    x, a, w = torch.randn(2, 8, 6, 6), torch.randn(2, 8, 6, 6), torch.randn(8, 1, 3, 3)
+    program = scheduled(block, x, a, w)
+    (convolution,) = [
+        s for s in program.steps if isinstance(s, ExternCall) and s.node.op is Op.CONVOLUTION
+    ]
+    operand = convolution.operands[0]
+    assert operand.strides == (288, 1, 48, 8), operand
+    stream = program.outputs[0]
+    assert stream.strides == (288, 36, 6, 1)
+    assert kiln.compile(block)(x, a, w)[1].allclose(block(x, a, w)[1], atol=1e-5)
