@@ -51,6 +51,7 @@ def profile(
     compile_mode: str | None,
     roofline_top: int = 0,
     host: bool = False,
+    groups: int = 0,
 ) -> None:
     model, inputs, base = prepare(name, mode, torch.device("cuda"))
     if compiler == "kiln":
@@ -134,12 +135,34 @@ def profile(
             f"   {event.self_device_time_total / STEPS / 1e3:8.3f} ms  x{event.count // STEPS:<4d} "
             f"[{kind_of(event.key)}] {event.key[:110]}"
         )
+    if groups:
+        print_groups(events, groups)
     if compiler == "kiln" and roofline_top:
         programs = [record.program for record in records if record.program]
         times = roofline.measure(lambda: step(run, inputs), programs)
         for line in roofline.report(times, torch.device("cuda"), top=roofline_top):
             print(f"   {line}")
     print(flush=True)
+
+
+def group_of(name: str) -> str:
+    """A kernel's name without what makes each launch site's name unique: Kiln's position
+    prefix (``k123_``) and Inductor's numeric suffix (``triton_poi_fused_add_0``)."""
+    name = re.sub(r"^k_?\d+_", "", name)
+    return re.sub(r"_\d+$", "", name)
+
+
+def print_groups(events: list, top: int) -> None:
+    """GPU time per step summed over kernels of one group (``group_of``): which kinds of
+    fused kernel take the time, comparable between compilers."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in events:
+        total = totals[f"[{kind_of(event.key)}] {group_of(event.key)}"]
+        total[0] += event.self_device_time_total / STEPS / 1e3
+        total[1] += event.count // STEPS
+    print("   by group (ms per step, launches):")
+    for key, (ms, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"   {ms:8.3f} ms  x{count:<4d} {key[:120]}")
 
 
 def synchronizing_calls(step: object) -> list[str]:
@@ -231,11 +254,19 @@ def main() -> None:
     parser.add_argument("--compile-mode", default=None)
     parser.add_argument("--roofline", type=int, default=0, help="Kiln: the N slowest kernels")
     parser.add_argument("--host", action="store_true", help="CUDA runtime calls, syncs")
+    parser.add_argument("--groups", type=int, default=0, help="the N costliest kernel groups")
     args = parser.parse_args()
     for name in args.models.split(","):
         for compiler in args.compilers.split(","):
             profile(
-                name, compiler, args.mode, args.top, args.compile_mode, args.roofline, args.host
+                name,
+                compiler,
+                args.mode,
+                args.top,
+                args.compile_mode,
+                args.roofline,
+                args.host,
+                args.groups,
             )
 
 

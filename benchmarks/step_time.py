@@ -1,0 +1,62 @@
+"""One compiled model's training or inference step time, for A/B runs of two Kiln trees in
+alternating processes (``PYTHONPATH=<tree>``): the first call, the median of several timed
+rounds, peak memory and Kiln's launch count, on one line.
+
+    for tree in base new base new; do
+        PYTHONPATH=$tree python benchmarks/step_time.py --model vit_b_16 --mode train --tag $tree
+    done
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import kiln
+from kiln.backends.kiln import CompiledProgramRecord
+from kiln.bench.worker import prepare
+from kiln.recording import listen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--mode", default="train", choices=["infer", "train"])
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=15)
+    args = parser.parse_args()
+    model, inputs, step = prepare(args.model, args.mode, torch.device("cuda"))
+    records: list = []
+    listen(records, CompiledProgramRecord)
+    start = time.perf_counter()
+    compiled = kiln.compile(model)
+    step(compiled, inputs)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    for _ in range(3):
+        step(compiled, inputs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    rounds = []
+    for _ in range(args.rounds):
+        begin = time.perf_counter()
+        for _ in range(args.steps):
+            step(compiled, inputs)
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - begin) / args.steps * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    kernels = sum(len(r.program.kernels()) for r in records if r.program)
+    print(
+        f"{args.tag:8s} {args.model:16s} {args.mode} step {statistics.median(rounds):7.2f} ms "
+        f"(min {min(rounds):.2f}, max {max(rounds):.2f}) first {first:6.2f} s "
+        f"peak {peak:7.0f} MiB kernels {kernels}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
