@@ -10,8 +10,8 @@ inlined into the kernels that read it unless recomputing it there costs too much
   each: up to ``STENCIL_LIMIT`` ops an element;
 - a value read by several kernels is stored once it costs more than ``RECOMPUTE_LIMIT`` ops,
   unless recomputing it reads no more memory than storing it would (it reads at most one
-  full-size value), up to ``TRAFFIC_RECOMPUTE_LIMIT`` ops; and, however cheap, once it
-  reads more than ``MAX_RECOMPUTED_READS`` full-size values.
+  full-size value), up to ``TRAFFIC_RECOMPUTE_LIMIT`` ops; and, however cheap, a chain of
+  ops once it reads more than ``MAX_RECOMPUTED_READS`` full-size values.
 
 Where a value's work ends up and at how many positions it is read comes from one reverse walk
 over the graph (:func:`read_sites`), counted as distinct routes to the sink through views, pad,
