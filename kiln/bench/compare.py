@@ -87,13 +87,6 @@ def max_relative_error(actual: Sequence[torch.Tensor], expected: Sequence[torch.
     return _worst(relative_errors(actual, expected))
 
 
-def max_relative_norm_error(
-    actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]
-) -> float:
-    """The largest of :func:`relative_norm_errors`."""
-    return _worst(relative_norm_errors(actual, expected))
-
-
 def as_close_to_truth(
     mine: Sequence[float], eagers: Sequence[float], factor: float = ORACLE_FACTOR
 ) -> bool:

@@ -9,7 +9,9 @@ a time. When ``out`` divides ``n`` the windows tile the dim: one reshape and one
     t0 = reshape(x, shape=(2, 3, 7, 2, 14)); t1 = sum(t0, dims=(3,))
     t2 = reshape(t1, shape=(2, 3, 7, 7, 2)); t3 = sum(t2, dims=(4,)); t4 = div(t3, 4.0)
 
-Otherwise each cell is a slice and a reduction, concatenated; dims pooled to more than
+Global pooling (every output size 1) is one reduction over all window dims at once, the form
+``passes/reduction_split.py`` chunks on the GPU. When ``out`` does not divide ``n``, each cell
+is a slice and a reduction, concatenated; dims pooled to more than
 ``MAX_ADAPTIVE_CELLS`` uneven cells fall back to an extern. Averages accumulate in float32 for
 float16/bfloat16 and divide once, as eager's CPU kernels do.
 """
@@ -93,11 +95,14 @@ def adaptive_avg_pool(input: Value, spatial: int, output_size: object) -> Value:
         raise RuntimeError(f"\"{op}\" not implemented for '{str(dtype).removeprefix('torch.')}'")
     total = common.convert(input, compute_dtype(dtype))
     first = input.type.rank - spatial
-    counts = []
+    counts = [[size] for size in input.type.shape[first:]]
+    if all(out == 1 for out in outs):  # global pooling: one reduction over every window dim
+        pooled = prims.sum(total, dims=tuple(range(first, input.type.rank)))
+        total, outs = reshape(pooled, (*input.type.shape[:first], *outs)), []
     for offset, out in enumerate(outs):
         size = input.type.shape[first + offset]
         total = adaptive_dim(total, first + offset, out, _sum_dim)
-        counts.append([stop - start for start, stop in adaptive_bounds(size, out)])
+        counts[offset] = [stop - start for start, stop in adaptive_bounds(size, out)]
     return common.convert(divide_by_counts(total, counts), dtype)
 
 
