@@ -151,3 +151,31 @@ def test_torchvision_training_steps_draw_no_random_numbers(name: str) -> None:
     assert grads[0]
     for first, second in zip(*grads, strict=True):
         assert torch.equal(first, second)
+
+
+def test_the_suites_keyword_wrapper_is_compiled_as_user_code() -> None:
+    """``KeywordModel`` lives in ``kiln.bench``, but it is the model the bench runs: when its
+    callee breaks, its own frame and the callee's are still compiled (they ran uncompiled, as
+    Kiln's internals do, so an encoder-decoder with LayerDrop trained with 0 graphs)."""
+    from kiln.bench.models import KeywordModel
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            for _ in range(2):  # a break in a loop: this frame runs with its calls routed
+                if input_ids.sum() > 0:
+                    input_ids = input_ids * 2
+                input_ids = self.fc(input_ids)
+            return input_ids
+
+    model = KeywordModel(Inner(), ("input_ids",))
+    kiln.reset()
+    kiln.counters.reset()
+    compiled = kiln.compile(model)
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert kiln.counters.graphs >= 1

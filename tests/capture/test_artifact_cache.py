@@ -255,6 +255,34 @@ def test_two_instances_of_one_class_reuse_one_entry(artifact_cache: Path) -> Non
     assert (kiln.counters.captures, kiln.counters.artifact_hits) == (0, 2)
 
 
+class _Holder(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        return self.inner(value)
+
+
+class _BreaksInside(torch.nn.Module):
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        return value * 2 if value.sum() > 0 else value - 1  # data-dependent: a break
+
+
+def test_a_break_inside_one_callee_is_not_carried_to_another(artifact_cache: Path) -> None:
+    """Every compiled module's call frame is one code (``return self(*args, **kwargs)``): a
+    stored head that broke at that call because of what its callee did must not serve a
+    module without the break (it did, and a T5 run reported a Whisper run's break)."""
+    x = torch.randn(4)
+    kiln.compile(_Holder(_BreaksInside()))(x)
+    assert len(kiln.counters.graph_breaks) >= 1
+    kiln.reset()
+    clean = _Holder(_Flagged(True))
+    torch.testing.assert_close(kiln.compile(clean)(x), torch.tanh(x))
+    assert not kiln.counters.graph_breaks
+    assert kiln.counters.graphs == 1
+
+
 class _Pair(torch.nn.Module):
     def __init__(self, shared: bool) -> None:
         super().__init__()

@@ -57,9 +57,11 @@ class Router:
 
 
 def _runs_natively(fn: types.FunctionType) -> bool:
-    """Torch internals and the standard library are not worth compiling as separate frames."""
-    module = (fn.__module__ or "").split(".")[0]
-    return runs_natively(fn) or module in sys.stdlib_module_names or module == "kiln"
+    """Torch internals, the standard library and Kiln are not worth compiling as separate
+    frames; the models ``kiln.bench`` runs (their wrappers) are user code."""
+    name = fn.__module__ or ""
+    kiln = name.split(".")[0] == "kiln" and not name.startswith("kiln.bench.")
+    return runs_natively(fn) or name.split(".")[0] in sys.stdlib_module_names or kiln
 
 
 def _plain_call(module: torch.nn.Module) -> bool:

@@ -38,7 +38,7 @@ from kiln.capture.core.frame import BreakHere, ExceptionEntry, Frame
 from kiln.capture.core.session import Session
 from kiln.capture.driver.reconstruct import Reconstructor, Unreconstructible
 from kiln.capture.driver.resume import OPERATIONS, OPERATORS, emit_break
-from kiln.capture.guards.guards import Guard, Identity
+from kiln.capture.guards.guards import Equals, Guard, HasAttr, Identity, KeysAre, LengthIs, TypeIs
 from kiln.capture.guards.sizes import SizePolicy, size_expression
 from kiln.capture.guards.sources import Binder, FunctionAttr, Local, safe_name
 from kiln.code_cache import compiled as compiled_code
@@ -67,10 +67,18 @@ class Skip(Exception):
 
 
 class Restart(Exception):
-    def __init__(self, offset: int, error: GraphBreak) -> None:
+    def __init__(self, offset: int, error: GraphBreak, guards: list[Guard]) -> None:
         super().__init__(str(error))
         self.offset = offset
         self.error = error
+        self.guards = guards  # what the capture read on its way to the break
+
+
+# Guards a head that breaks at a call keeps from the capture that went into the callee: they
+# say why it breaks there (which modules, which settings). Without them, a head whose callee
+# broke would serve any callee, and one loaded from the artifact cache would carry another
+# model's break into a process whose model has none. Tensor and size guards stay behind.
+_DECISIVE = (Identity, TypeIs, Equals, LengthIs, KeysAre, HasAttr)
 
 
 @dataclass
@@ -120,9 +128,12 @@ def capture_frame(
     functions through ``router`` (their compiled wrappers, with the same options)."""
     break_at: int | None = None
     first_break: GraphBreak | None = None
+    inherited: list[Guard] = []
     for _ in range(MAX_RESTARTS):
         try:
-            return _capture_once(fn, values, break_at, first_break, compile_graph, router, sizes)
+            return _capture_once(
+                fn, values, break_at, first_break, compile_graph, router, sizes, inherited
+            )
         except Restart as restart:
             if fullgraph:
                 error = restart.error
@@ -138,6 +149,7 @@ def capture_frame(
                 ) from restart
             break_at = restart.offset
             first_break = restart.error
+            inherited = [guard for guard in restart.guards if isinstance(guard, _DECISIVE)]
     raise Skip(SkipReason.INTERNAL_ERROR, "too many capture restarts")
 
 
@@ -149,6 +161,7 @@ def _capture_once(
     compile_graph: Any,
     router: Callable[[Any], Any],
     sizes: SizePolicy | None = None,
+    inherited: tuple[Guard, ...] | list[Guard] = (),
 ) -> Capture:
     code = fn.__code__
     if code.co_flags & (CO_GENERATOR | CO_ASYNC):
@@ -168,6 +181,8 @@ def _capture_once(
         try:
             set_user_location(_definition(code))  # guards on arguments cite the def line
             session.add_guard(Identity(FunctionAttr("__globals__"), "globals", fn.__globals__))
+            for guard in inherited:
+                session.add_guard(guard)
             local_values = {
                 n: session.wrap(v, Local(n)) for n, v in zip(names, values, strict=True)
             }
@@ -182,7 +197,7 @@ def _capture_once(
                 plan = _break_plan(root, first_break)
             except GraphBreak as error:
                 offset = root.current.offset if root.current is not None else 0
-                raise Restart(offset, error) from error
+                raise Restart(offset, error, list(session.guards)) from error
             rebuild = Reconstructor(session, binder)
             rebuild.closure_cells = {id(c): i for i, c in enumerate(fn.__closure__ or ())}
             try:
