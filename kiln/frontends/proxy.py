@@ -34,6 +34,7 @@ from kiln.frontends.source import user_location
 from kiln.ir import symbolic
 from kiln.ir.builder import active_builder, require_builder
 from kiln.ir.graph import Origin, Value
+from kiln.ir.ranges import known_truth
 from kiln.ir.symbolic import Sym
 from kiln.ir.types import hint_shape
 from kiln.ops import prims
@@ -276,6 +277,10 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if _native(func) or (func is torch.Tensor.type and len(args) == 1 and not kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+    if func is torch.Tensor.__bool__ and isinstance(args[0], ProxyTensor):
+        known = known_truth(args[0]._value)  # (``torch.rand([]) < 0.0``: False on every call)
+        if known is not None:
+            return known
     if func in _DATA_ACCESS:
         what = getattr(func, "__name__", str(func))
         raise TraceError(
