@@ -33,22 +33,26 @@ KERNELS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
-# (B, H, L, S, E, causal, mask): mask None, "float" [B, 1, 1, S] additive or "bool" [1, 1, L, S]
+# (B, H, L, S, E, causal, mask, kv heads): mask None, "float" [B, 1, 1, S] additive or "bool"
+# [1, 1, L, S]; fewer kv heads than H is grouped-query attention (enable_gqa)
 CASES = [
-    (2, 4, 128, 128, 64, False, None),
-    (2, 4, 128, 128, 64, True, None),
-    (3, 2, 100, 77, 64, False, None),
-    (2, 8, 256, 256, 128, True, None),
-    (2, 4, 96, 96, 64, False, "float"),
-    (2, 4, 50, 70, 64, False, "bool"),
+    (2, 4, 128, 128, 64, False, None, 4),
+    (2, 4, 128, 128, 64, True, None, 4),
+    (3, 2, 100, 77, 64, False, None, 2),
+    (2, 8, 256, 256, 128, True, None, 8),
+    (2, 4, 96, 96, 64, False, "float", 4),
+    (2, 4, 50, 70, 64, False, "bool", 4),
+    (2, 8, 128, 128, 64, False, "rows", 8),
+    (2, 8, 128, 128, 64, True, None, 2),
+    (2, 8, 100, 77, 128, False, None, 4),
 ]
 
 
 def check_kernels(dtype: torch.dtype) -> list[str]:
     failures = []
     for name, backend in KERNELS.items():
-        for b, h, length, keys, e, causal, mask_kind in CASES:
-            if mask_kind is not None and name != "efficient":
+        for b, h, length, keys, e, causal, mask_kind, kv in CASES:
+            if mask_kind is not None and name != "efficient":  # (the pass: no mask elsewhere)
                 continue
             generator = torch.Generator(device="cuda").manual_seed(length * e + keys)
 
@@ -56,19 +60,27 @@ def check_kernels(dtype: torch.dtype) -> list[str]:
                 data = torch.randn(*shape, device="cuda", dtype=dtype, generator=generator)
                 return data.requires_grad_(True)
 
-            q, k, v = make(b, h, length, e), make(b, h, keys, e), make(b, h, keys, e)
+            q, k, v = make(b, h, length, e), make(b, kv, keys, e), make(b, kv, keys, e)
             mask = None
             if mask_kind == "float":
                 mask = torch.randn(b, 1, 1, keys, device="cuda", dtype=dtype, generator=generator)
+            elif mask_kind == "rows":  # (a decoder's materialized causal mask: [B, 1, L, S])
+                mask = torch.randn(
+                    b, 1, length, keys, device="cuda", dtype=dtype, generator=generator
+                )
             elif mask_kind == "bool":
                 mask = torch.rand(1, 1, length, keys, device="cuda", generator=generator) > 0.3
                 mask[..., 0] = True
             grad = torch.randn(b, h, length, e, device="cuda", dtype=dtype, generator=generator)
 
             def attend(q: Any, k: Any, v: Any, mask: Any, causal: bool = causal) -> Any:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+                gqa = q.shape[1] != k.shape[1]
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+                )
 
-            label = f"{name} {tuple(q.shape)} S={keys} causal={causal} mask={mask_kind} {dtype}"
+            label = f"{name} {tuple(q.shape)} S={keys} kv={kv} causal={causal} mask={mask_kind}"
+            label += f" {dtype}"
             before = _training_graphs()
             try:
                 with sdpa_kernel([backend]):

@@ -14,7 +14,6 @@ first, as PyTorch compares.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 
 import torch
 
@@ -22,12 +21,7 @@ from kiln.ir.graph import Value
 from kiln.ir.op import Op
 
 _MOVES = {Op.CONVERT, Op.BROADCAST, Op.EXPAND, Op.RESHAPE, Op.PERMUTE, Op.SQUEEZE, Op.UNSQUEEZE}
-_COMPARISONS: dict[Op, Callable[[float, float], bool]] = {
-    Op.LT: operator.lt,
-    Op.LE: operator.le,
-    Op.GT: operator.gt,
-    Op.GE: operator.ge,
-}
+_COMPARISONS = {Op.LT: operator.lt, Op.LE: operator.le, Op.GT: operator.gt, Op.GE: operator.ge}
 _MIRRORED = {Op.LT: Op.GT, Op.LE: Op.GE, Op.GT: Op.LT, Op.GE: Op.LE}  # c < x is x > c
 
 

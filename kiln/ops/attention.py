@@ -153,7 +153,8 @@ def sdpa_cuda_forward(
     """Attention by the CUDA kernel ``backend`` (the one ``F.scaled_dot_product_attention``
     picks for these operands: ``passes.attention_statistics`` asks PyTorch), and its
     log-sum-exp for :func:`sdpa_cuda_backward`. Without dropout; the pass calls the flash and
-    cuDNN kernels only without a mask and with head sizes that need no padding."""
+    cuDNN kernels only without a mask and with head sizes that need no padding; they read the
+    k and v of grouped-query attention (fewer heads) as they are."""
     if backend == CUDA_FLASH:
         found = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)
     elif backend == CUDA_CUDNN:

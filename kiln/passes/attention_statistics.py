@@ -18,8 +18,10 @@ only where PyTorch's own choice for these shapes, dtypes and gradients is known 
   a mask and with a head size that is a multiple of 8 (eager pads others), the
   memory-efficient kernel with or without one. On H100 with PyTorch 2.11, ViT-B/16's training
   step ran each attention forward twice before (24 cuDNN forward kernels a step, 1.1 ms).
-Grouped-query attention and masks that require grad keep the general rule, as does a choice
-of the math kernel.
+Grouped-query attention (``enable_gqa``: k and v with fewer heads) goes to CUDA's flash and
+cuDNN kernels as they are, as eager calls them (``benchmarks/attention_backward.py`` on an
+H100: gradients identical to eager's with 2 and 4 kv heads of 8). Masks that require grad keep
+the general rule, as does a choice of the math kernel.
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ from kiln.passes.rewriting import rewrite_nodes
 
 
 def _chosen(node: Node) -> bool:
-    if node.op is not Op.SDPA or node.attrs.enable_gqa:
+    if node.op is not Op.SDPA:
         return False
     q, k, v, mask = node.inputs
     tensors = [t for t in (q, k, v) if isinstance(t, Value)]
     devices = {t.type.device.type for t in tensors}
     if len(tensors) != 3 or len(devices) != 1 or not devices <= {"cpu", "cuda"}:
+        return False
+    if node.attrs.enable_gqa and devices != {"cuda"}:
         return False
     if not any(t.type.requires_grad for t in tensors) or q.type.rank != 4:  # type: ignore[union-attr]
         return False
@@ -75,9 +79,13 @@ def _kernel(node: Node) -> int | None:
         q, k, v, mask = empties
         assert q is not None and k is not None and v is not None
         attrs = node.attrs
-        choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, attrs.is_causal, scale=attrs.scale)
+        choice = torch._fused_sdp_choice(
+            q, k, v, mask, 0.0, attrs.is_causal, scale=attrs.scale, enable_gqa=attrs.enable_gqa
+        )
     except Exception:  # symbolic sizes, an unusual mask, no CUDA: keep the general rule
         return None
+    if attrs.enable_gqa and choice not in (CUDA_FLASH, CUDA_CUDNN):
+        return None  # (only these two read k and v of fewer heads, as eager calls them)
     if q.device.type == "cpu":
         return choice if choice == SDPBackend.FLASH_ATTENTION.value else None
     if choice in (CUDA_FLASH, CUDA_CUDNN) and (mask is not None or (q.shape[-1] | v.shape[-1]) % 8):
