@@ -67,8 +67,10 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # convolution's operand, and the stream it is copied from, channels-last. +55 on 2026-11-28
 # for ir/ranges.py (a branch on ``torch.rand(...) < 0.0``, LayerDrop's, decided without a
 # break) and for the guards a head that breaks at a call keeps from its callee's capture (the
-# artifact cache served one model's break to another).
-LINE_BUDGET = 32_245
+# artifact cache served one model's break to another). +35 the same day for writing a
+# pointwise kernel's store over a buffer that dies in it (schedule/buffers.py; inference
+# peaks were above torch.compile's on every vision row).
+LINE_BUDGET = 32_280
 
 
 def _module_name(path: Path) -> str:

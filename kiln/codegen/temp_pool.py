@@ -22,15 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.ir.op import Op
+from kiln.schedule.buffers import FRESH_RESULTS
 from kiln.schedule.loops import Buffer, BufferKind, Kernel
 from kiln.schedule.program import ExternCall, Program, View
 
 POOL_BYTES = 256 * 2**20
-# Externs whose results are always new tensors (never a view of an operand).
-FRESH_RESULTS = frozenset(
-    {Op.MM, Op.BMM, Op.ADDMM, Op.BADDBMM, Op.CONVOLUTION, Op.SDPA, Op.CUMSUM, Op.SORT, Op.TOPK}
-)
 
 
 @dataclass(frozen=True)

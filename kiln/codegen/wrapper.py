@@ -107,7 +107,9 @@ class Wrapper:
             slots = [temp_pool.Slot(b.shape, b.strides, b.dtype) for b in pooled]
             self.namespace["pool"] = temp_pool.TempPool(slots)
             self.lines.append("    temps = pool.take()")
-        reused = {id(b) for b in program.reuses.values()}  # freed when taken over instead
+        # Freed when taken over instead (one taken over in place is read by that kernel: it
+        # goes after it, as usual).
+        reused = {id(b) for b in program.reuses.values()} - self._in_place()
         # Buffers read as tensors (extern operands, outputs): the rest only lend kernels their
         # data pointer, so one that takes over another's memory is that tensor, not a view
         # of it (torch.as_strided costs 2-3 us a call: 300 a ResNet-like step)
@@ -127,6 +129,16 @@ class Wrapper:
             self.lines.append("    pool.give(temps)")
         self.lines.append(f"    return [{outputs}]")
         return "\n".join(self.lines) + "\n"
+
+    def _in_place(self) -> set[int]:
+        """The buffers a kernel writes over in place (``schedule/buffers.py``)."""
+        return {
+            id(previous)
+            for kernel in self.program.kernels()
+            for buffer in kernel.writes()
+            if (previous := self.program.reuses.get(id(buffer))) is not None
+            and any(read is previous for read in kernel.reads())
+        }
 
     def _seeds(self) -> None:
         """Once per call, the seed in each form a kernel takes: ``seed = int(in_seed)``, or
@@ -172,7 +184,10 @@ class Wrapper:
                 view = f"as_strided({old}, {buffer.shape!r}, {buffer.strides!r})"
                 if id(buffer) not in self.as_tensors:
                     view = old  # (the kernel indexes its memory by its own strides)
-                self.lines.append(f"    {self.name(buffer)} = {view}; del {old}  # reuse")
+                if any(read is previous for read in kernel.reads()):
+                    self.lines.append(f"    {self.name(buffer)} = {view}  # in place of {old}")
+                else:
+                    self.lines.append(f"    {self.name(buffer)} = {view}; del {old}  # reuse")
             elif id(buffer) in self.slots:
                 self.lines.append(f"    {self.name(buffer)} = temps[{self.slots[id(buffer)]}]")
             else:

@@ -17,7 +17,7 @@ import kiln
 def _program(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     a = x.sin() + 1
     b = a @ y
-    return b.relu() * 2  # the line a failing allocation must name
+    return b.relu().sum(0) * 2  # the line a failing allocation must name (not in place)
 
 
 def test_an_error_in_the_host_program_names_the_user_line(monkeypatch: Any) -> None:
