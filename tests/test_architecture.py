@@ -69,8 +69,9 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # break) and for the guards a head that breaks at a call keeps from its callee's capture (the
 # artifact cache served one model's break to another). +35 the same day for writing a
 # pointwise kernel's store over a buffer that dies in it (schedule/buffers.py; inference
-# peaks were above torch.compile's on every vision row).
-LINE_BUDGET = 32_280
+# peaks were above torch.compile's on every vision row); +6 for checking those kept guards
+# only when the artifact cache loads a head, not on every call.
+LINE_BUDGET = 32_290
 
 
 def _module_name(path: Path) -> str:

@@ -410,16 +410,19 @@ def store(fn: types.FunctionType, capture: Capture, options: Any) -> None:
     """Add ``capture`` to the file of ``fn``'s code (or log why it cannot be stored)."""
     if not config.artifact_cache:
         return
-    at = _pinned(capture.guards)
+    at = _pinned([*capture.guards, *capture.plan_guards])
     held = [v for v in capture.scope.values() if type(v) in (list, dict, set)]
     held = [v for v in held if v is not fn.__globals__]
     if any(id(v) not in at and not (type(v) is dict and _module_of(v)) for v in held):
         _log.info("not storing %s: its head holds a container by identity", fn.__qualname__)
         return
     # (the shape environment only explains: its symbols are in the graph and the size guard)
-    rest = dataclasses.replace(capture, head=None, graph=None, guards=[], shapes=None)
+    rest = dataclasses.replace(
+        capture, head=None, graph=None, guards=[], shapes=None, plan_guards=[]
+    )
     try:
-        entry = (_dumps(capture.guards, fn, at), _dumps(rest, fn, at))
+        guards = (capture.guards, capture.plan_guards)
+        entry = (_dumps(guards, fn, at), _dumps(rest, fn, at))
     except Exception as error:  # (storing is an optimization: the program runs on)
         where = _unstorable(capture, fn, at)
         _log.info("not storing %s: %s (in %s)", fn.__qualname__, error, where)
@@ -448,8 +451,11 @@ def reuse(
         return None
     for guards_data, rest_data in read_entries(_path(fn.__code__, compiler.options)):
         try:
-            guards = _Unpickler(guards_data, fn, values, compiler, route).load()
-            compiled = compile_guards(guards, param_names(fn.__code__))
+            guards, plan = _Unpickler(guards_data, fn, values, compiler, route).load()
+            names = param_names(fn.__code__)
+            if plan and not compile_guards([*guards, *plan], names)[0](fn, *values):
+                continue  # (its head breaks at a call because of another callee)
+            compiled = compile_guards(guards, names)
             if not compiled[0](fn, *values):
                 continue
             capture: Capture = _Unpickler(rest_data, fn, values, compiler, route).load()

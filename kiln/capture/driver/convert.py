@@ -75,9 +75,10 @@ class Restart(Exception):
 
 
 # Guards a head that breaks at a call keeps from the capture that went into the callee: they
-# say why it breaks there (which modules, which settings). Without them, a head whose callee
-# broke would serve any callee, and one loaded from the artifact cache would carry another
-# model's break into a process whose model has none. Tensor and size guards stay behind.
+# say why it breaks there (which modules, which settings). Tensor and size guards stay behind.
+# The artifact cache checks them before it reuses a stored head in another process (every
+# compiled module's call frame is one code object: a T5 run got a Whisper run's break); calls
+# never check them (a head that breaks at a call is right for any callee).
 _DECISIVE = (Identity, TypeIs, Equals, LengthIs, KeysAre, HasAttr)
 
 
@@ -99,6 +100,8 @@ class Capture:
     shapes: ShapeEnv | None = None
     # The head's globals (objects its source names), for the artifact cache to store.
     scope: dict[str, Any] = field(default_factory=dict)
+    # Why the head breaks where it does (``_DECISIVE``): checked only by the artifact cache.
+    plan_guards: list[Guard] = field(default_factory=list)
 
 
 def arg_names(code: types.CodeType) -> tuple[str, ...]:
@@ -181,8 +184,6 @@ def _capture_once(
         try:
             set_user_location(_definition(code))  # guards on arguments cite the def line
             session.add_guard(Identity(FunctionAttr("__globals__"), "globals", fn.__globals__))
-            for guard in inherited:
-                session.add_guard(guard)
             local_values = {
                 n: session.wrap(v, Local(n)) for n, v in zip(names, values, strict=True)
             }
@@ -250,6 +251,7 @@ def _capture_once(
         uncompiled=plan.uncompiled,
         shapes=session.shapes if session.shapes.symbols else None,
         scope=dict(binder.names),
+        plan_guards=[guard for guard in inherited if guard not in session.guards],
     )
 
 
