@@ -73,6 +73,7 @@ class Wrapper:
         self.names: dict[int, str] = {}
         self.lines: list[str] = []
         self.slots: dict[int, int] = {}  # id(buffer) -> its place in the pooled temporaries
+        self.in_place: set[int] = set()  # buffers a kernel writes over in place (its last reader)
         # Line of the host program (1-based) -> the step it runs and the user lines behind it,
         # for errors raised there (an out-of-memory allocation, a failing extern).
         self.steps: dict[int, str] = {}
@@ -109,7 +110,8 @@ class Wrapper:
             self.lines.append("    temps = pool.take()")
         # Freed when taken over instead (one taken over in place is read by that kernel: it
         # goes after it, as usual).
-        reused = {id(b) for b in program.reuses.values()} - self._in_place()
+        self.in_place = self._in_place()
+        reused = {id(b) for b in program.reuses.values()} - self.in_place
         # Buffers read as tensors (extern operands, outputs): the rest only lend kernels their
         # data pointer, so one that takes over another's memory is that tensor, not a view
         # of it (torch.as_strided costs 2-3 us a call: 300 a ResNet-like step)
@@ -184,7 +186,7 @@ class Wrapper:
                 view = f"as_strided({old}, {buffer.shape!r}, {buffer.strides!r})"
                 if id(buffer) not in self.as_tensors:
                     view = old  # (the kernel indexes its memory by its own strides)
-                if any(read is previous for read in kernel.reads()):
+                if id(previous) in self.in_place:
                     self.lines.append(f"    {self.name(buffer)} = {view}  # in place of {old}")
                 else:
                     self.lines.append(f"    {self.name(buffer)} = {view}; del {old}  # reuse")
