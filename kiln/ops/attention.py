@@ -82,7 +82,21 @@ def sdpa_backward(
             grad_leaf(t) if want else t for t, want in zip((q, k, v, mask), wanted, strict=True)
         ]
         out = _sdpa(SdpaAttrs(**options), *leaves)
+        grad = laid_out_as(out, grad) if out.is_cuda else grad
         return tuple(autograd_grads([out], leaves, [grad]))
+
+
+def laid_out_as(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``out``'s strides (copied when they differ). PyTorch 2.11's cuDNN
+    attention backward caches its cuDNN graph by q, k, v and the mask, not by the incoming
+    gradient's strides: a later call whose gradient is laid out differently reuses the first
+    call's graph and returns wrong gradients (``benchmarks/attention_backward.py`` on an H100:
+    relative error 1.4; Llama training's gradients were wrong when two compiled graphs gave
+    it different layouts). Kiln passes it the output's layout always, as eager's attention
+    layers do."""
+    if grad.stride() == out.stride():
+        return grad
+    return torch.empty_like(out).copy_(grad)
 
 
 def sdpa_cpu_forward(
@@ -153,13 +167,14 @@ def sdpa_cuda_forward(
     """Attention by the CUDA kernel ``backend`` (the one ``F.scaled_dot_product_attention``
     picks for these operands: ``passes.attention_statistics`` asks PyTorch), and its
     log-sum-exp for :func:`sdpa_cuda_backward`. Without dropout; the pass calls the flash and
-    cuDNN kernels only without a mask and with head sizes that need no padding; they read the
-    k and v of grouped-query attention (fewer heads) as they are."""
+    cuDNN kernels only without a mask (cuDNN takes a float one as its additive bias, as eager
+    passes it) and with head sizes that need no padding; they read the k and v of
+    grouped-query attention (fewer heads) as they are."""
     if backend == CUDA_FLASH:
         found = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)
     elif backend == CUDA_CUDNN:
         found = _aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, is_causal, scale=scale
+            q, k, v, mask, True, 0.0, is_causal, scale=scale
         )
     else:
         bias = _efficient_bias(mask, q, k)
@@ -197,8 +212,8 @@ def sdpa_cuda_backward(
         )  # fmt: skip
     if backend == CUDA_CUDNN:
         return _aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse, seed, offset, None, None, None, length, keys, 0.0,
-            is_causal, scale=scale,
+            laid_out_as(out, grad), q, k, v, out, lse, seed, offset, mask, None, None, length,
+            keys, 0.0, is_causal, scale=scale,
         )  # fmt: skip
     bias = _efficient_bias(mask, q, k)
     gq, gk, gv, _ = _aten._scaled_dot_product_efficient_attention_backward(

@@ -348,6 +348,20 @@ def test_cpu_attention_backward_is_the_flash_kernels_own(dtype: torch.dtype) -> 
         assert len([n for n in graph_.nodes if n.op.name == "SDPA"]) == 2 - externs
 
 
+def test_cudnn_attention_backward_gets_the_outputs_layout() -> None:
+    """PyTorch 2.11's cuDNN attention backward caches its graph without the incoming
+    gradient's strides, so Kiln always hands it a gradient laid out as the output (a copy
+    when the layouts differ, the same tensor when they agree); values are unchanged."""
+    from kiln.ops.attention import laid_out_as
+
+    out = torch.randn(2, 6, 3, 8).transpose(1, 2)  # [B, H, L, E] over a [B, L, H, E] buffer
+    grad = torch.randn(2, 3, 6, 8)
+    given = laid_out_as(out, grad)
+    assert given.stride() == out.stride() and given.data_ptr() != grad.data_ptr()
+    torch.testing.assert_close(given, grad, rtol=0, atol=0)
+    assert laid_out_as(out, given) is given
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_loss_backward_scatters_nothing_and_skips_the_max(autocast: bool) -> None:
     """A language model's loss (transformers' shifted labels, ``ignore_index``, fp32 upcast):

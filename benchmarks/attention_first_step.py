@@ -1,0 +1,182 @@
+"""Every training step's gradients against float64, the first step included, and each CUDA
+attention backward call checked on its own: a diagnostic for attention's backward paths.
+
+``benchmarks/attention_backward.py`` and ``kiln bench`` judge gradients after warm-up steps.
+This script judges the first step too, since a fault there showed on an H100 and H200 (PyTorch
+2.11, cuDNN 9.19): with cuDNN called directly with a float mask (``--cudnn-masks``), a Llama
+training step's first cuDNN backward call (the last layer's, first step) received a
+log-sum-exp that was not its forward's (max difference 7.0 from the one recomputed from the
+same q, k, v and mask; the output matched), and its q, k, v gradients were off by 1.4e3
+relative to float64; every later call was right. The forward re-run variant
+(``--variants general``) run after that in the same process was wrong on every call.
+
+For each variant in order (one process, ``kiln.reset()`` between them):
+- the relative norm error of every parameter's gradient to a float64 copy of the model (no
+  autocast), after step 1 and after step 2, worst and median, eager bf16 beside them;
+- each cuDNN backward call Kiln makes (``sdpa_cuda_backward``) and each re-run
+  (``sdpa_backward``): the error of q's, k's and v's gradients to float64 attention written
+  out, and for the direct calls the log-sum-exp's difference from the forward's recomputed.
+
+    KILN_ARTIFACT_CACHE=0 python benchmarks/attention_first_step.py --model llama \\
+        --variants direct,general [--cudnn-masks] [--no-probes] [--no-in-place] [--calls 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from typing import Any
+
+import torch
+
+import kiln
+import kiln.ops.attention as attention
+import kiln.passes.attention_statistics as attention_statistics
+import kiln.schedule.buffers as buffers
+import kiln.schedule.layouts as layouts
+from kiln.bench.worker import _step, prepare
+
+SHOWN: dict[str, int] = {}
+CALLS = 3  # attention calls shown a variant
+
+
+def exact_grads(q: Any, k: Any, v: Any, mask: Any, grad: Any, scale: float | None) -> Any:
+    """q's, k's and v's gradients in float64 (k and v of q's head count: no grouped query)."""
+    with torch.enable_grad():
+        leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+        scores = leaves[0] @ leaves[1].transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+        if mask is not None:
+            scores = scores + mask.double()
+        return torch.autograd.grad(scores.softmax(-1) @ leaves[2], leaves, grad.double())
+
+
+def check_call(
+    kind: str, got: Any, q: Any, k: Any, v: Any, mask: Any, grad: Any, **extra: Any
+) -> None:
+    if _fake(q):
+        return  # (a typing run)
+    seen = SHOWN.get(kind, 0)
+    SHOWN[kind] = seen + 1
+    if seen >= CALLS or mask is None or mask.dtype == torch.bool or q.shape[1] != k.shape[1]:
+        return  # (enough shown; the formula here takes float masks and no grouped query)
+    exact = exact_grads(q, k, v, mask, grad, extra.pop("scale", None))
+    error = max(
+        ((a.double() - b).norm() / b.norm()).item() for a, b in zip(got, exact, strict=True)
+    )
+    details = ", ".join(f"{key} {value:.2g}" for key, value in extra.items())
+    print(f"    {kind} call {seen}: error to float64 {error:.2e} {details}", flush=True)
+
+
+class _Aten:
+    """``torch.ops.aten`` for ``kiln.ops.attention``, checking each cuDNN backward call."""
+
+    def __getattr__(self, name: str) -> Any:
+        op = getattr(torch.ops.aten, name)
+        if name != "_scaled_dot_product_cudnn_attention_backward":
+            return op
+
+        def checked(grad: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *rest: Any, **kw: Any):
+            got = op(grad, q, k, v, out, lse, *rest, **kw)
+            mask, scale = rest[2], kw.get("scale")
+            extra: dict[str, float] = {}
+            if not _fake(q) and SHOWN.get("direct", 0) < CALLS:
+                again = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    q, k, v, mask, True, 0.0, False, scale=scale
+                )
+                extra["lse difference"] = (again[1].reshape(lse.shape) - lse).abs().max().item()
+                extra["output difference"] = (again[0].float() - out.float()).abs().max().item()
+            check_call("direct", got, q, k, v, mask, grad, scale=scale, **extra)
+            return got
+
+        return checked
+
+
+def _fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def main() -> None:
+    global CALLS
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama")
+    parser.add_argument("--variants", default="direct,general")
+    parser.add_argument("--cudnn-masks", action="store_true", help="cuDNN with float masks")
+    parser.add_argument("--no-probes", action="store_true", help="no layout probes")
+    parser.add_argument("--no-in-place", action="store_true", help="no in-place kernel writes")
+    parser.add_argument("--calls", type=int, default=3, help="attention calls shown a variant")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    CALLS = args.calls
+    attention_statistics.CUDNN_FLOAT_MASKS = args.cudnn_masks
+    if args.no_probes:
+        layouts.probe_strides = lambda *a, **k: None  # type: ignore[assignment]
+    if args.no_in_place:
+        buffers._in_place_target = lambda *a, **k: None  # type: ignore[assignment]
+    attention._aten = _Aten()  # type: ignore[assignment]
+    rerun_grads = attention.autograd_grads
+
+    def checked_rerun(outs: Any, leaves: Any, grads: Any) -> Any:
+        got = rerun_grads(outs, leaves, grads)
+        check_call("general", got, *leaves[:4], grads[0], scale=None)
+        return got
+
+    attention.autograd_grads = checked_rerun  # type: ignore[assignment]
+    device = torch.device(args.device)
+    model, inputs, step = prepare(args.model, "train", device)
+    names = [name for name, _ in model.named_parameters()]
+
+    def grads(m: torch.nn.Module) -> list[torch.Tensor]:
+        return [
+            torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.double()
+            for p in m.parameters()
+        ]
+
+    exact = copy.deepcopy(model).double()
+    as64 = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    torch.backends.cuda.matmul.allow_tf32 = False  # (the float64 copy's matmuls: none)
+    _step("train", device, torch.float32, list(exact.parameters()))(exact, as64)
+    truth = grads(exact)
+    del exact
+
+    # (gradients that are zero in exact arithmetic, such as a key projection's bias under
+    # softmax, are left out: their relative error is rounding over nothing)
+    largest = max(t.norm().item() for t in truth)
+    judged = [i for i, t in enumerate(truth) if t.norm().item() > 1e-9 * largest]
+
+    def report(label: str, found: list[torch.Tensor]) -> None:
+        errors = [0.0] * len(found)
+        for i in judged:
+            errors[i] = ((found[i] - truth[i]).norm() / truth[i].norm()).item()
+        worst = max(range(len(errors)), key=errors.__getitem__)
+        print(
+            f"  {label}: worst {errors[worst]:.2e} ({names[worst]}), "
+            f"median {statistics.median(errors[i] for i in judged):.2e} "
+            f"({len(found) - len(judged)} gradients zero in float64 left out)",
+            flush=True,
+        )
+
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"== {args.model} on {card}, torch {torch.__version__}")
+    step(model, inputs)
+    report("eager bf16", grads(model))
+    original = attention_statistics._kernel
+    for variant in args.variants.split(","):
+        kiln.reset()
+        SHOWN.clear()
+        if variant == "general":
+            attention_statistics._kernel = lambda node: None  # type: ignore[assignment]
+        try:
+            compiled = kiln.compile(model)
+            for number in (1, 2):
+                print(f"  -- {variant}, step {number}")
+                step(compiled, inputs)
+                report(f"kiln {variant} step {number}", grads(model))
+        finally:
+            attention_statistics._kernel = original
+
+
+if __name__ == "__main__":
+    main()
