@@ -90,10 +90,9 @@ def laid_out_as(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``grad`` with ``out``'s strides (copied when they differ). PyTorch 2.11's cuDNN
     attention backward caches its cuDNN graph by q, k, v and the mask, not by the incoming
     gradient's strides: a later call whose gradient is laid out differently reuses the first
-    call's graph and returns wrong gradients (``benchmarks/attention_backward.py`` on an H100:
-    relative error 1.4; Llama training's gradients were wrong when two compiled graphs gave
-    it different layouts). Kiln passes it the output's layout always, as eager's attention
-    layers do."""
+    call's graph and returns wrong gradients (``benchmarks/cudnn_gradient_layout.py`` on an
+    H100: relative error 1.4). Kiln passes it the output's layout always, as eager's
+    attention layers do."""
     if grad.stride() == out.stride():
         return grad
     return torch.empty_like(out).copy_(grad)
