@@ -131,9 +131,12 @@ def _measure(job: Job, report: Report, result: Measurement) -> None:
     reference_run = job.compiler == "eager" and not job.repeat
     report("first call" if job.compiler == "eager" else "compiling + first call")
     with _compiler_context(job.compiler), recording(CompiledProgramRecord) as programs:
-        runner, result.first_call_s = timed(lambda: _first_call(job, model, step, inputs), device)
+        (runner, output), result.first_call_s = timed(
+            lambda: _first_call(job, model, step, inputs), device
+        )
+        first = None if job.compiler == "eager" else _snapshot(job, model, output)
         report("saving reference results" if reference_run else "checking against eager")
-        _check(job, model, runner, step, inputs, result, dtype)
+        _check(job, model, runner, step, inputs, result, dtype, first)
         if not job.warm_start and not job.repeat:
             if job.compiler == "kiln":
                 # On a fresh machine the native guard extension is still being built (15-20 s,
@@ -220,8 +223,11 @@ def prepare(
     return model, inputs, _step(mode, device, dtype, list(model.parameters()))
 
 
-def _first_call(job: Job, model: nn.Module, step: Step, inputs: list[Any]) -> Callable[..., Any]:
-    """Compile ``model`` and run the first step (what the first-call column times)."""
+def _first_call(
+    job: Job, model: nn.Module, step: Step, inputs: list[Any]
+) -> tuple[Callable[..., Any], torch.Tensor]:
+    """Compile ``model`` and run the first step (what the first-call column times); the
+    runner and the step's result."""
     runner: Callable[..., Any] = model
     if job.compiler == "torch":
         runner = torch.compile(model, mode=job.compile_mode)
@@ -230,8 +236,18 @@ def _first_call(job: Job, model: nn.Module, step: Step, inputs: list[Any]) -> Ca
 
         dynamic = True if job.compiler == "kiln-dynamic" else None
         runner = kiln.compile(model, mode=job.compile_mode, dynamic=dynamic)
-    step(runner, inputs[0])
-    return runner
+    return runner, step(runner, inputs[0])
+
+
+def _snapshot(job: Job, model: nn.Module, output: torch.Tensor) -> list[torch.Tensor]:
+    """One step's results on the CPU, as the correctness column compares them: the output of
+    input set 0 (training: the loss), then in training every parameter's gradient."""
+    tensors = [output]
+    if job.mode == "train":
+        tensors += [
+            p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
+        ]
+    return [tensor.detach().cpu() for tensor in tensors]
 
 
 def _check(
@@ -242,11 +258,13 @@ def _check(
     inputs: list[Any],
     result: Measurement,
     dtype: torch.dtype,
+    first: list[torch.Tensor] | None = None,
 ) -> None:
     """Save (eager) or compare (compilers) the results: training, the loss and every gradient of
     one step on input set 0; inference, the whole output of input set 0 and an evenly spaced
     sample of the others' (GPT-2's logits are 1.6 GB a set: the reference file stays small,
-    while a result that wrongly ignores its input still shows)."""
+    while a result that wrongly ignores its input still shows). ``first``: the first call's
+    results (``_snapshot``), judged too: a fault of the compiling call alone must show."""
     tensors, names = _results(job, model, runner, step, inputs)
     if job.compiler == "eager" and not job.repeat:
         torch.save(tensors, job.reference)
@@ -254,16 +272,24 @@ def _check(
         return
     expected = torch.load(job.reference, weights_only=True)
     measure = relative_norm_errors if job.mode == "train" else relative_errors
-    errors = measure(tensors, expected)
-    result.max_rel_error = max(errors) if all(e == e for e in errors) else float("nan")
     tolerance = TOLERANCES.get(dtype, 1e-3)
-    outside = [i for i, error in enumerate(errors) if not error <= tolerance]
-    result.ok = not outside
-    if outside and len(errors) == len(names):
+    every: list[float] = []
+    verdicts: list[bool] = []
+    for when, found in (("", tensors), ("first call: ", first or [])):
+        errors = measure(found, expected[: len(found)])
+        every += errors
+        outside = [i for i, error in enumerate(errors) if not error <= tolerance]
+        if not outside:
+            continue
+        if len(errors) > len(names):  # (no names to judge them by)
+            verdicts.append(False)
+            continue
         worst = max(outside, key=lambda i: errors[i] if errors[i] == errors[i] else float("inf"))
         who = COMPILER_TITLES.get(job.compiler, job.compiler)
-        result.notes.append(f"{who}: largest error: {names[worst]} ({errors[worst]:.2g})")
-        result.ok = _judged_by_oracle(job, tensors, expected, outside, names, measure, result)
+        result.notes.append(f"{who}: {when}largest error: {names[worst]} ({errors[worst]:.2g})")
+        verdicts.append(_judged_by_oracle(job, found, expected, outside, names, measure, result))
+    result.max_rel_error = max(every) if all(e == e for e in every) else float("nan")
+    result.ok = all(verdicts)
 
 
 def _results(
@@ -273,18 +299,12 @@ def _results(
     of one step on input set 0; inference, the whole output of input set 0 and an evenly
     spaced sample of the others' (GPT-2's logits are 1.6 GB a set: the reference file stays
     small, while a result that wrongly ignores its input still shows)."""
-    names = ["output"]
+    tensors = _snapshot(job, model, step(runner, inputs[0]))
     if job.mode == "train":
-        loss = step(runner, inputs[0])
-        named = list(model.named_parameters())
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in named]
-        tensors = [loss, *grads]
-        names = ["loss", *(f"grad of {name}" for name, _ in named)]
-    else:
-        tensors = [step(runner, inputs[0])]
-        tensors += [_spaced_sample(step(runner, x)) for x in inputs[1:]]
-        names += [f"output of input set {i}" for i in range(1, len(inputs))]
-    return [tensor.detach().cpu() for tensor in tensors], names
+        names = ["loss", *(f"grad of {name}" for name, _ in model.named_parameters())]
+        return tensors, names
+    tensors += [_spaced_sample(step(runner, x)).detach().cpu() for x in inputs[1:]]
+    return tensors, ["output", *(f"output of input set {i}" for i in range(1, len(inputs)))]
 
 
 def _save_oracle(

@@ -79,6 +79,34 @@ def test_compiler_crash_marks_the_row(tiny_suite: Options, monkeypatch: pytest.M
     assert "FAIL: kiln error" in format_table([row])
 
 
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_a_wrong_first_call_alone_marks_the_row(
+    tiny_suite: Options, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The first call (the one that compiles) is judged against eager too, not only a later
+    one: a compiler right from its second call on still fails the row."""
+    compile_for_real = kiln.compile
+
+    def wrong_once(model: nn.Module, **options: object) -> object:
+        compiled = compile_for_real(model, **options)
+        calls = []
+
+        def run(*args: torch.Tensor) -> torch.Tensor:
+            calls.append(None)
+            output = compiled(*args)
+            return output * 1.5 if len(calls) == 1 else output
+
+        return run
+
+    monkeypatch.setattr(kiln, "compile", wrong_once)
+    tiny_suite.models, tiny_suite.mode = ["tiny_mlp"], mode
+    (row,) = run_suite(tiny_suite, Progress(io.StringIO(), live=False))
+    measured = row.measurements["kiln"]
+    assert row.failed and not measured.ok, measured
+    assert any("first call: largest error" in note for note in measured.notes), measured.notes
+    assert measured.max_rel_error is not None and measured.max_rel_error > 0.1
+
+
 def test_json_output(tiny_suite: Options, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--models", "tiny_mlp", "--compilers", "kiln", "--in-process", "--budget", "0.05"]
     assert main(["bench", *argv, "--json"]) == 0
