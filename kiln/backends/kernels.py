@@ -11,7 +11,10 @@ A generator that cannot serve this machine raises :class:`Unavailable`. Under
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,6 +39,7 @@ KernelBuilder = Callable[..., dict[str, Launcher]]
 # Generated code by what it was generated from (kernel names of one stored program): a warm
 # process that read the program from the disk reads its code too (kiln/backends/programs.py).
 Memo = dict[tuple[Any, ...], Any]
+UNIT_KERNELS = 24  # kernels a C++ translation unit gets at least before a program is split
 
 
 def _generated(memo: Memo | None, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
@@ -77,13 +81,37 @@ def _evaluator(
 def _cpp(
     kernels: list[Kernel], device: torch.device, memo: Memo | None = None
 ) -> dict[str, Launcher]:
+    """One translation unit, or for a large program several (:func:`cpp_units`), printed in
+    turn and compiled at once: one g++ each."""
     if not cpp_compiler_available():
         raise Unavailable("no C++ compiler (g++) on PATH: install one for compiled CPU kernels")
     unique, same_as = _unique([k for k in kernels if k.xnumel > 0], memo)
-    key = ("cpp", tuple(k.name for k in unique))
-    text = _generated(memo, key, lambda: cpp_library(unique).source) if unique else ""
-    launchers = load_kernels(cpp_library(unique, source=text)) if unique else {}
+    libraries = []
+    for unit in cpp_units(unique):
+        key = ("cpp", tuple(k.name for k in unit))
+        text = _generated(memo, key, functools.partial(_printed, unit))
+        libraries.append(cpp_library(unit, source=text))
+    launchers: dict[str, Launcher] = {}
+    with ThreadPoolExecutor(max(len(libraries), 1)) as pool:  # (g++ runs outside the GIL)
+        for built in pool.map(load_kernels, libraries):
+            launchers.update(built)
     return {name: launchers[original] for name, original in same_as.items()}
+
+
+def _printed(kernels: list[Kernel]) -> str:
+    return cpp_library(kernels).source
+
+
+def cpp_units(kernels: list[Kernel]) -> list[list[Kernel]]:
+    """``kernels`` as translation units: one, or one per core for a program of at least
+    ``UNIT_KERNELS`` kernels per core (round robin, so the units are alike and each process
+    splits one program the same way). One unit of DenseNet-121's training backward (toy
+    width, 2-core VM) compiled for 70 s of its first call."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    count = min(cores or 1, len(kernels) // UNIT_KERNELS)
+    if count <= 1:
+        return [kernels] if kernels else []
+    return [kernels[i::count] for i in range(count)]
 
 
 def _triton(
