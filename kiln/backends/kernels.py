@@ -92,9 +92,12 @@ def _cpp(
         text = _generated(memo, key, functools.partial(_printed, unit))
         libraries.append(cpp_library(unit, source=text))
     launchers: dict[str, Launcher] = {}
-    with ThreadPoolExecutor(max(len(libraries), 1)) as pool:  # (g++ runs outside the GIL)
-        for built in pool.map(load_kernels, libraries):
-            launchers.update(built)
+    if len(libraries) == 1:  # (the common case: no thread to start)
+        launchers = load_kernels(libraries[0])
+    elif libraries:
+        with ThreadPoolExecutor(len(libraries)) as pool:  # (g++ runs outside the GIL)
+            for built in pool.map(load_kernels, libraries):
+                launchers.update(built)
     return {name: launchers[original] for name, original in same_as.items()}
 
 
