@@ -278,9 +278,9 @@ def main() -> None:
     parser.add_argument("--models", default="vit_b_16,bert_base")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtypes", default="bfloat16,float16")
-    parser.add_argument("--cudnn-masks", action="store_true", help="cuDNN with float masks")
+    parser.add_argument("--no-cudnn-masks", action="store_true", help="no float masks to cuDNN")
     args = parser.parse_args()
-    attention_statistics.CUDNN_FLOAT_MASKS = args.cudnn_masks
+    attention_statistics.CUDNN_FLOAT_MASKS = not args.no_cudnn_masks
     print(f"== {torch.cuda.get_device_name()}, torch {torch.__version__}")
     failures = []
     for dtype in args.dtypes.split(","):

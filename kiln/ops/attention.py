@@ -98,6 +98,27 @@ def laid_out_as(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(out).copy_(grad)
 
 
+def cudnn_output_layout(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` with the strides cuDNN's attention forward gives an output for ``q`` (copied
+    when they differ). PyTorch 2.11 caches cuDNN's backward graph by q's, k's, v's and the
+    mask's sizes and strides, not the output's: a Llama step whose output Kiln kept as
+    [B, L, H, E] for q of [B, H, L, E] built a graph that a later eager call of that shape
+    (output as q) reused, and its gradients were off by 1.6 relative to float64
+    (``benchmarks/cudnn_gradient_layout.py``, third table; ``attention_first_step.py``).
+    Passing the layout eager passes keeps the cached graph right for both."""
+    if q.shape == out.shape:
+        strides = torch.empty_like(q, device="meta").stride()  # (PyTorch's own rule)
+    else:
+        order = sorted(range(q.dim()), key=q.stride)
+        step, found = 1, [0] * q.dim()
+        for dim in order:
+            found[dim], step = step, step * out.shape[dim]
+        strides = tuple(found)
+    if out.stride() == strides:
+        return out
+    return torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
+
+
 def sdpa_cpu_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -210,6 +231,7 @@ def sdpa_cuda_backward(
             scale=scale,
         )  # fmt: skip
     if backend == CUDA_CUDNN:
+        out = cudnn_output_layout(q, out)
         return _aten._scaled_dot_product_cudnn_attention_backward(
             laid_out_as(out, grad), q, k, v, out, lse, seed, offset, mask, None, None, length,
             keys, 0.0, is_causal, scale=scale,

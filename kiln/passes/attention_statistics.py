@@ -14,12 +14,12 @@ Only graphs where q, k or v require grad are touched (inference keeps the plain 
 only where PyTorch's own choice for these shapes, dtypes and gradients is known (asked of
 ``torch._fused_sdp_choice`` on empty tensors of the same sizes), so the numbers are eager's:
 - on the CPU, the flash kernel (``sdpa_cpu_forward``);
-- on CUDA (``sdpa_cuda_forward``, the kernel an argument): the flash and cuDNN kernels without
-  a mask and with a head size that is a multiple of 8 (eager pads others), the
-  memory-efficient kernel with or without one. ``sdpa_cuda_forward`` can pass cuDNN a float
-  mask as its bias (each call identical to eager's on an H100), but this pass does not choose
-  it: in a Llama training step the first call's first cuDNN backward got a log-sum-exp that
-  was not its forward's (``benchmarks/attention_first_step.py``; cause not found yet).
+- on CUDA (``sdpa_cuda_forward``, the kernel an argument): the flash kernel without a mask,
+  cuDNN's without one or with a float one (its additive bias, as eager passes it), each with a
+  head size that is a multiple of 8 (eager pads others), and the memory-efficient kernel with
+  or without a mask. (A "first-step fault" once blamed on cuDNN with a mask was the layout
+  probe's own call on uninitialized tensors, seen by the checking script:
+  ``benchmarks/attention_first_step.py`` now leaves probes out.)
   On H100 with PyTorch 2.11, ViT-B/16's training step ran each attention forward twice
   before (24 cuDNN forward kernels a step, 1.1 ms).
 Grouped-query attention (``enable_gqa``: k and v with fewer heads) goes to CUDA's flash and
@@ -47,9 +47,8 @@ from kiln.ops.attention import (
 from kiln.ops.externs import extern_call
 from kiln.passes.rewriting import rewrite_nodes
 
-# cuDNN with a float mask as its bias: off until the first-step fault the docstring names is
-# found (``benchmarks/attention_first_step.py --cudnn-masks`` turns it on).
-CUDNN_FLOAT_MASKS = False
+# cuDNN with a float mask as its bias (a switch for ``benchmarks/attention_backward.py``).
+CUDNN_FLOAT_MASKS = True
 
 
 def _chosen(node: Node) -> bool:

@@ -362,6 +362,26 @@ def test_cudnn_attention_backward_gets_the_outputs_layout() -> None:
     assert laid_out_as(out, given) is given
 
 
+def test_cudnn_attention_backward_gets_the_output_layout_eager_gives_q() -> None:
+    """PyTorch 2.11 caches cuDNN's attention backward graph without the output's strides, so
+    Kiln hands it the output laid out as cuDNN's forward lays it out for that q (what eager
+    passes): q's own strides when q is dense, a dense order of q's otherwise (q sliced from a
+    fused projection); values unchanged, no copy when the layout already agrees."""
+    from kiln.ops.attention import cudnn_output_layout
+
+    blhd = torch.randn(2, 6, 3, 8).transpose(1, 2)  # [B, H, L, E] over a [B, L, H, E] buffer
+    bhld = torch.randn(2, 3, 6, 8)
+    given = cudnn_output_layout(bhld, blhd)
+    assert given.stride() == bhld.stride() and given.data_ptr() != blhd.data_ptr()
+    torch.testing.assert_close(given, blhd, rtol=0, atol=0)
+    assert cudnn_output_layout(blhd, blhd) is blhd
+    fused = torch.randn(2, 6, 3, 3, 8)[:, :, 0].transpose(1, 2)  # q of a qkv projection
+    assert cudnn_output_layout(fused, bhld).stride() == blhd.stride()
+    wider = torch.randn(2, 3, 6, 16)  # a v head size unlike q's: q's stride order
+    out = torch.randn(2, 6, 3, 8).transpose(1, 2)
+    assert cudnn_output_layout(wider, out).stride() == (144, 48, 8, 1)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_loss_backward_scatters_nothing_and_skips_the_max(autocast: bool) -> None:
     """A language model's loss (transformers' shifted labels, ``ignore_index``, fp32 upcast):
