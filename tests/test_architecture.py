@@ -75,8 +75,9 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # gradients otherwise: ops/attention.py, laid_out_as); +13 for judging a bench row's first
 # (compiling) call against eager too (bench/worker.py), as a later one; +21 for building a
 # large program's C++ kernels as one translation unit per core at once (backends/kernels.py);
-# +13 for handing cuDNN's attention backward the output laid out as eager's (ops/attention.py).
-LINE_BUDGET = 32_347
+# +13 for handing cuDNN's attention backward the output laid out as eager's (ops/attention.py);
+# +10 for a kernel's later member keeping its source's dim order (schedule/scheduler.py).
+LINE_BUDGET = 32_357
 
 
 def _module_name(path: Path) -> str:

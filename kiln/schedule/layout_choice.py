@@ -38,10 +38,19 @@ class LayoutChoice:
         contiguous = ix.contiguous_strides(shape)
         if self.wants_channels_last(value):
             return channels_last_strides(shape)
+        source = self.source_strides(value)
+        if source is not None:
+            return source
+        return channels_last_strides(shape) if self._feeds_channels_last(value) else contiguous
+
+    def source_strides(self, value: Value) -> tuple[int, ...] | None:
+        """Dense strides in the dim order of a value in memory that ``value`` is computed
+        from (see :meth:`_source_layout`), or None when there is none."""
+        shape = shape_of(value)
         layout = self._source_layout(value, shape) or self._source_layout(value, shape, True)
         if layout is not None and 0 not in layout.strides:  # (dense or not: a strided slice)
             return strides_in_order(shape, memory_order(layout.strides))
-        return channels_last_strides(shape) if self._feeds_channels_last(value) else contiguous
+        return None
 
     def _feeds_channels_last(self, value: Value) -> bool:
         """Whether elementwise work of ``value``'s shape leads from it to a convolution's

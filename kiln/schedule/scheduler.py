@@ -309,6 +309,15 @@ class Scheduler:
             strides = self.layout.strides_for(value)
         elif group.rows is None and shape == group.shape:
             strides = strides_in_order(shape, group.order)
+            # A member computed from a value in memory keeps that value's dim order when the
+            # innermost dim is the kernel's (its stores stay contiguous runs): a Llama
+            # backward's recomputed q, fused after the repeated k ([B, H, L, E]), kept the
+            # [B, L, H, E] order of its projection, as in the forward, so cuDNN's backward
+            # reads q laid out as the output it saved (else a copy of both: ops/attention.py).
+            source = self.layout.source_strides(value)
+            if source and memory_order(source)[-1] == group.order[-1]:
+                moved = any(a != b for a, b, n in zip(source, strides, shape, strict=True) if n > 1)
+                strides = source if moved else strides
         buffer = Buffer(
             value.name, shape, value.type.dtype, value.type.device, BufferKind.TEMP, strides
         )

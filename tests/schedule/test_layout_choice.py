@@ -70,3 +70,81 @@ def test_a_convolution_operand_is_channels_last_beside_a_contiguous_store() -> N
     stream = program.outputs[0]
     assert stream.strides == (288, 36, 6, 1)
     assert kiln.compile(block)(x, a, w)[1].allclose(block(x, a, w)[1], atol=1e-5)
+
+
+class _RepeatedKeyAttention(torch.nn.Module):
+    """Llama-style attention: a rotary embedding on q and k, k and v repeated to q's heads (as
+    transformers does when a mask is given), a float mask."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 2, size: int = 16) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.size = heads, kv_heads, size
+        self.q = torch.nn.Linear(64, heads * size, bias=False)
+        self.k = torch.nn.Linear(64, kv_heads * size, bias=False)
+        self.v = torch.nn.Linear(64, kv_heads * size, bias=False)
+        self.o = torch.nn.Linear(heads * size, 64, bias=False)
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # [B, 1, L, E]
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:
+            half = t.shape[-1] // 2
+            return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
+
+        def repeat(t: torch.Tensor) -> torch.Tensor:
+            t = t[:, :, None].expand(b, self.kv_heads, self.heads // self.kv_heads, length, -1)
+            return t.reshape(b, self.heads, length, self.size)
+
+        q = rotate(self.q(x).view(b, length, self.heads, self.size).transpose(1, 2))
+        k = rotate(self.k(x).view(b, length, self.kv_heads, self.size).transpose(1, 2))
+        v = self.v(x).view(b, length, self.kv_heads, self.size).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask)
+        return self.o(out.transpose(1, 2).reshape(b, length, -1))
+
+
+def test_a_recomputed_query_keeps_its_forward_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward recomputes q (its rotary embedding) in the kernel that repeats k, which
+    walks [B, H, L, E]; q keeps the [B, L, H, E] order of its projection, as in the forward,
+    so the attention kernel's backward reads q laid out as the output it saved (on CUDA,
+    cuDNN's backward otherwise copies the output and its gradient: ``ops/attention.py``).
+    Every parameter's gradient matches eager's."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    seen: dict[str, list[tuple[int, ...]]] = {"forward": [], "backward": []}
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def seen_forward(q: torch.Tensor, *rest: object, **kw: object) -> object:
+        if not is_fake(q):
+            seen["forward"].append(tuple(q.stride()))
+        return forward(q, *rest, **kw)
+
+    def seen_backward(grad: torch.Tensor, q: torch.Tensor, *rest: object, **kw: object) -> object:
+        if not is_fake(q):
+            seen["backward"].append(tuple(q.stride()))
+        return backward(grad, q, *rest, **kw)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", seen_forward)
+    monkeypatch.setattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", seen_backward
+    )
+    torch.manual_seed(0)
+    model = _RepeatedKeyAttention()
+    compiled = kiln.compile(model)
+    kiln.counters.reset()
+    for _ in range(2):  # fresh values each call
+        x = torch.randn(2, 32, 64)
+        angles = torch.rand(2, 32, 16) * 6
+        mask = torch.randn(2, 1, 32, 32)
+        grads = []
+        for run in (model, compiled):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                run(x, angles, mask).float().square().sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for got, want in zip(grads[1], grads[0], strict=True):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert seen["forward"] and seen["backward"], seen  # (the kernel's own backward ran)
+    assert set(seen["backward"]) == set(seen["forward"]) == {(2048, 16, 64, 1)}, seen
+    assert not kiln.counters.graph_breaks and not kiln.counters.fallbacks
