@@ -16,6 +16,7 @@ float64 for each kernel PyTorch can pick, then a training step with and without 
    backward graph cache: ``kiln.ops.attention.laid_out_as``).
 
     KILN_ARTIFACT_CACHE=0 python benchmarks/attention_backward.py [--models vit_b_16,bert_base]
+        [--masks learned,learned_b]
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ KERNELS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
 # (B, H, L, S, E, causal, mask, kv heads): mask None, "float" [B, 1, 1, S] additive, "bool"
-# [1, 1, L, S], or [B, 1, L, S] "rows" (random) and "causal" (0 and the dtype's minimum);
+# [1, 1, L, S], or [B, 1, L, S] "rows" (random) and "causal" (0 and the dtype's minimum),
+# "learned" [1, H, L, S] and "learned_b" [B, H, L, S] that require grad (T5's position bias);
 # fewer kv heads than H is grouped-query attention (enable_gqa)
 CASES = [
     (2, 4, 128, 128, 64, False, None, 4),
@@ -53,13 +55,19 @@ CASES = [
     (2, 8, 128, 128, 64, True, None, 2),
     (2, 8, 100, 77, 128, False, None, 4),
     (4, 32, 1024, 1024, 64, False, "causal", 32),  # (a Llama-style training step's)
+    (2, 8, 128, 128, 64, False, "learned", 8),
+    (2, 4, 100, 77, 64, False, "learned", 4),
+    (2, 8, 96, 96, 64, True, "learned_b", 8),
+    (16, 8, 512, 512, 64, False, "learned_b", 8),  # (a T5-small training step's)
 ]
 
 
-def check_kernels(dtype: torch.dtype) -> list[str]:
+def check_kernels(dtype: torch.dtype, masks: str = "") -> list[str]:
     failures = []
     for name, backend in KERNELS.items():
         for case in CASES:
+            if masks and str(case[6]) not in masks.split(","):
+                continue
             for layout in ("bhld", "blhd"):
                 for rule in ("direct", "general"):
                     failures += check_case(name, backend, case, layout, rule, dtype)
@@ -75,7 +83,8 @@ def check_case(
     transformers' attention layers pass them)."""
     b, h, length, keys, e, causal, mask_kind, kv = case
     cudnn_bias = attention_statistics.CUDNN_FLOAT_MASKS and mask_kind != "bool"
-    called = name == "efficient" or (name == "cudnn" and cudnn_bias)
+    learned = mask_kind is not None and mask_kind.startswith("learned")
+    called = name == "efficient" or (name == "cudnn" and cudnn_bias and not learned)
     if rule == "direct" and mask_kind is not None and not called:  # (the general rule's)
         return []
     generator = torch.Generator(device="cuda").manual_seed(length * e + keys)
@@ -96,6 +105,10 @@ def check_case(
         above = torch.ones(length, keys, device="cuda", dtype=torch.bool).triu(1)
         mask = torch.zeros(b, 1, length, keys, device="cuda", dtype=dtype)
         mask.masked_fill_(above, torch.finfo(dtype).min)
+    elif learned:
+        rows = b if mask_kind == "learned_b" else 1
+        mask = torch.randn(rows, h, length, keys, device="cuda", dtype=dtype, generator=generator)
+        mask.requires_grad_(True)
     elif mask_kind == "bool":
         mask = torch.rand(1, 1, length, keys, device="cuda", generator=generator) > 0.3
         mask[..., 0] = True
@@ -110,9 +123,10 @@ def check_case(
     label = f"{name} {tuple(q.shape)} S={keys} kv={kv} causal={causal} mask={mask_kind}"
     label += f" {layout} {rule} {dtype}"
     before = _training_graphs()
+    leaves = (q, k, v, mask) if learned else (q, k, v)
     try:
         with sdpa_kernel([backend]):
-            expected = torch.autograd.grad(attend(q, k, v, mask), (q, k, v), grad)
+            expected = torch.autograd.grad(attend(q, k, v, mask), leaves, grad)
     except RuntimeError as error:  # eager cannot run this kernel here: nothing to check
         print(f"  skip {label}: {str(error)[:100]}")
         return []
@@ -124,7 +138,7 @@ def check_case(
             kiln.reset()
             compiled = kiln.compile(attend, options={"strict": True})
             calls = [  # (the first call compiles; the second runs the cached entry)
-                torch.autograd.grad(compiled(q, k, v, mask), (q, k, v), grad) for _ in range(2)
+                torch.autograd.grad(compiled(q, k, v, mask), leaves, grad) for _ in range(2)
             ]
     except Exception as error:
         print(f"  FAIL {label}: Kiln raised {type(error).__name__}: {str(error)[:300]}")
@@ -146,10 +160,14 @@ def check_case(
 
 
 def truth(q: Any, k: Any, v: Any, mask: Any, causal: bool, grad: Any) -> tuple[Any, ...]:
-    """q's, k's and v's gradients in float64, attention written out (the reference: PyTorch
-    2.11's cuDNN backward can be wrong, eager's included)."""
+    """q's, k's and v's gradients (and a mask's that requires grad) in float64, attention
+    written out (the reference: PyTorch 2.11's cuDNN backward can be wrong, eager's
+    included)."""
+    learned = mask is not None and mask.requires_grad
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     q64, k64, v64 = leaves
+    mask64 = mask.detach().double().requires_grad_(True) if learned else mask
+    leaves += [mask64] if learned else []
     if q64.shape[1] != k64.shape[1]:
         k64 = k64.repeat_interleave(q64.shape[1] // k64.shape[1], 1)
         v64 = v64.repeat_interleave(q64.shape[1] // v64.shape[1], 1)
@@ -160,7 +178,7 @@ def truth(q: Any, k: Any, v: Any, mask: Any, causal: bool, grad: Any) -> tuple[A
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(mask.logical_not(), float("-inf"))
     elif mask is not None:
-        scores = scores + mask.double()
+        scores = scores + mask64.double()
     out = scores.softmax(-1) @ v64
     return torch.autograd.grad(out, leaves, grad.double())
 
@@ -279,12 +297,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtypes", default="bfloat16,float16")
     parser.add_argument("--no-cudnn-masks", action="store_true", help="no float masks to cuDNN")
+    parser.add_argument("--masks", default="", help="only cases of these mask kinds")
     args = parser.parse_args()
     attention_statistics.CUDNN_FLOAT_MASKS = not args.no_cudnn_masks
     print(f"== {torch.cuda.get_device_name()}, torch {torch.__version__}")
     failures = []
     for dtype in args.dtypes.split(","):
-        failures += check_kernels(getattr(torch, dtype))
+        failures += check_kernels(getattr(torch, dtype), args.masks)
     print(f"== kernel checks: {len(failures)} failed {failures}")
     if args.models:
         time_models(args.models.split(","), args.rounds)

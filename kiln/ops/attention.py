@@ -215,11 +215,15 @@ def sdpa_cuda_backward(
     is_causal: bool = False,
     scale: float | None = None,
     backend: int = CUDA_FLASH,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask_grad: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The gradients of q, k and v of :func:`sdpa_cuda_forward`, by the kernel's backward
     from the forward's output and log-sum-exp (what eager autograd saves). No dropout: the
     random state arguments are never read; the flash and cuDNN kernels' sequence offsets are
-    undefined (``None``), as for dense operands."""
+    undefined (``None``), as for dense operands. ``mask_grad`` (the memory-efficient kernel
+    only, which eager picks for a float mask that requires grad, such as T5's learned
+    position bias): the mask's gradient too, fourth; the kernel writes it at [B, H, L, S],
+    summed back to the mask's shape as autograd sums a broadcast."""
     # Stand-ins for the random state, made per call (a cached one could be a FakeTensor of
     # the run that typed the extern).
     seed = torch.zeros(2, dtype=torch.int64, device=q.device)
@@ -237,11 +241,15 @@ def sdpa_cuda_backward(
             keys, 0.0, is_causal, scale=scale,
         )  # fmt: skip
     bias = _efficient_bias(mask, q, k)
-    gq, gk, gv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], is_causal,
-        scale=scale,
+    gq, gk, gv, gbias = _aten._scaled_dot_product_efficient_attention_backward(
+        grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, mask_grad],
+        is_causal, scale=scale,
     )  # fmt: skip
-    return gq, gk, gv
+    if not mask_grad or mask is None:
+        return gq, gk, gv
+    if is_causal:  # (where the causal mask hides a score its gradient is 0; eager's came
+        gbias.tril_()  # back as garbage there: H200, benchmarks/attention_backward.py)
+    return gq, gk, gv, gbias.sum_to_size(mask.shape)
 
 
 def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> Any:
@@ -260,10 +268,10 @@ def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor)
 
 
 def _spread_qkv(attrs: ExternAttrs, inputs: Sequence[Any], results: Any) -> Grads:
-    """q's, k's and v's gradients at their operands' positions (q, k and v may share a slot:
-    the same tensor)."""
+    """q's, k's and v's gradients (and the mask's, when there are four) at their operands'
+    positions (q, k and v may share a slot: the same tensor)."""
     spread: list[Any] = [None] * len(inputs)
-    for arg, grad in zip(attrs.args[:3], results, strict=True):
+    for arg, grad in zip(attrs.args[: len(results)], results, strict=True):
         if isinstance(arg, Slot):
             previous = spread[arg.index]
             spread[arg.index] = grad if previous is None else prims.add(previous, grad)
@@ -272,12 +280,14 @@ def _spread_qkv(attrs: ExternAttrs, inputs: Sequence[Any], results: Any) -> Grad
 
 def _kernel_vjp(backward: Any) -> Any:
     """The VJP of a forward that kept its log-sum-exp: ``backward`` (the kernel's own) from
-    the forward's operands, output and log-sum-exp."""
+    the forward's operands, output and log-sum-exp; the mask's gradient too where it requires
+    grad (the pass allows that on CUDA's memory-efficient kernel only)."""
 
     def vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:
         q, k, v, mask = (inputs[a.index] if isinstance(a, Slot) else a for a in attrs.args[:4])
         out, lse = outputs
-        results = extern_call(backward, (grads[0], q, k, v, mask, out, lse), attrs.kwargs)
+        kwargs = {**attrs.kwargs, "mask_grad": True} if needs_grad(mask) else attrs.kwargs
+        results = extern_call(backward, (grads[0], q, k, v, mask, out, lse), kwargs)
         return _spread_qkv(attrs, inputs, results)
 
     return vjp

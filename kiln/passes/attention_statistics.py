@@ -25,7 +25,9 @@ only where PyTorch's own choice for these shapes, dtypes and gradients is known 
 Grouped-query attention (``enable_gqa``: k and v with fewer heads) goes to CUDA's flash and
 cuDNN kernels as they are, as eager calls them (``benchmarks/attention_backward.py`` on an
 H100: gradients identical to eager's with 2 and 4 kv heads of 8). Masks that require grad keep
-the general rule, as does a choice of the math kernel.
+the general rule, except on CUDA's memory-efficient kernel, which eager picks for a float
+mask that requires grad (T5's learned position bias): its backward returns the mask's
+gradient too (``sdpa_cuda_backward``'s ``mask_grad``). The math kernel keeps the general rule.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ CUDNN_FLOAT_MASKS = True
 def _chosen(node: Node) -> bool:
     if node.op is not Op.SDPA:
         return False
-    q, k, v, mask = node.inputs
+    q, k, v, _ = node.inputs
     tensors = [t for t in (q, k, v) if isinstance(t, Value)]
     devices = {t.type.device.type for t in tensors}
     if len(tensors) != 3 or len(devices) != 1 or not devices <= {"cpu", "cuda"}:
@@ -62,8 +64,6 @@ def _chosen(node: Node) -> bool:
     if node.attrs.enable_gqa and devices != {"cuda"}:
         return False
     if not any(t.type.requires_grad for t in tensors) or q.type.rank != 4:  # type: ignore[union-attr]
-        return False
-    if isinstance(mask, Value) and mask.type.requires_grad:
         return False
     return _kernel(node) is not None
 
@@ -93,6 +93,8 @@ def _kernel(node: Node) -> int | None:
         return None
     if attrs.enable_gqa and choice not in (CUDA_FLASH, CUDA_CUDNN):
         return None  # (only these two read k and v of fewer heads, as eager calls them)
+    if mask is not None and mask.requires_grad and choice != CUDA_EFFICIENT:
+        return None  # (only the memory-efficient kernel's backward returns the mask's gradient)
     if q.device.type == "cpu":
         return choice if choice == SDPBackend.FLASH_ATTENTION.value else None
     if choice in (CUDA_FLASH, CUDA_CUDNN) and (q.shape[-1] | v.shape[-1]) % 8:

@@ -245,3 +245,19 @@ def test_cuda_attention_without_a_device_keeps_the_general_rule() -> None:
     assert statistics._kernel(node) == expected
     if not torch.cuda.is_available():
         assert not statistics._chosen(node)
+
+
+def test_a_learned_bias_on_the_cpu_keeps_the_general_rule() -> None:
+    """On the CPU, eager runs a mask that requires grad by the math kernel: the pass leaves
+    it to the general rule, which returns every gradient, the mask's included."""
+    q, k, v = (t.requires_grad_(True) for t in _qkv())
+    bias = torch.randn(1, H, L, S, requires_grad=True)
+    compiled = kiln.compile(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, m))
+    for _ in range(2):
+        grad = torch.randn(B, H, L, D)
+        expected = torch.autograd.grad(
+            F.scaled_dot_product_attention(q, k, v, bias), (q, k, v, bias), grad
+        )
+        got = torch.autograd.grad(compiled(q, k, v, bias), (q, k, v, bias), grad)
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
