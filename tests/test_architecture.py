@@ -77,8 +77,10 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # large program's C++ kernels as one translation unit per core at once (backends/kernels.py);
 # +13 for handing cuDNN's attention backward the output laid out as eager's (ops/attention.py);
 # +10 for a kernel's later member keeping its source's dim order (schedule/scheduler.py);
-# +6 for the memory-efficient attention kernel's mask gradient (T5's learned position bias).
-LINE_BUDGET = 32_363
+# +6 for the memory-efficient attention kernel's mask gradient (T5's learned position bias);
+# +4 for probing CPU attention's layouts with the inputs' requires_grad (T5 and ViT rebuilt
+# their programs at the second call).
+LINE_BUDGET = 32_367
 
 
 def _module_name(path: Path) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kiln.ir.graph import Node
+from kiln.ir.graph import Node, Value
 from kiln.ir.op import Op, op_def
 from kiln.ops.attention import (
     sdpa_backward,
@@ -71,7 +71,7 @@ def extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
         # Not probed: with a channels-last operand, cuDNN answers channels-last whichever
         # kernel it picks. ResNet-50's first call spent 0.3-0.6 s in 53 such probes.
         return convolution
-    if _is_probed(node) and on_gpu:
+    if _is_probed(node) and (on_gpu or node.op is not Op.CONVOLUTION):
         probed = probe_strides(node, operands)
         if probed is not None:
             return probed
@@ -108,10 +108,11 @@ def _is_contiguous(operand: object) -> bool:
 
 def _cpu_flash_rule(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
     """PyTorch's CPU flash kernel (training graphs call it directly, see
-    ``passes.attention_statistics``) returns its output contiguous for a contiguous query,
-    else as the transpose of a ``[B, L, H, E]`` buffer, and its log-sum-exp as the transpose
-    of ``[B, L, H]``; its backward returns every gradient as ``[B, L, H, E]`` transposed.
-    Known here, the meta run (whose first call imports sympy, 0.4 s) is saved."""
+    ``passes.attention_statistics``) returns its output in the query's dim order (dense:
+    torchvision's attention passes [L, B, H, E] ones, whose rebuild at the second call cost
+    ViT 3 s), and its log-sum-exp as the transpose of ``[B, L, H]``; its backward returns
+    every gradient as ``[B, L, H, E]`` transposed. Known here, the meta run (whose first call
+    imports sympy, 0.4 s) is saved."""
     if node.op is not Op.EXTERN or node.attrs.fn not in (sdpa_cpu_forward, sdpa_cpu_backward):
         return None
     shapes = [shape_of(v) for v in node.outputs]
@@ -121,8 +122,8 @@ def _cpu_flash_rule(node: Node, operands: list[object]) -> list[tuple[int, ...]]
     if node.attrs.fn is sdpa_cpu_forward:
         query = node.attrs.args[0]
         view = operands[query.index] if isinstance(query, Slot) else None
-        if _is_contiguous(view):
-            transposed[0] = ix.contiguous_strides(shapes[0])
+        if isinstance(view, View) and len(view.strides) == len(shapes[0]):
+            transposed[0] = strides_in_order(shapes[0], memory_order(view.strides))
     return transposed
 
 
@@ -167,8 +168,9 @@ def _convolution_rule(node: Node, operands: list[object]) -> list[tuple[int, ...
 
 
 def _is_probed(node: Node) -> bool:
-    """Externs whose CUDA layout depends on the kernel PyTorch picks: attention and its
-    backward, convolutions."""
+    """Externs whose layout depends on the kernel PyTorch picks: attention and its backward
+    (on the CPU too, where a mask that requires grad takes the math kernel: T5's backward was
+    rebuilt at its second call), CUDA convolutions."""
     return node.op in (Op.SDPA, Op.CONVOLUTION) or (
         node.op is Op.EXTERN
         and node.attrs.fn in (sdpa_backward, sdpa_cuda_forward, sdpa_cuda_backward)
@@ -179,25 +181,31 @@ _PROBED: dict[tuple[object, ...], list[tuple[int, ...]] | None] = {}
 
 
 def probe_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
-    """Output strides of a CUDA extern, from running it once on uninitialized tensors laid out
+    """Output strides of an extern, from running it once on uninitialized tensors laid out
     like the operands (attention here has no dropout: nothing draws random numbers). Which
     kernel PyTorch picks (flash, cuDNN, memory-efficient or math attention; cuDNN's
     convolutions) and so the layout it returns depends on shapes, dtypes and the card: a wrong
     guess cost ViT-B/16 a rebuild of its whole program during its first call (0.8-1.4 s on the
-    H100). One probe per distinct signature, for the life of the process."""
+    H100). A graph input that requires grad does in the probe too (PyTorch's CPU attention
+    takes the math kernel for such a mask even under ``no_grad``). One probe per distinct
+    signature, for the life of the process."""
+    grads = [isinstance(v, Value) and v.node is None and v.type.requires_grad for v in node.inputs]
     key = (
         node.op,
         repr(node.attrs),
         tuple(
-            (o.shape, o.strides, o.buffer.dtype, o.buffer.device)
+            (o.shape, o.strides, o.buffer.dtype, o.buffer.device, grad)
             if isinstance(o, View)
             else repr(o)
-            for o in operands
+            for o, grad in zip(operands, grads, strict=True)
         ),
     )
     if key not in _PROBED:
         try:
-            tensors = [_empty_like_view(o) if isinstance(o, View) else o for o in operands]
+            tensors = [
+                _empty_like_view(o).requires_grad_(grad) if isinstance(o, View) else o
+                for o, grad in zip(operands, grads, strict=True)
+            ]
             with torch.no_grad():
                 result = op_def(node.op).impl(node.attrs, *tensors)
             results = result if isinstance(result, tuple) else (result,)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kiln
@@ -88,21 +89,65 @@ def test_training_step_matches_eager(codegen: dict[str, Any], name: str) -> None
         assert error < 1e-4, f"{name_}: relative error {error:.2e}"
 
 
+class _SequenceFirstAttention(nn.Module):
+    """torchvision's ViT attention: ``nn.MultiheadAttention`` on [L, B, E] inputs, whose q
+    reaches the CPU flash kernel laid out [L, B, H, E]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+class _LearnedBiasAttention(nn.Module):
+    """T5's attention: a position bias that requires grad as SDPA's mask (the math kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+        self.bias = nn.Parameter(torch.randn(1, 4, 17, 17))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 17, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).transpose(1, 2)
+
+
+ATTENTION_FORMS = {
+    "bert": tiny_bert,
+    "sequence_first": lambda: (_SequenceFirstAttention(), (torch.randn(17, 2, 32),)),
+    "learned_bias": lambda: (_LearnedBiasAttention(), (torch.randn(2, 17, 32),)),
+}
+
+
 @pytest.mark.parametrize("codegen", ["cpp"], indirect=True)
-def test_attention_layouts_are_predicted_so_nothing_rebuilds(codegen: dict[str, Any]) -> None:
-    """SDPA and its backward return the flash kernels' [B, S, H, D] layout; the schedule
-    predicts it, so no extern result is copied and no graph is compiled a second time."""
+@pytest.mark.parametrize("form", list(ATTENTION_FORMS))
+def test_attention_layouts_are_predicted_so_nothing_rebuilds(
+    codegen: dict[str, Any], form: str
+) -> None:
+    """SDPA and its backward return the flash kernels' layouts (the forward's output in the
+    query's dim order), or the math kernel's where a mask requires grad (asked of PyTorch on
+    uninitialized tensors); the schedule predicts them, so no extern result is copied and no
+    graph is compiled a second time. Every gradient matches eager's on each call."""
     from kiln.backends.kiln import CompiledProgramRecord
     from kiln.recording import listen, unlisten
 
-    model, args = tiny_bert()
+    model, args = ATTENTION_FORMS[form]()
     model.train()
+    twin = copy.deepcopy(model)
     records: list[Any] = []
     listen(records, CompiledProgramRecord)
     try:
-        compiled = kiln.compile(model, options=codegen)
+        compiled = kiln.compile(twin, options=codegen)
         for _ in range(2):
+            for module in (model, twin):
+                module.zero_grad()
+            _first(model(*args)).float().square().mean().backward()
             _first(compiled(*args)).float().square().mean().backward()
+            for (name, want), got in zip(model.named_parameters(), twin.parameters(), strict=True):
+                assert want.grad is not None and got.grad is not None, name
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
     finally:
         unlisten(records)
     assert [r.graph.rsplit("_", 1)[-1] for r in records] == ["forward", "backward"]
