@@ -10,8 +10,10 @@ rounds, peak memory and Kiln's launch count, on one line.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -41,6 +43,16 @@ def main() -> None:
         step(compiled, inputs)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    collections: list[float] = []  # full (generation 2) collections in the timed rounds, ms
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] == 2 and phase == "start":
+            started[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            collections.append((time.perf_counter() - started[0]) * 1e3)
+
+    gc.callbacks.append(on_gc)
     rounds = []
     for _ in range(args.rounds):
         begin = time.perf_counter()
@@ -53,7 +65,8 @@ def main() -> None:
     print(
         f"{args.tag:8s} {args.model:16s} {args.mode} step {statistics.median(rounds):7.2f} ms "
         f"(min {min(rounds):.2f}, max {max(rounds):.2f}) first {first:6.2f} s "
-        f"peak {peak:7.0f} MiB kernels {kernels}",
+        f"peak {peak:7.0f} MiB kernels {kernels} full gcs {len(collections)} "
+        f"({sum(collections):.0f} ms) in {args.rounds * args.steps} steps",
         flush=True,
     )
 
