@@ -17,14 +17,9 @@ rows of 1024 (``t0 = a1[r + 1024*x]``)::
     extern "C" void softmax_0(float* a0, const float* a1) {
       #pragma omp parallel for num_threads(2) schedule(static)
       for (int32_t x = 0; x < 4096; ++x) {
-        float acc0 = -INFINITY;
-        int nan_acc0 = 0;
+        float acc0 = -INFINITY; int nan_acc0 = 0;
         #pragma omp simd reduction(max:acc0) reduction(|:nan_acc0)
-        for (int32_t r = 0; r < 1024; ++r) {
-          const float t0 = a1[r + 1024*x];
-          acc0 = t0 > acc0 ? t0 : acc0;
-          nan_acc0 |= t0 != t0;
-        }
+        for (int32_t r = 0; r < 1024; ++r) { const float t0 = a1[r + 1024*x]; ...; }
         const float t1 = nan_acc0 ? NAN : acc0;
         float acc1 = 0;
         #pragma omp simd reduction(+:acc1)
@@ -123,6 +118,7 @@ class _Block:
     parent: _Block | None = None
     lines: list[str] = field(default_factory=list)
     defined: set[int] = field(default_factory=set)
+    constants: dict[int, bool] = field(default_factory=dict)  # a segment's masks
 
     def has(self, key: int) -> bool:
         block: _Block | None = self
@@ -282,7 +278,6 @@ class _KernelPrinter:
         self.lane_arrays: dict[int, str] = {}  # expression id -> the per-lane array keeping it
         self.across_rows: dict[int, bool] = {}  # in column reductions: varies along the block
         self.row_segments: list[Segment | None] = [None]  # rows' constant masks
-        self.masks: dict[int, Expr] = {}  # the segments' masks by expression id
         self.linkage = 'extern "C"'  # a part's own function is static
 
     # -- names and the signature ----------------------------------------------------------
@@ -410,8 +405,9 @@ class _KernelPrinter:
         stack: list[tuple[Expr, bool]] = [(root, False) for root in reversed(roots)]
         while stack:
             expr, expanded = stack.pop()
+            folded = cpp_segments.folded(expr, block.constants)  # (a segment's constant mask)
             target = block
-            if row is not None and not varies[id(expr)]:
+            if row is not None and folded is None and not varies.get(id(expr), True):
                 target = row
             if target.has(id(expr)) or isinstance(expr, Const):
                 continue
@@ -429,10 +425,11 @@ class _KernelPrinter:
                 continue
             if not expanded:
                 stack.append((expr, True))
-                stack += [(child, False) for child in reversed(children(expr))]
+                needs = children(expr) if folded is None else (folded,)
+                stack += [(child, False) for child in reversed(needs)]
                 continue
-            ctype = compute_type(expr.dtype)
-            target.add(f"const {ctype} {self.name(expr)} = {self.render(expr)};")
+            text = self.render(expr) if folded is None else self.operand(folded)
+            target.add(f"const {compute_type(expr.dtype)} {self.name(expr)} = {text};")
             target.defined.add(id(expr))
             if array is not None:
                 target.add(f"{array}[r] = {self.name(expr)};")
@@ -499,7 +496,6 @@ class _KernelPrinter:
             body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
         body.add(f"for ({BLOCK_INDEX} xb = 0; xb < {plan.split.blocks}; ++xb) {{")
         outer = body.child()
-        values = {id(v): v for v in plan.lane_values}
         flags = cpp_split.block_flags(self.roots, plan) if lanes <= LANE_FLAG_LIMIT else []
         names = [f"flag{number}" for number in range(len(flags))]
         if flags:  # each read in the lane loop from a per-lane copy (``cpp_split.block_flags``)
@@ -516,7 +512,7 @@ class _KernelPrinter:
                 ctype = compute_type(flag.dtype)
                 inner.add(f"const {ctype} {self.name(flag)} = {name}[{XL}];")  # (shadows it)
                 inner.defined.add(id(flag))
-            self.define_constants(inner, segment, values)
+            self.define_constants(inner, segment)
             self.emit(self.roots, inner, outer, plan.on_lane)
             for store in self.kernel.stores:
                 self.store(store, inner)
@@ -525,12 +521,10 @@ class _KernelPrinter:
             outer.close(inner)
         body.close(outer)
 
-    def define_constants(self, block: _Block, segment: Segment | None, of: dict[int, Expr]) -> None:
-        """The masks ``segment`` holds constant, defined as literals at the top of ``block``."""
-        for key, value in segment.constants.items() if segment else ():
-            ctype, literal = compute_type(of[key].dtype), cpp_math.literal(value, of[key].dtype)
-            block.add(f"const {ctype} {self.name(of[key])} = {literal};")
-            block.defined.add(key)
+    def define_constants(self, block: _Block, segment: Segment | None) -> None:
+        """The masks ``segment`` holds constant, known to ``block``: a value that still needs
+        one prints it as a literal there, a select on one prints only the operand it takes."""
+        block.constants.update(segment.constants if segment else {})
 
     @property
     def lane(self) -> str:
@@ -666,7 +660,7 @@ class _KernelPrinter:
         invariants = [e for e in invariants if self.phase[id(e)] == 0 and self.across_rows[id(e)]]
         segments = None if self.split else cpp_segments.row_segments(kernel.xnumel, invariants)
         if segments:  # one loop per run of rows reading one input of a cat (cpp_segments.py)
-            self.row_segments, self.masks = list(segments), {id(e): e for e in invariants}
+            self.row_segments = list(segments)
             invariants = [e for e in invariants if id(e) not in segments[0].constants]
         if invariants:  # a BatchNorm's per-channel scale and shift, once per block
             self.fill_lane_arrays(outer, invariants, lanes)
@@ -722,7 +716,7 @@ class _KernelPrinter:
         ``stores``."""
         for segment in self.row_segments:
             inner = block.child()
-            self.define_constants(inner, segment, self.masks)
+            self.define_constants(inner, segment)
             slot = f"[{self.lane}]"
             for acc in finished:
                 ctype = compute_type(acc.reduce.dtype)

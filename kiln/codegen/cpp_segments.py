@@ -21,6 +21,12 @@ does not need::
 A column reduction's rows get the same treatment (:func:`row_segments`): its loop over the
 rows of a block runs once per run of rows whose masks are constant.
 
+Within a segment, a select on one of its constant masks is its chosen operand (:func:`folded`):
+the other operand, and the loads only it needs, are not printed at all, nor are masks no value
+reads. A DenseNet concatenation of 24 inputs under a chain of 24 selects otherwise printed
+every input's load and mask in every segment: DenseNet-121-tiny's training programs were
+13 MB of C++, now 6.4 MB (g++ folded them itself: the build time did not move).
+
 Masks are evaluated here at compile time, for every lane at once and each expression node
 once, with C++'s integer semantics (truncating division), so a segment's constants are exactly
 what the loop would have computed.
@@ -159,3 +165,15 @@ def _index(index: Index, lanes: torch.Tensor, variable: str) -> torch.Tensor:
             raise _NotConstant  # another loop variable, or a gathered index
         total = total + coef * value
     return total
+
+
+def folded(expr: Expr, constants: dict[int, bool]) -> Expr | None:
+    """What ``expr`` is within a segment whose masks (by expression id) are ``constants``:
+    one of them is a literal, a select on one of them the operand it takes (through further
+    such selects); else None."""
+    if id(expr) in constants:
+        return Const(expr.dtype, constants[id(expr)])
+    found = None
+    while isinstance(expr, Apply) and expr.op is Op.WHERE and id(expr.args[0]) in constants:
+        found = expr = expr.args[1] if constants[id(expr.args[0])] else expr.args[2]
+    return found  # (a cat's chain of selects: the input read, not one alias per select)

@@ -200,3 +200,16 @@ def test_batchnorm_over_a_channel_cat_reads_each_input_in_its_own_row_loop() -> 
         torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-5)
     sources = [generate_cpp(r.program.kernels()) for r in records if r.program]  # type: ignore[attr-defined]
     assert any("x = (x0 > 24 ? x0 : 24); x < (x1 < 64 ? x1 : 64)" in s for s in sources)
+    # Within a run of rows the selects on its constant masks are folded (cpp_segments.folded):
+    # the loop reads one input, by one load, and no mask of another run is printed.
+    loops = [
+        loop.split("#pragma")[0]
+        for source in sources
+        for loop in source.split("x < (x1 < ")[1:]
+        if "? x1 : " in source
+    ]
+    cat_loops = [loop for loop in loops if re.search(r"\? a\d+\[", loop)]
+    assert cat_loops
+    for loop in cat_loops:
+        assert len(set(re.findall(r"\? (a\d+)\[", loop))) == 1, loop
+        assert "= false;" not in loop, loop
