@@ -534,7 +534,8 @@ class _KernelPrinter:
     def lane_loop(self, rows: Segment | None = None) -> str:
         """The head of a (vectorized) loop over the rows of one block (those of ``rows``)."""
         if self.split:
-            return f"for (int32_t {XL} = 0; {XL} < {self.split.lanes}; ++{XL}) {{"
+            start, stop = (0, self.split.lanes) if rows is None else (rows.start, rows.stop)
+            return f"for (int32_t {XL} = {start}; {XL} < {stop}; ++{XL}) {{"
         if rows is None:
             return f"for ({self.index_type} x = x0; x < x1; ++x) {{"
         t, a, b = self.index_type, rows.start, rows.stop
@@ -658,7 +659,11 @@ class _KernelPrinter:
         )
         # (one the same for every row, a constant, is computed where it is read instead)
         invariants = [e for e in invariants if self.phase[id(e)] == 0 and self.across_rows[id(e)]]
-        segments = None if self.split else cpp_segments.row_segments(kernel.xnumel, invariants)
+        segments = (
+            cpp_segments.lane_segments(self.split, invariants, cpp_segments.MAX_ROW_SEGMENTS)
+            if self.split
+            else cpp_segments.row_segments(kernel.xnumel, invariants)
+        )
         if segments:  # one loop per run of rows reading one input of a cat (cpp_segments.py)
             self.row_segments = list(segments)
             invariants = [e for e in invariants if id(e) not in segments[0].constants]

@@ -67,10 +67,14 @@ class _NotConstant(Exception):
     """The expression is not a function of the lane alone that this module evaluates."""
 
 
-def lane_segments(split: LaneSplit, values: list[Expr]) -> list[Segment] | None:
+def lane_segments(
+    split: LaneSplit, values: list[Expr], limit: int = MAX_SEGMENTS
+) -> list[Segment] | None:
     """Segments of ``split``'s lanes over which every boolean of ``values`` (functions of
-    ``xl`` alone) is constant; None when there is one segment, too many, or no such value."""
-    return _segments(values, split.lanes, (split.substitute, XL), MAX_SEGMENTS)
+    ``xl`` alone) is constant; None when there is one segment, more than ``limit``, or no
+    such value. A column reduction's (a BatchNorm's statistics over a channels-last ``cat``)
+    allows as many as :func:`row_segments`: each segment's loop reads one input."""
+    return _segments(values, split.lanes, (split.substitute, XL), limit)
 
 
 def row_segments(rows: int, values: list[Expr]) -> list[Segment] | None:
