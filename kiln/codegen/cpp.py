@@ -20,8 +20,7 @@ rows of 1024 (``t0 = a1[r + 1024*x]``)::
         float acc0 = -INFINITY; int nan_acc0 = 0;
         #pragma omp simd reduction(max:acc0) reduction(|:nan_acc0)
         for (int32_t r = 0; r < 1024; ++r) { const float t0 = a1[r + 1024*x]; ...; }
-        const float t1 = nan_acc0 ? NAN : acc0;
-        float acc1 = 0;
+        const float t1 = nan_acc0 ? NAN : acc0; float acc1 = 0;
         #pragma omp simd reduction(+:acc1)
         for (int32_t r = 0; r < 1024; ++r) { ...; const float t3 = expf(t2); acc1 += t3; }
         const float t4 = acc1;
@@ -34,9 +33,8 @@ When ``x`` enumerates two dims through ``x // C`` and ``x % C`` (rows ``(n, c)``
 channels-last tensor; a flat BatchNorm-apply's per-channel values), the printer may split it
 as ``x = lanes*xb + xl`` (:mod:`kiln.codegen.cpp_split`): such rows are columns contiguous
 along ``xl``, and a flat kernel's values of ``xl`` alone are computed once into per-lane
-arrays, those of ``xb`` alone once per block.
-
-Math spellings, conversions and the helper prelude live in :mod:`kiln.codegen.cpp_math`.
+arrays, those of ``xb`` alone once per block. Math spellings, conversions and the helper
+prelude live in :mod:`kiln.codegen.cpp_math`.
 """
 
 from __future__ import annotations
@@ -77,6 +75,7 @@ from kiln.schedule.program import kernel_arguments
 
 PARALLEL_MIN_WORK = 32768  # elements (x * r) below which a kernel runs on one thread
 COLUMN_BLOCK = 256  # rows reduced side by side when a reduction reads along columns
+CAT_COLUMN_BLOCK = 1024  # ... over a channel cat: whole rows, one input a run of lanes reads
 # A row-shaped transcendental two ``r`` loops need (softmax's exp) is kept in a per-row array
 # by the first loop and read by the later ones, for rows up to this long (array on the stack).
 ROW_CACHE_LIMIT = 16384
@@ -620,11 +619,10 @@ class _KernelPrinter:
                 )
 
     def reads_columns(self, reduces: list[Reduce], r_stores: list[Store]) -> bool:
-        """Whether the values the ``r`` loops compute read memory along columns: some read
-        that varies along ``r`` is contiguous in ``x`` and none in ``r`` (a sum over a leading
-        dim), so rows are better reduced (or stored) a block of them at a time, vectorized
-        across ``x``. Rows that enumerate ``(n, c)`` of a channels-last tensor are columns
-        once ``x`` is split as ``lanes*xb + xl`` (then ``self.split`` is set)."""
+        """Whether the values the ``r`` loops compute read along columns: some read varying
+        along ``r`` is contiguous in ``x`` and none in ``r`` (a sum over a leading dim), so
+        rows are reduced (or stored) a block at a time, vectorized across ``x``. Rows ``(n,
+        c)`` of a channels-last tensor are columns split as ``lanes*xb + xl`` (``split``)."""
         if self.kernel.xnumel < 16:
             return False
         stored = [e for s in r_stores for e in _store_needs(s)]
@@ -636,8 +634,9 @@ class _KernelPrinter:
         if cpp_split.reads_columns(offsets, X):
             return True
         min_blocks = self.threads if self.parallel else 1
-        xnumel = self.kernel.xnumel
-        self.split = cpp_split.column_split(xnumel, offsets, COLUMN_BLOCK, min_blocks)
+        cat = any(isinstance(e, Load) and e.mask is not None for e in walk(self.roots))
+        most = CAT_COLUMN_BLOCK if cat else COLUMN_BLOCK
+        self.split = cpp_split.column_split(self.kernel.xnumel, offsets, most, min_blocks)
         return self.split is not None
 
     def column_reduction(
