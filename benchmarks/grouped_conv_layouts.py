@@ -66,9 +66,9 @@ def grouped_convolutions(name: str) -> list[tuple[Any, ...]]:
 def timed(fn: Any, reps: int = 25) -> float:
     for _ in range(3):
         fn()
-    times = []
     if DEVICE.type == "cpu":  # (a smoke run of the script)
         return statistics.median(_wall(fn) for _ in range(3))
+    times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
