@@ -83,7 +83,12 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # segment's constant mask takes (codegen/cpp_segments.py: DenseNet's C++ was 13 MB); +7 for
 # lane segments in split column reductions (DenseNet's per-image sums over a channel cat);
 # +2 for whole rows of channels as their lanes (CAT_COLUMN_BLOCK: the cat block 4-7x faster).
-LINE_BUDGET = 32_381
+# +93 on 2026-11-28 for symbolic sizes on inputs dense in any dim order (a key-value cache a
+# program returned transposed made generate() recompile at every token), for stride queries
+# answered as eager's or by a graph break (they answered contiguous strides, silently wrong),
+# and for an index_put written into the input it mutates (a static cache's update copied the
+# whole cache twice a layer and token).
+LINE_BUDGET = 32_474
 
 
 def _module_name(path: Path) -> str:

@@ -29,7 +29,7 @@ from kiln.errors import (
     TraceError,
     op_error,
 )
-from kiln.frontends.sizes import size_query
+from kiln.frontends.sizes import LAYOUT_QUERIES, layout_query, size_query
 from kiln.frontends.source import user_location
 from kiln.ir import symbolic
 from kiln.ir.builder import active_builder, require_builder
@@ -124,6 +124,9 @@ class ProxyTensor(torch.Tensor):
     _view_call: tuple[Any, tuple[Any, ...], dict[str, Any], int | None] | None
     _input_type: type  # set by bytecode capture on proxies of its input tensors
     _is_param: bool
+    # An input's strides, which stride queries answer (None: a value the graph computes,
+    # whose layout is the compiled program's choice: the query breaks the graph).
+    _strides: tuple[int, ...] | None
 
     @staticmethod
     def __new__(cls, value: Value) -> ProxyTensor:
@@ -142,6 +145,7 @@ class ProxyTensor(torch.Tensor):
         proxy._seen_version = 0
         proxy._mutations = 0
         proxy._view_call = None
+        proxy._strides = None
         return proxy
 
     def current(self) -> Value:
@@ -269,6 +273,16 @@ symbolic.as_tensor = _size_tensor
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on proxies: answer metadata natively, translate everything else."""
     func = ROUTED.get(func, func)
+    if func in LAYOUT_QUERIES and args and isinstance(args[0], ProxyTensor):
+        proxy = args[0]
+        answer = layout_query(func, proxy._value.type.shape, proxy._strides, args[1:], kwargs)
+        if answer is NotImplemented:
+            raise OpaqueCallError(
+                f"{api_name(func)} of a tensor the graph computes (its strides are the "
+                "compiled program's choice, so eager answers, after a graph break)",
+                user_location(),
+            )
+        return answer
     sized = args and isinstance(args[0], ProxyTensor) and args[0]._value.type.is_symbolic
     if sized and _native(func):
         answer = size_query(func, args[0]._value.type.shape, args, kwargs)

@@ -69,6 +69,7 @@ def trace_call(
                 if id(leaf) not in proxies:
                     value = graph.add_input(type_of(leaf), name=name, source=name)
                     proxies[id(leaf)] = ProxyTensor(value)
+                    proxies[id(leaf)]._strides = tuple(leaf.stride())
                 traced_leaves.append(proxies[id(leaf)])
             else:
                 traced_leaves.append(leaf)
@@ -197,6 +198,7 @@ def _module_proxies(module: torch.nn.Module | None, graph: Graph) -> Iterator[li
                             TensorType.of(tensor), name=path, kind=kind, source=path
                         )
                         proxy = ProxyTensor(value)
+                        proxy._strides = tuple(tensor.stride())
                         by_tensor[id(tensor)] = proxy
                         proxies.append(proxy)
                     saved.append((slot, attr, tensor))

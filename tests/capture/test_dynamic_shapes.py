@@ -309,3 +309,57 @@ def test_a_size_only_python_reads_compiles_the_graph_once() -> None:
         unlisten(programs)
     assert kiln.counters.captures == 1
     assert len(programs) == 1  # the graph reads no symbolic size: no compile per size
+
+
+def test_an_input_dense_in_another_dim_order_becomes_symbolic_guarded_by_that_order() -> None:
+    # A key-value cache grown by ``cat`` along dim 2 of a [B, H, T, E] tensor laid out
+    # [B, T, H, E] (as a compiled program may return it): its length must become symbolic, not
+    # recompile for every token; a cache in another layout must not pass the guard.
+    def attend(cache: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = torch.cat([cache, new], dim=2)
+        return cache, cache.sum(2) * 2
+
+    compiled = kiln.compile(attend)
+    for length in (4, 5, 6, 9, 13):
+        cache = torch.randn(2, length, 3, 8).transpose(1, 2)  # dense, dim order (0, 2, 1, 3)
+        new = torch.randn(2, 3, 1, 8)
+        got, want = compiled(cache, new), attend(cache, new)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    assert kiln.counters.captures == 2
+    assert [reason for _, reason in kiln.counters.recompiles] == [
+        "L['cache'].size(2) is 5, expected 4"
+    ]
+    guard = kiln.explain().guards
+    assert any("dense in dim order (0, 2, 1, 3)" in line for line in guard), guard
+    # The same sizes, contiguous: the symbolic entry's dim-order guard fails (a new capture).
+    cache, new = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 1, 8)
+    for a, b in zip(compiled(cache, new), attend(cache, new), strict=True):
+        torch.testing.assert_close(a, b)
+    assert "is not dense in dim order (0, 2, 1, 3)" in kiln.counters.recompiles[-1][1]
+
+
+def test_stride_queries_answer_as_eager_or_break_the_graph() -> None:
+    # An input's strides are known (guarded); a computed value's are the program's choice,
+    # so a query on it breaks the graph rather than answer what eager would not.
+    def branch(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2 if x.is_contiguous() else x - 1
+        z = y.t()
+        return z + 1 if z.is_contiguous() else z * x.stride(0)
+
+    compiled = kiln.compile(branch)
+    for x in (torch.randn(4, 6), torch.randn(6, 4).t(), torch.randn(5, 7), torch.randn(9, 5).t()):
+        torch.testing.assert_close(compiled(x), branch(x))
+    assert kiln.counters.fallbacks == []
+    assert any("is_contiguous" in str(b) for b in kiln.explain().breaks), kiln.explain().breaks
+
+
+def test_symbolic_input_strides_follow_its_dim_order() -> None:
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * x.stride(1) + x.stride()[0]
+
+    compiled = kiln.compile(scaled, dynamic=True)
+    for n in (3, 5, 8):
+        x = torch.randn(n, 4, 6).permute(0, 2, 1)  # [n, 6, 4], dense in order (0, 2, 1)
+        torch.testing.assert_close(compiled(x), scaled(x))
+    assert kiln.counters.captures == 1

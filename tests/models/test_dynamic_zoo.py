@@ -137,3 +137,31 @@ def test_automatic_dynamic_inference(name: str) -> None:
 @pytest.mark.parametrize("name", _params(XFAIL_DYNAMIC))
 def test_dynamic_true_inference(name: str) -> None:
     _check_captures(name, _infer(name, dynamic=True), static_calls=1)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_captures_at_most_three_graphs(cache: str) -> None:
+    # transformers' generate() with ``model.forward`` compiled: the prefill, the first decode
+    # step (static), then one symbolic entry for every longer cache. The dynamic cache grows
+    # by ``cat``, whose result a compiled program returns in a layout of its choice: a cache
+    # dense in another dim order must become symbolic too (it once recompiled per token).
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=64)
+    config.bos_token_id = config.eos_token_id = None  # (random weights: never stop early)
+    model = GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 96, (2, 5))
+    options: dict[str, Any] = {"max_new_tokens": 9, "do_sample": False, "pad_token_id": 0}
+    options["attention_mask"] = torch.ones_like(ids)
+    if cache == "static":
+        options.update(cache_implementation="static", disable_compile=True)
+    kiln.reset()
+    with torch.no_grad():
+        want = model.generate(ids, **options)
+        model.forward = kiln.compile(model.forward)
+        got = model.generate(ids, **options)
+        again = model.generate(ids, **options)
+    assert torch.equal(got, want) and torch.equal(again, want)
+    assert kiln.counters.captures <= (3 if cache == "dynamic" else 2), kiln.counters.recompiles
+    assert kiln.counters.fallbacks == []

@@ -35,6 +35,7 @@ from kiln.capture.guards.guards import (
     SeparateMemory,
     TensorMatch,
     TypeIs,
+    dense_order,
     global_state,
     storages_separate,
 )
@@ -274,8 +275,9 @@ class Session:
             kind = InputKind.BUFFER
         type_ = TensorType.of(tensor)
         symbolic: dict[int, Any] = {}
-        if kind is InputKind.USER and tensor.is_contiguous():
-            # (a non-contiguous input stays static: its strides are not a function of sizes)
+        if kind is InputKind.USER and dense_order(tensor) is not None:
+            # (an input dense in some dim order: its strides follow from its sizes; a slice
+            # or an expanded input stays static)
             for dim, choice in self.size_policy.choose(str(source), tensor).items():
                 size = tensor.shape[dim]
                 symbolic[dim] = self.shapes.size(
@@ -288,6 +290,7 @@ class Session:
         value = self.graph.add_input(type_, name=_input_name(source), kind=kind, source=str(source))
         proxy = ProxyTensor(value)
         proxy._input_type = type(tensor)  # type(x) answers this for the input itself
+        proxy._strides = tuple(tensor.stride())  # (guarded: exactly, or the dim order)
         if isinstance(tensor, torch.nn.Parameter):
             proxy._is_param = True  # isinstance(x, nn.Parameter) holds, as in eager
         self.input_proxies[id(tensor)] = proxy

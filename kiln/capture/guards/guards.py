@@ -65,7 +65,8 @@ class Guard:
 class TensorMatch(Guard):
     """Type, dtype, device, shape, strides and requires_grad of a tensor. A symbolic dim is
     ``None`` in ``shape`` (its size is checked by the capture's ``SizeGuard``); a tensor with
-    one has ``stride`` None, and must be contiguous."""
+    one has ``stride`` None, and must be dense in the dim ``order`` it had (its dims of size
+    above 1, outermost first; None: contiguous), so its strides follow from its sizes."""
 
     kind: type = torch.Tensor
     dtype: torch.dtype = torch.float32
@@ -73,6 +74,7 @@ class TensorMatch(Guard):
     shape: tuple[int | None, ...] = ()
     stride: tuple[int, ...] | None = ()
     requires_grad: bool = False
+    order: tuple[int, ...] | None = None
 
     rank = 3
 
@@ -84,6 +86,7 @@ class TensorMatch(Guard):
         symbolic: frozenset[int] = frozenset(),
     ) -> TensorMatch:
         shape = tuple(None if d in symbolic else size for d, size in enumerate(tensor.shape))
+        order = dense_order(tensor) if symbolic else None
         return TensorMatch(
             source,
             reason,
@@ -93,6 +96,7 @@ class TensorMatch(Guard):
             shape,
             None if symbolic else tuple(tensor.stride()),
             tensor.requires_grad,
+            None if order == tuple(sorted(order or ())) else order,
         )
 
     def check(self, binder: Binder) -> str:
@@ -102,9 +106,12 @@ class TensorMatch(Guard):
             sizes = [
                 f"{v}.size({d}) == {size}" for d, size in enumerate(self.shape) if size is not None
             ]
-            layout = " and ".join(
-                [f"{v}.dim() == {len(self.shape)}", *sizes, f"{v}.is_contiguous()"]
+            dense = (
+                f"{v}.is_contiguous()"
+                if self.order is None
+                else f"{binder.bind(dense_in_order, 'dense')}({v}, {self.order!r})"
             )
+            layout = " and ".join([f"{v}.dim() == {len(self.shape)}", *sizes, dense])
         else:
             layout = f"{v}.shape == {self.shape!r} and {v}.stride() == {self.stride!r}"
         return (
@@ -119,7 +126,9 @@ class TensorMatch(Guard):
         grad = ", requires_grad" if self.requires_grad else ""
         dtype = str(self.dtype).removeprefix("torch.")
         shape = ", ".join("*" if size is None else str(size) for size in self.shape)
-        stride = "contiguous" if self.stride is None else f"stride={list(self.stride)}"
+        stride = f"stride={list(self.stride or ())}"
+        if self.stride is None:
+            stride = "contiguous" if self.order is None else f"dense in dim order {self.order}"
         kind = self.kind.__name__
         return f"{self.source}: {kind}[{dtype}, [{shape}], {stride}, {self.device}{grad}]"
 
@@ -142,9 +151,31 @@ class TensorMatch(Guard):
         for dim, (size, expected) in enumerate(zip(tensor.shape, self.shape, strict=True)):
             if expected is not None and size != expected:
                 return f"{self.source}.size({dim}) is {size}, expected {expected}"
+        if self.stride is None and self.order is not None:
+            return f"{self.source} is not dense in dim order {self.order}"
         if self.stride is None:
             return f"{self.source} is not contiguous"
         return f"{self.source}.stride() is {tuple(tensor.stride())}, expected {self.stride}"
+
+
+def dense_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The dims of size above 1, outermost first, when ``tensor`` is dense in that order (the
+    strides of a contiguous tensor with its dims permuted: a transpose made contiguous, a
+    channels-last image); None when it is not (a slice, an expanded dim)."""
+    strides = tensor.stride()
+    dims = sorted((d for d, n in enumerate(tensor.shape) if n > 1), key=lambda d: -strides[d])
+    return tuple(dims) if dense_in_order(tensor, dims) else None
+
+
+def dense_in_order(tensor: torch.Tensor, order: Sequence[int]) -> bool:
+    """Whether ``tensor``'s dims ``order`` (outermost first) have the strides of a dense
+    tensor in that order (the others, of size 1, have any)."""
+    expected = 1
+    for dim in reversed(order):
+        if tensor.stride(dim) != expected:
+            return False
+        expected *= tensor.shape[dim]
+    return True
 
 
 @dataclass(frozen=True)
