@@ -38,6 +38,7 @@ from kiln.codegen import temp_pool
 from kiln.ir.op import Op, op_def
 from kiln.ops.externs import extern_runner
 from kiln.ops.host_calls import host_call, operand_types
+from kiln.ops.indexing import index_put_in_place
 from kiln.schedule.loops import Buffer, BufferKind, Kernel
 from kiln.schedule.program import ExternCall, Program, View, kernel_arguments
 
@@ -264,6 +265,8 @@ def extern_function(
     attrs = call.node.attrs
     if call.node.op is Op.EXTERN:
         bound = extern_runner(attrs)
+    elif call.in_place:  # (its result is operand 0, laid out as it is)
+        bound = functools.partial(index_put_in_place, attrs)
     else:
         row = functools.partial(op_def(call.node.op).impl, attrs)
         bound = host_call(call.node.op, attrs, operand_types(call.node), cpu_matmul) or row

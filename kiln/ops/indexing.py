@@ -387,6 +387,17 @@ def _index_put_impl(
     return torch.ops.aten.index_put(x, placed, values, attrs.accumulate)
 
 
+def index_put_in_place(
+    attrs: IndexPutAttrs, x: torch.Tensor, values: torch.Tensor, *indices: torch.Tensor
+) -> torch.Tensor:
+    """``x[indices] = values`` (``+=``) into ``x`` itself, returning ``x``: a graph input the
+    graph mutates, which nothing else reads (``Scheduler._writes_input_in_place``)."""
+    if attrs.accumulate and _atomic_add_pays(attrs, x, indices):
+        return _index_add(attrs.dims[0], x, values, indices[0], in_place=True)
+    placed = _full_indices(attrs.dims, indices)
+    return torch.ops.aten.index_put_(x, placed, values, attrs.accumulate)
+
+
 def _atomic_add_pays(attrs: IndexPutAttrs, x: torch.Tensor, indices: Sequence[Any]) -> bool:
     """Whether ``x[index] += values`` should run as ``index_add`` (atomic adds) instead of
     ``index_put``: on CUDA, one integer index, 32/64-bit floats, deterministic mode off.
@@ -403,12 +414,12 @@ def _atomic_add_pays(attrs: IndexPutAttrs, x: torch.Tensor, indices: Sequence[An
 
 
 def _index_add(
-    dim: int, x: torch.Tensor, values: torch.Tensor, index: torch.Tensor
+    dim: int, x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, in_place: bool = False
 ) -> torch.Tensor:
     before, after = x.shape[:dim], x.shape[dim + 1 :]
     values = values.expand(*before, *index.shape, *after).reshape(*before, index.numel(), *after)
     index = torch.where(index < 0, index + x.shape[dim], index).reshape(-1)  # as index_put wraps
-    return x.index_add(dim, index, values)
+    return x.index_add_(dim, index, values) if in_place else x.index_add(dim, index, values)
 
 
 @dataclass(frozen=True)

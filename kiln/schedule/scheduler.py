@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from kiln.ir.graph import Graph, Node, Value
+from kiln.ir.op import Op
 from kiln.schedule import index as ix
 from kiln.schedule.buffers import drop_dead_stores, plan_buffers
 from kiln.schedule.combine import combine_kernels
@@ -167,6 +168,9 @@ class Scheduler:
                 operands.append(operand)
         position = len(self.steps)
         strides = self.observed.get(id(node)) or extern_strides(node, operands)
+        in_place = self._writes_input_in_place(node)
+        if in_place:
+            strides = [self.layouts[node.inputs[0]].strides]  # type: ignore[index]
         outputs = []
         for value, stride in zip(node.outputs, strides, strict=True):
             shape = shape_of(value)
@@ -181,7 +185,28 @@ class Scheduler:
             self.layouts[value] = View(buffer, shape, stride, 0)
             self.producer[value] = position
         reason = "" if node.op in EXTERN_OPS else "not handled by the code generator"
-        self.steps.append(ExternCall(node, tuple(operands), tuple(outputs), reason))  # type: ignore[arg-type]
+        step = ExternCall(node, tuple(operands), tuple(outputs), reason, in_place)  # type: ignore[arg-type]
+        self.steps.append(step)
+
+    def _writes_input_in_place(self, node: Node) -> bool:
+        """Whether index_put ``node`` can write the graph input it mutates in place, as eager's
+        ``index_copy_`` does (a static key-value cache's update): nothing else reads the input's
+        old value, which is a whole input buffer. Else PyTorch's index_put copies the input
+        and the write-back copies the result into it: two copies of a whole cache a layer."""
+        target = node.inputs[0]
+        if node.op is not Op.INDEX_PUT or (target, node.output) not in self.graph.mutations:
+            return False
+        assert isinstance(target, Value)
+        view = self.layouts[target]
+        buffer = view.buffer
+        return (
+            buffer.kind is BufferKind.INPUT
+            and (view.shape, view.strides, view.offset) == (buffer.shape, buffer.strides, 0)
+            and self.users.get(target) == [node]
+            and target not in self.graph.outputs
+            and not target.type.requires_grad
+            and target.type.dtype == node.output.type.dtype
+        )
 
     def _extern_operand(self, node: Node, position: int, operand: Value) -> View:
         """How extern ``node`` reads ``operand``, its operand at ``position``: as it is in

@@ -302,6 +302,37 @@ def test_in_place_mutations_match_eager(codegen: str) -> None:
         torch.testing.assert_close(stat, stat2)
 
 
+def _update_cache(cache: torch.Tensor, position: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    cache.index_copy_(2, position, new)  # a static key-value cache's update
+    return (cache * 2).sum(2)
+
+
+def _read_then_update(cache: torch.Tensor, position: torch.Tensor, new: torch.Tensor) -> Any:
+    before = cache.sum(2)  # reads the old value: the put must not write the input first
+    cache.index_copy_(2, position, new)
+    return before, cache.sum(2)
+
+
+def test_an_index_copy_into_an_input_writes_it_in_place_when_nothing_reads_the_old_value() -> None:
+    args = torch.randn(2, 3, 9, 4), torch.tensor([5]), torch.randn(2, 3, 1, 4)
+    (put,) = [e for e in _mutated_program(_update_cache, *args).externs()]
+    assert put.in_place and put.node.op is Op.INDEX_PUT
+    (put,) = [e for e in _mutated_program(_read_then_update, *args).externs()]
+    assert not put.in_place
+
+
+@pytest.mark.parametrize("fn", [_update_cache, _read_then_update])
+def test_an_in_place_index_copy_matches_eager(fn: Callable[..., Any]) -> None:
+    compiled = kiln.compile(fn)
+    cache = torch.randn(2, 3, 9, 4).transpose(1, 2).contiguous().transpose(1, 2)
+    mine = cache.clone()
+    for step in range(4):
+        position, new = torch.tensor([step + 3]), torch.randn(2, 3, 1, 4)
+        torch.testing.assert_close(compiled(mine, position, new), fn(cache, position, new))
+        torch.testing.assert_close(mine, cache)
+    assert kiln.counters.fallbacks == []
+
+
 def test_a_value_two_kernels_read_is_recomputed_when_that_moves_no_more_data() -> None:
     # centered feeds sums over rows and over columns: two kernels. Reading one full-size
     # operand (x), recomputing it in the second kernel reads x instead of reading back a
