@@ -4,7 +4,7 @@ static or dynamic key-value cache, per compiler: wall time per token, GPU busy t
 ``generate`` after a warm-up one.
 
     python benchmarks/generate_profile.py --batch 8 --cache static [--compilers eager,kiln,torch]
-        [--tokens 32] [--top 12] [--size small]
+        [--tokens 32] [--top 12] [--size small] [--host 25]
 """
 
 from __future__ import annotations
@@ -55,6 +55,18 @@ def profile(compiler: str, arguments: argparse.Namespace) -> str:
         with torch.profiler.profile(activities=activities) as prof:
             model.generate(ids, **options)
             torch.cuda.synchronize() if device.type == "cuda" else None
+        if arguments.host:  # where the host's time goes, by function
+            import cProfile
+            import io
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            model.generate(ids, **options)
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(arguments.host)
+            host = text.getvalue()
     events = [
         e
         for e in prof.key_averages()
@@ -83,6 +95,8 @@ def profile(compiler: str, arguments: argparse.Namespace) -> str:
             f"   {event.self_device_time_total / per_token / 1e3:7.3f} ms/token "
             f"x{event.count / per_token:<5.1f} [{kind_of(event.key)}] {event.key[:100]}"
         )
+    if arguments.host:
+        lines.append(host.strip())
     return "\n".join(lines)
 
 
@@ -94,6 +108,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--size", choices=("tiny", "small"), default="small")
+    parser.add_argument("--host", type=int, default=0, help="cProfile: print this many rows")
     arguments = parser.parse_args()
     for compiler in arguments.compilers.split(","):
         print(profile(compiler, arguments), flush=True)

@@ -67,6 +67,7 @@ class Pipeline:
         training = needs_autodiff(graph)
         graph = run_passes(graph, differentiating=training)
         if not training:
+            graph.user_outputs = len(graph.outputs)
             compiled = self.compile_graph(graph)
             return graph, self.replayed(graph, compiled, len(graph.outputs), sizes)
         bucket_bytes = active_bucket_bytes()
@@ -95,6 +96,7 @@ class Pipeline:
             return lookup_backend("eager").compile(graph, self.options)
         plan.forward = run_passes(plan.forward)
         plan.backward = run_passes(plan.backward)
+        plan.forward.user_outputs = len(graph.outputs)  # (the rest are saved for the backward)
         forward, backward = self.compile_graph(plan.forward), self.compile_graph(plan.backward)
         saved = range(len(graph.outputs), len(plan.forward.outputs))
         forward = self.replayed(

@@ -99,6 +99,9 @@ class Graph:
     output_spec: Any = None  # how to rebuild the user's return structure from outputs
     # The symbolic sizes the graph's types use, in the order a caller passes their values.
     symbols: tuple[str, ...] = ()
+    # How many leading outputs the caller receives as results, laid out as eager would (the
+    # pipeline sets it before the backend: a training forward's saved values are not results).
+    user_outputs: int | None = None
     _names: set[str] = field(default_factory=set, repr=False)
     _counter: int = field(default=0, repr=False)
 

@@ -36,5 +36,6 @@ def graph_hash(graph: Graph) -> str:
         attrs = format_value(node.attrs) if node.attrs is not None else ""
         lines.append(f"{','.join(outs)} = {node.op.name}({','.join(operands)}) {attrs}")
     lines.append("outputs " + ",".join(name(v) for v in graph.outputs))
+    lines.append(f"user outputs {graph.user_outputs}")
     lines.append("mutations " + ",".join(f"{name(t)}<-{name(n)}" for t, n in graph.mutations))
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()

@@ -148,10 +148,15 @@ def _alike(shape: tuple[int, ...], target: tuple[int, ...], resized: bool) -> bo
 def channels_last_copy(operand: Value, convolution: Node) -> Value:
     """A new value: ``operand`` converted to its own dtype, for a kernel to store
     channels-last before ``convolution`` reads it (``LayoutChoice.copies_channels_last``)."""
-    copy = Value(f"{operand.name}_channels_last", operand.type)
-    origin = Origin("channels_last", convolution.origin.file, convolution.origin.line)
+    return copied(operand, "channels_last", convolution.origin)
+
+
+def copied(operand: Value, label: str, at: Origin) -> Value:
+    """A new value: ``operand`` converted to its own dtype (a copy a kernel stores in another
+    layout), made at ``at``'s source line."""
+    copy = Value(f"{operand.name}_{label}", operand.type)
     attrs = ConvertAttrs(operand.type.dtype)
-    copy.node = Node(Op.CONVERT, (operand,), attrs, (copy,), origin)
+    copy.node = Node(Op.CONVERT, (operand,), attrs, (copy,), Origin(label, at.file, at.line))
     return copy
 
 

@@ -31,14 +31,15 @@ from collections.abc import Sequence
 
 import torch
 
-from kiln.ir.graph import Graph, Node, Value
+from kiln.ir.graph import Graph, Node, Origin, Value
 from kiln.ir.op import Op
 from kiln.schedule import index as ix
 from kiln.schedule.buffers import drop_dead_stores, plan_buffers
 from kiln.schedule.combine import combine_kernels
+from kiln.schedule.eager_layouts import eager_result_strides
 from kiln.schedule.group import Group, build_kernel
 from kiln.schedule.inlining import Inlining
-from kiln.schedule.layout_choice import LayoutChoice, channels_last_copy
+from kiln.schedule.layout_choice import LayoutChoice, channels_last_copy, copied
 from kiln.schedule.layouts import (
     channels_last_strides,
     extern_strides,
@@ -104,6 +105,7 @@ class Scheduler:
         self.inlining = Inlining(graph, self.users, self.outputs, self.layouts)
         self.layout = LayoutChoice(self.users, self.layouts)
         self.in_place = in_place_mutations(graph, self.users, self.layouts)
+        self.eager = eager_result_strides(graph, self.layouts)  # results' layouts, as eager's
 
     # -- decisions ----------------------------------------------------------------------------
 
@@ -111,6 +113,7 @@ class Scheduler:
         # Outputs are views of what computed them, gapped ones too (a padded matmul's columns:
         # torch.compile returns those strides as well); a dense copy doubled GPT-2's logits.
         self._walk()
+        self._eager_results()
 
     def _walk(self) -> None:
         for node in self.graph.nodes:
@@ -127,6 +130,24 @@ class Scheduler:
                     self._place_pointwise(value)
                 elif self._feeds_other_rows(value):
                     self._place_as_row_epilogue(value)
+
+    def _eager_results(self) -> None:
+        """Results the caller receives in eager's layout (``eager_layouts.py``): kernels store
+        them so already; one an extern or a view left in another layout is copied into it."""
+        copies: dict[Value, Value] = {}
+        for position in range(self.graph.user_outputs or 0):
+            value = self.outputs[position]
+            want = self.eager.get(value)
+            if want is None or _same_strides(self.layouts[value], want):
+                continue
+            if value not in copies:
+                copy = copied(
+                    value, "eager_layout", value.node.origin if value.node else Origin("")
+                )
+                self.users[copy], self.eager[copy] = [], want
+                self._start_kernel(copy, want)
+                copies[value] = copy
+            self.outputs[position] = copies[value]
 
     def _feeds_other_rows(self, value: Value) -> bool:
         """Whether every user of ``value`` reduces it over rows of its own (a cross-entropy's
@@ -343,6 +364,7 @@ class Scheduler:
             if source and memory_order(source)[-1] == group.order[-1]:
                 moved = any(a != b for a, b, n in zip(source, strides, shape, strict=True) if n > 1)
                 strides = source if moved else strides
+        strides = self.eager.get(value, strides)  # (a result: as eager lays it out)
         buffer = Buffer(
             value.name, shape, value.type.dtype, value.type.device, BufferKind.TEMP, strides
         )
@@ -364,6 +386,10 @@ class Scheduler:
         program = Program(self.graph.name, self.inputs, combine_kernels(steps), outputs)
         plan_buffers(program)
         return program
+
+
+def _same_strides(view: View, strides: tuple[int, ...]) -> bool:
+    return all(a == b for a, b, n in zip(view.strides, strides, view.shape, strict=True) if n > 1)
 
 
 def schedule(

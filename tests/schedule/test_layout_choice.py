@@ -150,3 +150,53 @@ def test_a_recomputed_query_keeps_its_forward_layout(monkeypatch: pytest.MonkeyP
     eager_q = model.q(x).view(2, 32, model.heads, model.size).transpose(1, 2)
     assert set(seen["backward"]) == set(seen["forward"]) == {eager_q.stride()}, seen
     assert not kiln.counters.graph_breaks and not kiln.counters.fallbacks
+
+
+def _conv_relu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(F.conv2d(x, w, padding=1))
+
+
+def _conv_only(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.conv2d(torch.relu(x), w, padding=1)  # (the result is the extern's own)
+
+
+def _transposed_double(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 3) * 2
+
+
+def _cat_with_transposed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x.sigmoid(), x.transpose(2, 3).exp()], 1)
+
+
+def _view_of_result(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.conv2d(x, w, padding=1).permute(0, 2, 3, 1)[:, 1:]
+
+
+@pytest.mark.parametrize(
+    "fn", [_conv_relu, _conv_only, _transposed_double, _cat_with_transposed, _view_of_result]
+)
+@pytest.mark.parametrize("memory_format", [CHANNELS_LAST, CONTIGUOUS])
+@pytest.mark.parametrize("training", [False, True])
+def test_results_come_back_with_eager_strides(
+    fn: Callable[..., torch.Tensor], memory_format: torch.memory_format, training: bool
+) -> None:
+    # Kiln lays values out for its kernels (channels-last around convolutions); a result the
+    # caller receives has eager's strides all the same, so ``out.view(...)`` works as in eager.
+    kiln.counters.reset()
+    compiled = kiln.compile(fn)
+    w = torch.randn(6, 8, 3, 3, requires_grad=training)
+    for size in (8, 8, 7):
+        x = torch.randn(2, 8, size, size).to(memory_format=memory_format)
+        with torch.set_grad_enabled(training):
+            got, want = compiled(x, w), fn(x, w)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if fn is _view_of_result:  # (eager's is a slice of a view: a copy has its dim order)
+            order = sorted(range(4), key=lambda d: -got.stride(d))
+            assert order == sorted(range(4), key=lambda d: -want.stride(d)), got.stride()
+        else:
+            assert got.stride() == want.stride(), (got.stride(), want.stride())
+        if want.requires_grad:
+            (got_grad,) = torch.autograd.grad(got.sum(), w)
+            (want_grad,) = torch.autograd.grad(want.sum(), w)
+            torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-4)
+    assert not kiln.counters.graph_breaks and not kiln.counters.fallbacks

@@ -1,0 +1,105 @@
+"""The layout eager PyTorch gives a graph's results, so that the caller sees eager's strides.
+
+Kiln lays values out for its kernels (channels-last around convolutions, a producer's dim
+order), but a result the caller receives is an eager tensor to them: ``out.view(n, -1)``, a C
+extension or the next graph's guards see its strides. Eager's layout of each result is derived
+from the inputs' real strides by eager's own rules, where they are simple:
+
+- a view (permute, slice, expand, reshape without a copy) of a value: the view of its layout;
+- elementwise work (TensorIterator): the dim order of its first dense operand of the result's
+  shape, else contiguous;
+- a convolution: channels-last when its input is (``suggest_memory_format``), else contiguous;
+  a matmul: contiguous; a cat: channels-last when every operand is, else contiguous.
+
+Other results (attention, reductions, externs) are left as the schedule lays them out. The
+scheduler stores a result whose eager layout is known and dense in that layout, and copies one
+an extern or a view left in another (``Scheduler._eager_results``).
+"""
+
+from __future__ import annotations
+
+from kiln.ir.graph import Graph, Value
+from kiln.ir.op import Op, Tag, op_def
+from kiln.schedule import index as ix
+from kiln.schedule.layouts import channels_last_strides, memory_order, strides_in_order
+from kiln.schedule.lowering import in_kernels, shape_of
+from kiln.schedule.program import View
+from kiln.schedule.views import VIEW_OPS, is_dense, view_of
+
+Strides = tuple[int, ...]
+CONTIGUOUS_EXTERNS = frozenset({Op.MM, Op.BMM, Op.ADDMM, Op.BADDBMM})
+
+
+def eager_result_strides(graph: Graph, layouts: dict[Value, View]) -> dict[Value, Strides]:
+    """The strides eager gives each of the first ``graph.user_outputs`` outputs, where the
+    rules above know them (``layouts``: the graph inputs, as the caller laid them out)."""
+    known: dict[Value, Strides | None] = {v: layouts[v].strides for v in graph.inputs}
+    results: dict[Value, Strides] = {}
+    for value in graph.outputs[: graph.user_outputs or 0]:
+        strides = _strides(value, known)
+        if strides is not None and 0 not in strides:
+            results[value] = strides
+    return results
+
+
+def storable(shape: Strides, strides: Strides) -> Strides:
+    """Strides a kernel can store a result in: eager's when they are dense, else dense ones in
+    eager's dim order (a slice of a view: the copy keeps its order, not its gaps)."""
+    dense = is_dense(View(None, shape, strides, 0))  # type: ignore[arg-type]
+    return strides if dense else strides_in_order(shape, memory_order(strides))
+
+
+def as_eager(shape: Strides, actual: Strides, eager: Strides) -> bool:
+    """Whether a result laid out with ``actual`` strides looks as eager's (``eager``): the same
+    strides, or for a result eager returns with gaps, the same dim order."""
+    if storable(shape, eager) != eager:
+        big = [d for d, n in enumerate(shape) if n > 1]
+        return [d for d in memory_order(actual) if d in big] == [
+            d for d in memory_order(eager) if d in big
+        ]
+    return all(a == b for a, b, n in zip(actual, eager, shape, strict=True) if n > 1)
+
+
+def _strides(value: Value, known: dict[Value, Strides | None]) -> Strides | None:
+    """Eager's strides of ``value`` (None: no rule knows them)."""
+    if value in known:
+        return known[value]
+    known[value] = None  # (a cycle cannot occur; this bounds the recursion's memo)
+    node = value.node
+    result: Strides | None = None
+    if node is not None and len(node.outputs) == 1:
+        shape = shape_of(value)
+        operands = [v for v in node.inputs if isinstance(v, Value)]
+        if node.op in VIEW_OPS:
+            base = _strides(operands[0], known)
+            if base is not None:
+                view = view_of(View(None, shape_of(operands[0]), base, 0), node)  # type: ignore[arg-type]
+                result = view.strides if view is not None else None
+        elif node.op in CONTIGUOUS_EXTERNS:
+            result = ix.contiguous_strides(shape)
+        elif node.op is Op.CONVOLUTION or node.op is Op.CAT:
+            # (cat: an operand of the result's rank; convolution: its input, operand 0)
+            sources = operands[:1] if node.op is Op.CONVOLUTION else operands
+            last = all(_channels_last(v, known) for v in sources) and len(shape) == 4
+            result = channels_last_strides(shape) if last else ix.contiguous_strides(shape)
+        elif in_kernels(node) and Tag.ELEMENTWISE in op_def(node.op).tags:
+            # (an operand of unknown layout, a pooled value, makes the result's unknown too)
+            result = ix.contiguous_strides(shape)
+            for operand in (v for v in operands if shape_of(v) == shape):
+                strides = _strides(operand, known)
+                if strides is None or 0 not in strides:
+                    result = strides and strides_in_order(shape, memory_order(strides))
+                    break
+    known[value] = result
+    return result
+
+
+def _channels_last(value: Value, known: dict[Value, Strides | None]) -> bool:
+    strides = _strides(value, known)
+    shape = shape_of(value)
+    return (
+        strides is not None
+        and len(shape) == 4
+        and strides != ix.contiguous_strides(shape)
+        and all(a == b for a, b, n in zip(strides, channels_last_strides(shape), shape) if n > 1)
+    )
