@@ -101,5 +101,9 @@ def _channels_last(value: Value, known: dict[Value, Strides | None]) -> bool:
         strides is not None
         and len(shape) == 4
         and strides != ix.contiguous_strides(shape)
-        and all(a == b for a, b, n in zip(strides, channels_last_strides(shape), shape) if n > 1)
+        and all(
+            a == b
+            for a, b, n in zip(strides, channels_last_strides(shape), shape, strict=True)
+            if n > 1
+        )
     )
