@@ -18,7 +18,7 @@ an extern or a view left in another (``Scheduler._eager_results``).
 
 from __future__ import annotations
 
-from kiln.ir.graph import Graph, Value
+from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.op import Op, Tag, op_def
 from kiln.schedule import index as ix
 from kiln.schedule.layouts import channels_last_strides, memory_order, strides_in_order
@@ -33,10 +33,15 @@ CONTIGUOUS_EXTERNS = frozenset({Op.MM, Op.BMM, Op.ADDMM, Op.BADDBMM})
 def eager_result_strides(graph: Graph, layouts: dict[Value, View]) -> dict[Value, Strides]:
     """The strides eager gives each of the first ``graph.user_outputs`` outputs, where the
     rules above know them (``layouts``: the graph inputs, as the caller laid them out)."""
+    if not graph.user_outputs:
+        return {}
     known: dict[Value, Strides | None] = {v: layouts[v].strides for v in graph.inputs}
+    for node in graph.nodes:  # (in topological order: operands before their users)
+        if len(node.outputs) == 1:
+            known[node.output] = _strides(node, known)
     results: dict[Value, Strides] = {}
-    for value in graph.outputs[: graph.user_outputs or 0]:
-        strides = _strides(value, known)
+    for value in graph.outputs[: graph.user_outputs]:
+        strides = known.get(value)
         if strides is not None and 0 not in strides:
             results[value] = strides
     return results
@@ -60,42 +65,39 @@ def as_eager(shape: Strides, actual: Strides, eager: Strides) -> bool:
     return all(a == b for a, b, n in zip(actual, eager, shape, strict=True) if n > 1)
 
 
-def _strides(value: Value, known: dict[Value, Strides | None]) -> Strides | None:
-    """Eager's strides of ``value`` (None: no rule knows them)."""
-    if value in known:
-        return known[value]
-    known[value] = None  # (a cycle cannot occur; this bounds the recursion's memo)
-    node = value.node
-    result: Strides | None = None
-    if node is not None and len(node.outputs) == 1:
-        shape = shape_of(value)
-        operands = [v for v in node.inputs if isinstance(v, Value)]
-        if node.op in VIEW_OPS:
-            base = _strides(operands[0], known)
-            if base is not None:
-                view = view_of(View(None, shape_of(operands[0]), base, 0), node)  # type: ignore[arg-type]
-                result = view.strides if view is not None else None
-        elif node.op in CONTIGUOUS_EXTERNS:
-            result = ix.contiguous_strides(shape)
-        elif node.op is Op.CONVOLUTION or node.op is Op.CAT:
-            # (cat: an operand of the result's rank; convolution: its input, operand 0)
-            sources = operands[:1] if node.op is Op.CONVOLUTION else operands
-            last = all(_channels_last(v, known) for v in sources) and len(shape) == 4
-            result = channels_last_strides(shape) if last else ix.contiguous_strides(shape)
-        elif in_kernels(node) and Tag.ELEMENTWISE in op_def(node.op).tags:
-            # (an operand of unknown layout, a pooled value, makes the result's unknown too)
-            result = ix.contiguous_strides(shape)
-            for operand in (v for v in operands if shape_of(v) == shape):
-                strides = _strides(operand, known)
-                if strides is None or 0 not in strides:
-                    result = strides and strides_in_order(shape, memory_order(strides))
-                    break
-    known[value] = result
-    return result
+def _strides(node: Node, known: dict[Value, Strides | None]) -> Strides | None:
+    """Eager's strides of ``node``'s result (None: no rule knows them), its operands' in
+    ``known``."""
+    shape = shape_of(node.output)
+    operands = [v for v in node.inputs if isinstance(v, Value)]
+    if node.op in VIEW_OPS:
+        base = known.get(operands[0])
+        if base is None:
+            return None
+        view = view_of(View(None, shape_of(operands[0]), base, 0), node)  # type: ignore[arg-type]
+        return view.strides if view is not None else None
+    if node.op in CONTIGUOUS_EXTERNS:
+        return ix.contiguous_strides(shape)
+    if node.op is Op.CONVOLUTION or node.op is Op.CAT:
+        # (a convolution follows its input, operand 0; a cat, all its operands)
+        sources = operands[:1] if node.op is Op.CONVOLUTION else operands
+        last = len(shape) == 4 and all(_channels_last(v, known) for v in sources)
+        return channels_last_strides(shape) if last else ix.contiguous_strides(shape)
+    if in_kernels(node) and Tag.ELEMENTWISE in op_def(node.op).tags:
+        # The first operand of the result's shape that is not expanded decides; one of unknown
+        # layout (a pooled value) makes the result's unknown too.
+        for operand in (v for v in operands if shape_of(v) == shape):
+            strides = known.get(operand)
+            if strides is None:
+                return None
+            if 0 not in strides:
+                return strides_in_order(shape, memory_order(strides))
+        return ix.contiguous_strides(shape)
+    return None
 
 
 def _channels_last(value: Value, known: dict[Value, Strides | None]) -> bool:
-    strides = _strides(value, known)
+    strides = known.get(value)
     shape = shape_of(value)
     return (
         strides is not None
