@@ -47,14 +47,17 @@ _METADATA_PROPERTIES = frozenset(
     | {"names", "itemsize", "nbytes", "output_nr", "_version"}
 )
 _METADATA_METHODS = frozenset(
-    {"size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous", "__len__"}
+    {"size", "dim", "ndimension", "numel", "nelement", "__len__"}
     | {"is_floating_point", "is_complex", "is_signed", "element_size", "get_device"}
     | {"requires_grad_", "__hash__"}
 )
 # Reads of values: the pending work they depend on runs first, then the call, on the data.
+# Strides are read off the data too: a program lays out what it computes (eager's layout where
+# eager's rules are simple), and the wrapper's own strides are contiguous.
 _VALUE_READS = frozenset(
     {"item", "tolist", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__"}
     | {"__complex__", "__repr__", "__str__", "__format__", "data_ptr"}
+    | {"stride", "is_contiguous", "storage_offset"}
 )
 
 _serials = itertools.count()

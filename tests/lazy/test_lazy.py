@@ -286,3 +286,16 @@ def test_a_lowered_custom_op_trains_inside_a_lazy_step() -> None:
         assert report is not None and "extern" not in str(report)
     finally:
         kiln.register_lowering(softsign, None)
+
+
+def test_strides_are_the_datas_as_eager_would_give_them() -> None:
+    # The wrapper's own strides are contiguous; a stride query reads the data (a transposed
+    # input, and results a step laid out as eager does), before and after the step.
+    x = torch.randn(4, 6).t()
+    lx = lazy.to_lazy(x)
+    assert (lx.stride(), lx.is_contiguous()) == (x.stride(), False)
+    y, z = lx * 2, torch.cat([lx, lx.exp()], 1)
+    assert (y.stride(), z.stride()) == ((x * 2).stride(), torch.cat([x, x.exp()], 1).stride())
+    lazy.mark_step()
+    assert y.stride() == (x * 2).stride() and not y.is_contiguous()
+    torch.testing.assert_close(lazy.to_eager(y), x * 2)
