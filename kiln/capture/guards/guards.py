@@ -441,7 +441,7 @@ class NativeCheck(Guard):
 
 # Node and check kinds of a native plan (``native_guards.py``: NodeKind, CheckKind).
 ARGUMENT, CONSTANT, ATTRIBUTE, ITEM, CALL = range(5)
-IS, EQUALS, LENGTH, TYPE_IS, TENSOR = range(5)
+IS, EQUALS, LENGTH, TYPE_IS, TENSOR, SEPARATE = range(6)
 
 
 class _Plan:
@@ -456,6 +456,13 @@ class _Plan:
 
     def add(self, guard: Guard) -> bool:
         """Plan ``guard``'s check; False (nothing added) when the plan cannot express it."""
+        if type(guard) is SeparateMemory:  # (no source of its own: the tensors' sources)
+            found = [self.node(source) for source in (*guard.written, *guard.others)]
+            nodes = [node for node in found if node is not None]
+            if not nodes or len(nodes) < len(found):
+                return False
+            self.checks.append((SEPARATE, nodes[0], tuple(nodes), None, len(guard.written)))
+            return True
         node = self.node(guard.source) if guard.source is not None else None
         if node is None:
             return False

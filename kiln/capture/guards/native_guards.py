@@ -49,6 +49,7 @@ SOURCE = r"""
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -167,7 +168,7 @@ PyObject* check(PyObject*, PyObject* args) {
 // A guard plan: access paths evaluated from the guard function's arguments (each node one
 // step from an earlier node), then checks on the values they reach.
 enum NodeKind { kArgument = 0, kConstant = 1, kAttribute = 2, kItem = 3, kCall = 4 };
-enum CheckKind { kIs = 0, kEquals = 1, kLength = 2, kTypeIs = 3, kTensor = 4 };
+enum CheckKind { kIs = 0, kEquals = 1, kLength = 2, kTypeIs = 3, kTensor = 4, kSeparate = 5 };
 
 struct Node {
   int kind;
@@ -179,7 +180,7 @@ struct Check {
   int kind;
   Py_ssize_t node;
   PyObject* value;  // kIs: the object; kEquals: the value; kTypeIs/kEquals: type in `type`
-  PyObject* type;
+  PyObject* type;     // (kSeparate: value is a tuple of nodes, the first `number` written)
   Py_ssize_t number;  // kLength: the length; kTensor: the spec's index
 };
 
@@ -205,6 +206,19 @@ void destroy_plan(PyObject* capsule) {
 PyObject* owned(PyObject* object) {
   Py_INCREF(object);
   return object;
+}
+
+// kSeparate's nodes: a tuple of node numbers, the first `written` of them written.
+bool separate_nodes(PyObject* value, Py_ssize_t written, Py_ssize_t nodes) {
+  if (!PyTuple_Check(value) || written < 0 || written > PyTuple_GET_SIZE(value)) return false;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); ++i) {
+    Py_ssize_t node = PyLong_AsSsize_t(PyTuple_GET_ITEM(value, i));
+    if (node < 0 || node >= nodes) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  return true;
 }
 
 // plan(nodes, checks, specs) -> capsule. nodes: [(kind, parent, key)]; checks: [(kind, node,
@@ -238,7 +252,8 @@ PyObject* plan(PyObject*, PyObject* args) {
     PyObject* item = PyList_GET_ITEM(checks, i);
     Py_ssize_t tensors = static_cast<Py_ssize_t>(result->specs.items.size());
     if (!PyArg_ParseTuple(item, "inOOn", &kind, &node, &value, &type, &number) || node < 0 ||
-        node >= PyList_GET_SIZE(nodes) || (kind == kTensor && (number < 0 || number >= tensors))) {
+        node >= PyList_GET_SIZE(nodes) || (kind == kTensor && (number < 0 || number >= tensors)) ||
+        (kind == kSeparate && !separate_nodes(value, number, PyList_GET_SIZE(nodes)))) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a check reads no node");
       delete result;
       return nullptr;
@@ -246,6 +261,33 @@ PyObject* plan(PyObject*, PyObject* args) {
     result->checks.push_back(Check{kind, node, owned(value), owned(type), number});
   }
   return PyCapsule_New(result, kPlanName, destroy_plan);
+}
+
+// The written tensors share no storage with each other or with the others (storages
+// without memory never count), as storages_separate() checks in Python.
+bool separate(const std::vector<PyObject*>& values, const Check& check) {
+  std::vector<uintptr_t> written;
+  Py_ssize_t count = PyTuple_GET_SIZE(check.value);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (Py_ssize_t i = pass ? check.number : 0; i < (pass ? count : check.number); ++i) {
+      PyObject* object = values[PyLong_AsSsize_t(PyTuple_GET_ITEM(check.value, i))];
+      if (object == nullptr || !THPVariable_Check(object)) return false;
+      const at::Tensor& tensor = THPVariable_Unpack(object);
+      auto address = tensor.has_storage()
+          ? reinterpret_cast<uintptr_t>(tensor.storage().data()) : uintptr_t{0};
+      if (address == 0) continue;
+      if (pass == 0) {
+        written.push_back(address);
+      } else if (std::binary_search(written.begin(), written.end(), address)) {
+        return false;
+      }
+    }
+    if (pass == 0) {
+      std::sort(written.begin(), written.end());
+      if (std::adjacent_find(written.begin(), written.end()) != written.end()) return false;
+    }
+  }
+  return true;
 }
 
 bool passes(const Plan& plan, const Check& check, PyObject* value) {
@@ -312,7 +354,8 @@ PyObject* run(PyObject*, PyObject* args) {
   }
   for (size_t i = 0; ok && i < plan->checks.size(); ++i) {
     const Check& check = plan->checks[i];
-    ok = passes(*plan, check, values[check.node]);
+    ok = check.kind == kSeparate ? separate(values, check)
+                                 : passes(*plan, check, values[check.node]);
   }
   for (PyObject* value : values) Py_XDECREF(value);
   if (ok) Py_RETURN_TRUE;
