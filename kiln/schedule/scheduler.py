@@ -36,7 +36,7 @@ from kiln.ir.op import Op
 from kiln.schedule import index as ix
 from kiln.schedule.buffers import drop_dead_stores, plan_buffers
 from kiln.schedule.combine import combine_kernels
-from kiln.schedule.eager_layouts import eager_result_strides
+from kiln.schedule.eager_layouts import as_eager, eager_result_strides, storable
 from kiln.schedule.group import Group, build_kernel
 from kiln.schedule.inlining import Inlining
 from kiln.schedule.layout_choice import LayoutChoice, channels_last_copy, copied
@@ -137,15 +137,15 @@ class Scheduler:
         copies: dict[Value, Value] = {}
         for position in range(self.graph.user_outputs or 0):
             value = self.outputs[position]
-            want = self.eager.get(value)
-            if want is None or _same_strides(self.layouts[value], want):
+            want, view = self.eager.get(value), self.layouts[value]
+            if want is None or as_eager(view.shape, view.strides, want):
                 continue
             if value not in copies:
                 copy = copied(
                     value, "eager_layout", value.node.origin if value.node else Origin("")
                 )
                 self.users[copy], self.eager[copy] = [], want
-                self._start_kernel(copy, want)
+                self._start_kernel(copy, storable(view.shape, want))
                 copies[value] = copy
             self.outputs[position] = copies[value]
 
@@ -364,7 +364,8 @@ class Scheduler:
             if source and memory_order(source)[-1] == group.order[-1]:
                 moved = any(a != b for a, b, n in zip(source, strides, shape, strict=True) if n > 1)
                 strides = source if moved else strides
-        strides = self.eager.get(value, strides)  # (a result: as eager lays it out)
+        if value in self.eager:  # a result: as eager lays it out (dense: see storable)
+            strides = storable(shape, self.eager[value])
         buffer = Buffer(
             value.name, shape, value.type.dtype, value.type.device, BufferKind.TEMP, strides
         )
@@ -386,10 +387,6 @@ class Scheduler:
         program = Program(self.graph.name, self.inputs, combine_kernels(steps), outputs)
         plan_buffers(program)
         return program
-
-
-def _same_strides(view: View, strides: tuple[int, ...]) -> bool:
-    return all(a == b for a, b, n in zip(view.strides, strides, view.shape, strict=True) if n > 1)
 
 
 def schedule(
