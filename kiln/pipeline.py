@@ -30,6 +30,7 @@ it: the backend's compiled graph, or a forward/backward pair inside one ``autogr
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,8 @@ from kiln.autodiff.runtime import TrainingGraph, needs_autodiff
 from kiln.backends import CompiledGraph, compile_split, lookup_backend
 from kiln.config import logger
 from kiln.ir.graph import Graph
-from kiln.ir.specialize import specialize
+from kiln.ir.specialize import rehint, size_places, specialize, symbols_of, used_symbols
+from kiln.ir.symbolic import ShapeEnv, Sym, active_env, current_env, pinned, relations_check
 from kiln.ir.verify import verify
 from kiln.options import Options
 from kiln.passes import optimize
@@ -63,7 +65,14 @@ class Pipeline:
         captured graph's sizes (:class:`PerSize` passes its own)."""
         if graph.symbols:
             return graph, PerSize(graph, self)
+        return self.stages(graph, sizes)
+
+    def stages(self, graph: Graph, sizes: SizeBudget | None = None) -> tuple[Graph, Any]:
+        """Passes, autodiff and the backend on ``graph`` (a graph with symbols: under the
+        :class:`ShapeEnv` of :class:`PerSize`, which records what they decide on its sizes)."""
         sizes = sizes or SizeBudget()
+        if current_env() is not None and active_bucket_bytes():
+            graph = specialized_here(graph)  # (DDP's bucket cuts measure concrete sizes)
         training = needs_autodiff(graph)
         graph = run_passes(graph, differentiating=training)
         if not training:
@@ -93,6 +102,7 @@ class Pipeline:
             # the reference interpreter runs the graph under eager autograd, which records
             # what each op's PyTorch call records (and raises at backward where eager does).
             _log_autodiff.info("%s: eager autograd through the graph (%s)", graph.name, error)
+            graph = specialized_here(graph) if current_env() is not None else graph
             return lookup_backend("eager").compile(graph, self.options)
         plan.forward = run_passes(plan.forward)
         plan.backward = run_passes(plan.backward)
@@ -106,11 +116,26 @@ class Pipeline:
         return TrainingGraph(graph, plan, forward, backward)
 
     def compile_graph(self, graph: Graph) -> CompiledGraph:
-        """The backend stage (it schedules, generates and loads code on the first call)."""
+        """The backend stage (it schedules, generates and loads code on the first call). A
+        graph with symbols keeps them only for the ``kiln`` backend, which compiles kernels
+        for a range of sizes; any other backend gets it specialized to the current sizes."""
         backend = lookup_backend(self.options.backend)
+        if current_env() is not None and not self.keeps_symbols(graph):
+            graph = specialized_here(graph)
         if getattr(backend, "capabilities", None) is None:
             return backend.compile(graph, self.options)
         return compile_split(graph, backend, self.options, lookup_backend("kiln"))
+
+    def keeps_symbols(self, graph: Graph) -> bool:
+        """Whether the backend may compile ``graph`` with its symbols: the ``kiln`` backend
+        without CUDA graphs (one recording per size anyway), every symbol readable off the
+        graph's own inputs (a backward graph binds its sizes from what it is given)."""
+        backend = lookup_backend(self.options.backend)
+        if backend.name != "kiln" or getattr(backend, "capabilities", None) is not None:
+            return False
+        if self.options.cudagraphs:
+            return False
+        return used_symbols(graph) <= set(size_places(graph))
 
     def replayed(
         self,
@@ -146,15 +171,22 @@ def differentiate(graph: Graph) -> Partition:
 
 
 class PerSize:
-    """A graph with symbolic sizes, run through the pipeline once per distinct binding of its
-    symbols: each call binds them from its inputs' sizes and runs the graph specialized to
-    them (compiled on the first call with those sizes). Capture, guards and the cache entry
-    are shared by every size; only the stages after capture run again for a new size."""
+    """A graph with symbolic sizes, compiled for the sizes of a call and reused for every later
+    call whose sizes satisfy what compiling decided on them.
+
+    The stages after capture run on the graph with its symbols, hinted by the call's sizes,
+    under a :class:`ShapeEnv`: a question about a size that holds for every size costs
+    nothing, one answered by the hint is recorded as a relation (``s0 < 1024``), and a stage
+    that needs a concrete size specializes it (``s0 == 7``). The result serves every later
+    binding that satisfies those relations; the backend (``kiln/backends/kiln.py``) guards its
+    own decisions per program the same way. At worst each size compiles once, as if static."""
 
     def __init__(self, graph: Graph, pipeline: Pipeline) -> None:
         self.graph = graph
         self.pipeline = pipeline
-        self.compiled: dict[tuple[int, ...], Any] = {}
+        self.compiled: dict[tuple[int, ...], Any] = {}  # by the symbols' values
+        # (whether it holds for a binding of the symbols, the callable)
+        self.entries: list[tuple[Callable[[dict[str, int]], bool], Any]] = []
         self.cudagraph_sizes = SizeBudget()  # (reduce-overhead: one CUDA graph per size)
         self._lock = threading.Lock()
 
@@ -166,9 +198,50 @@ class PerSize:
             with self._lock:
                 compiled = self.compiled.get(sizes)
                 if compiled is None:
-                    values = dict(zip(self.graph.symbols, sizes, strict=True))
-                    _log_dynamic.info("%s: compiling for sizes %s", self.graph.name, values)
-                    specialized = specialize(self.graph, values)
-                    _, compiled = self.pipeline(specialized, self.cudagraph_sizes)
-                    self.compiled[sizes] = compiled
+                    compiled = self.compiled[sizes] = self._entry(sizes)
         return compiled(inputs)
+
+    def _entry(self, sizes: tuple[int, ...]) -> Any:
+        values = dict(zip(self.graph.symbols, sizes, strict=True))
+        for holds, compiled in self.entries:
+            if holds(values):
+                return compiled
+        _log_dynamic.info("%s: compiling for sizes %s", self.graph.name, values)
+        symbols = {n: s for n, s in symbols_of(self.graph).items() if n in values}
+        env = ShapeEnv(
+            symbols={n: Sym.symbol(n, values[n], s.low, s.high) for n, s in symbols.items()}
+        )
+        try:
+            with active_env(env):
+                _, compiled = self.pipeline.stages(rehint(self.graph, values), self.cudagraph_sizes)
+        except Exception as error:  # (a stage that cannot take symbols: this size alone)
+            _log_dynamic.warning(
+                "%s: compiled for sizes %s only: %s: %s",
+                self.graph.name,
+                values,
+                type(error).__name__,
+                str(error).splitlines()[0][:200] if str(error) else "",
+            )
+            _, compiled = self.pipeline.stages(specialize(self.graph, values), self.cudagraph_sizes)
+            self.entries.append((relations_check(pinned(values)), compiled))
+            return compiled
+        relations = tuple(env.relations)
+        if relations:
+            _log_dynamic.info(
+                "%s: compiled for %s", self.graph.name, ", ".join(r.text() for r in relations)
+            )
+        self.entries.append((relations_check(relations), compiled))
+        return compiled
+
+
+def specialized_here(graph: Graph) -> Graph:
+    """``graph`` with its symbols replaced by their hints, each guarded in the active
+    :class:`ShapeEnv` (what is compiled from it serves these sizes only)."""
+    env = current_env()
+    assert env is not None
+    values = {}
+    for name, symbol in symbols_of(graph).items():
+        size = Sym.symbol(name, symbol.hint, symbol.low, symbol.high)
+        env.specialized(size, "kept by a backend that compiles for one size")
+        values[name] = symbol.hint
+    return specialize(graph, values)

@@ -30,7 +30,7 @@ from kiln.runtime.autotune import TuningJob, TuningRecord, load_tuned
 from kiln.runtime.cpp_build import cpp_compiler_available, load_kernels
 from kiln.runtime.triton_build import load_triton_kernels, triton_available
 from kiln.schedule.evaluate import evaluate_kernel
-from kiln.schedule.loops import Kernel
+from kiln.schedule.loops import Kernel, kernel_symbols
 from kiln.schedule.program import kernel_arguments
 
 _log = logger("kernels")
@@ -66,6 +66,9 @@ def _unique(kernels: list[Kernel], memo: Memo | None) -> tuple[list[Kernel], dic
 def _evaluator(
     kernels: list[Kernel], device: torch.device, memo: Memo | None = None
 ) -> dict[str, Launcher]:
+    if any(kernel_symbols(k) for k in kernels):
+        raise BackendError("kernels run as PyTorch ops take no symbolic sizes")
+
     def launcher(kernel: Kernel) -> Launcher:
         count = len(kernel_arguments(kernel))
 
@@ -129,8 +132,11 @@ def _triton(
         raise Unavailable(reason)
     unique, same_as = _unique([k for k in kernels if k.xnumel > 0], memo)
     supported = [k for k in unique if unsupported_reason(k) is None]
+    sized = [k for k in unique if kernel_symbols(k)]
+    if any(k not in supported for k in sized):
+        raise BackendError(f"kernel {sized[0].name}: no Triton form with symbolic sizes")
     launchers: dict[str, Launcher] = {}
-    if tuned is not None and supported:
+    if tuned is not None and supported and not sized:  # (sizes vary: nothing to tune on)
         launchers, records = load_tuned([_tuning_job(k, interpret) for k in supported], device)
         tuned += records
     elif supported:
@@ -138,7 +144,7 @@ def _triton(
         launchers = load_triton_kernels(sources, device)
     for kernel in supported:  # (a kernel Triton fails to compile for the GPU: PyTorch ops)
         launcher = launchers.get(kernel.name)
-        if hasattr(launcher, "fallback"):
+        if hasattr(launcher, "fallback") and kernel not in sized:
             launcher.fallback = _evaluator([kernel], device)[kernel.name]  # type: ignore[union-attr]
     others = [k for k in unique if k.name not in launchers]
     for kernel in others:  # a dtype Triton cannot load: PyTorch ops run the kernel

@@ -27,20 +27,33 @@ from kiln.codegen.signatures import kernel_signature
 from kiln.codegen.wrapper import Wrapper
 from kiln.collector import gc_paused
 from kiln.config import config, logger
-from kiln.ir.graph import Graph, InputKind
+from kiln.ir.graph import Graph, InputKind, Node
 from kiln.ir.interpreter import interpret
 from kiln.ir.op import Op
+from kiln.ir.specialize import rehint, size_places, specialize, used_symbols
+from kiln.ir.symbolic import (
+    Dim,
+    Relation,
+    ShapeEnv,
+    active_env,
+    current_env,
+    pinned,
+    printing_sizes,
+    relations_check,
+)
 from kiln.ops import host_calls
 from kiln.options import Options
 from kiln.random_state import preserved_random_state
 from kiln.recording import record as record_event
 from kiln.runtime.autotune import TuningRecord
 from kiln.runtime.triton_build import start_workers
+from kiln.schedule.layouts import input_pattern
 from kiln.schedule.loops import Kernel, format_kernel
 from kiln.schedule.program import Program
 from kiln.schedule.scheduler import schedule
 
 _log = logger("kernels")
+_log_dynamic = logger("dynamic")
 
 Runner = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 _WARNED: set[str] = set()  # generator-unavailable reasons already warned about
@@ -59,6 +72,9 @@ class CompiledProgramRecord:
     cpu_matmul: str = "auto"  # the options' library of float32 CPU matmuls
     # max-autotune: each Triton kernel's choice, made at its first launch (kiln/runtime/autotune.py)
     tuned: list[TuningRecord] = field(default_factory=list)
+    # A graph with symbolic sizes: which sizes the program serves ("any sizes where s0 > 8",
+    # or "sizes s0=5 only (why)")
+    sizes: str = ""
 
     @property
     def unique_kernels(self) -> int:
@@ -69,9 +85,13 @@ class CompiledProgramRecord:
     def kernel_lines(self) -> list[str]:
         """One line per kernel (the ops it fuses and the user lines they come from) and per
         extern call."""
+        with printing_sizes(repr):  # (a program in symbolic sizes: as written)
+            return self._kernel_lines()
+
+    def _kernel_lines(self) -> list[str]:
         if self.program is None:
             return [f"{self.graph}: reference interpreter ({self.fallback})"]
-        lines = []
+        lines = [f"{self.graph}: compiled for {self.sizes}"] if self.sizes else []
         for step in self.program.steps:
             if isinstance(step, Kernel):
                 ops = list(dict.fromkeys(f.split()[0] for f in step.fused))
@@ -99,21 +119,28 @@ class KilnProgram:
     graph: Graph
     options: Options = field(default_factory=Options)
     variants: dict[tuple[object, ...], Runner] = field(default_factory=dict)
-    # Extern results PyTorch laid out otherwise than the schedule assumed (node id ->
-    # strides): a variant that saw one is rebuilt once, assuming what PyTorch does.
-    observed: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
+    # Extern results PyTorch laid out otherwise than the schedule assumed (the node's first
+    # output name -> strides): a variant that saw one is rebuilt once, assuming what PyTorch does.
+    observed: dict[str, list[tuple[Dim, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.user = [i for i, v in enumerate(self.graph.inputs) if v.kind is InputKind.USER]
         self._stale = False
         self._rebuilt: set[tuple[object, ...]] = set()
+        # A graph with symbols: where each is read off the inputs, and the programs compiled
+        # so far with the relations on the sizes each holds for (SymbolicVariant).
+        used = used_symbols(self.graph)
+        self.places = sorted((n, p) for n, p in size_places(self.graph).items() if n in used)
+        self.symbolic: list[SymbolicVariant] = []
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        key = tuple(inputs[i].stride() for i in self.user)
+        key: tuple[object, ...] = tuple(inputs[i].stride() for i in self.user)
+        if self.places:
+            key += tuple(inputs[i].shape[d] for _, (i, d) in self.places)
         runner = self.variants.get(key)
         if runner is None:
             with preserved_random_state(), gc_paused():
-                runner = self.variants[key] = self._compile(inputs)
+                runner = self.variants[key] = self._variant(inputs)
         with torch.no_grad():
             results = runner(inputs)
         if self._stale:
@@ -121,14 +148,50 @@ class KilnProgram:
             if key not in self._rebuilt:  # once: layouts that keep changing just get copied
                 self._rebuilt.add(key)
                 del self.variants[key]
+                self.symbolic = [v for v in self.symbolic if v.runner is not runner]
         return results
 
-    def _observe(self, node: object, strides: list[tuple[int, ...]]) -> None:
+    def _variant(self, inputs: Sequence[torch.Tensor]) -> Runner:
+        """The runner for new strides or sizes: a graph without symbols compiles; a graph with
+        symbols first tries the programs compiled for other sizes, then compiles one for a
+        range of sizes, or, when that fails, for these sizes alone."""
+        if not self.places:
+            return self._compile(inputs, self.graph)
+        values = {name: int(inputs[i].shape[d]) for name, (i, d) in self.places}
+        if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in inputs):
+            return self._compile(inputs, specialize(self.graph, values))  # (types only)
+        layouts = _layout_pattern(self.graph, inputs)
+        for variant in self.symbolic:
+            if variant.layouts == layouts and variant.holds(values):
+                return variant.runner
+        env = ShapeEnv()
+        try:
+            with active_env(env):
+                runner = self._compile(inputs, rehint(self.graph, values), symbolic=True)
+            relations = tuple(env.relations)
+        except Exception as error:
+            reason = (
+                f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+            )
+            note = f"{_sizes_text(values)} only ({reason})"
+            _log_dynamic.info("%s: kernels for %s", self.graph.name, note)
+            runner = self._compile(inputs, specialize(self.graph, values), note=note)
+            relations = pinned(values)
+        self.symbolic.append(SymbolicVariant(layouts, relations, runner))
+        return runner
+
+    def _observe(self, node: Node, strides: list[tuple[int, ...]]) -> None:
         _log.info("%s returned strides %s, not the predicted ones; rebuilding once", node, strides)
-        self.observed[id(node)] = strides
+        self.observed[node.outputs[0].name] = list(strides)  # (names hold in every sized copy)
         self._stale = True
 
-    def _compile(self, inputs: Sequence[torch.Tensor]) -> Runner:
+    def _compile(
+        self, inputs: Sequence[torch.Tensor], graph: Graph, symbolic: bool = False, note: str = ""
+    ) -> Runner:
+        """The program of ``graph`` for ``inputs``; ``symbolic``: ``graph`` keeps its symbols
+        (under the active :class:`ShapeEnv`) and a failure raises instead of falling back.
+        ``note``: the sizes it serves, for ``kiln.explain`` (a symbolic one says it itself)."""
+        self._note = note
         start = time.perf_counter()
         names: list[str] = []
         self._tuned: list[TuningRecord] = []
@@ -136,11 +199,11 @@ class KilnProgram:
             # Tensors without data: only types to propagate, which the interpreter does on
             # meta tensors as eager would (a kernel would read memory that does not exist).
             self._record("", None, start, "meta tensors")
-            return lambda tensors: interpret(self.graph, tensors)
+            return lambda tensors: interpret(graph, tensors)
         try:
             devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
             start_workers(devices, self.options.codegen)
-            program, file_key, stored = self._schedule(inputs)
+            program, file_key, stored = self._schedule(inputs, graph, symbolic)
             scheduled = time.perf_counter()
             tuned: list[TuningRecord] | None = [] if self.options.autotune else None
             memo = programs.load_generated(file_key) if stored and file_key else {}
@@ -150,11 +213,12 @@ class KilnProgram:
             if file_key and len(memo) != known:
                 programs.store_generated(file_key, memo)
             self._tuned = tuned or []
-            wrapper = Wrapper(program, launchers, self._observe, self.options.cpu_matmul)
+            sizes = self.places if symbolic else ()
+            wrapper = Wrapper(program, launchers, self._observe, self.options.cpu_matmul, sizes)
             runner = wrapper.compile()
             self._phases = {"schedule": scheduled - start, "build": time.perf_counter() - scheduled}
         except Exception as error:
-            if self.options.strict or _draws_random_numbers(self.graph):
+            if symbolic or self.options.strict or _draws_random_numbers(graph):
                 # A graph with random ops cannot fall back alone: the interpreter draws other
                 # numbers than the kernels, and a forward/backward pair must see the same mask.
                 raise
@@ -172,20 +236,24 @@ class KilnProgram:
                     stacklevel=2,
                 )
             self._record("+".join(names), None, start, reason)
-            return lambda tensors: interpret(self.graph, tensors)
+            return lambda tensors: interpret(graph, tensors)
         self._record("+".join(names), program, start)
         return _without_autocast(runner)
 
-    def _schedule(self, inputs: Sequence[torch.Tensor]) -> tuple[Program, str | None, bool]:
+    def _schedule(
+        self, inputs: Sequence[torch.Tensor], graph: Graph, symbolic: bool
+    ) -> tuple[Program, str | None, bool]:
         """The program for ``inputs``' layouts, from the disk when a process scheduled it;
-        its file key (None: not cached) and whether it came from the disk."""
-        file_key = None if self.observed else programs.key(self.graph, inputs, self.options)
-        program = programs.load(file_key, self.graph) if file_key else None
+        its file key (None: not cached) and whether it came from the disk. (A program with
+        symbols is not kept on disk: the relations it holds for would have to be.)"""
+        cached = not self.observed and not symbolic
+        file_key = programs.key(graph, inputs, self.options) if cached else None
+        program = programs.load(file_key, graph) if file_key else None
         if program is not None:
             return program, file_key, True
-        program = schedule(self.graph, inputs, self.observed)
+        program = schedule(graph, inputs, self.observed)
         if file_key:
-            programs.store(file_key, self.graph, program)
+            programs.store(file_key, graph, program)
         return program, file_key, False
 
     def _record(
@@ -194,6 +262,13 @@ class KilnProgram:
         seconds = time.perf_counter() - start
         record = CompiledProgramRecord(self.graph.name, codegen, program, seconds, fallback)
         record.phases = getattr(self, "_phases", {})
+        env = current_env()
+        if env is not None:  # (a program in symbolic sizes: what it decided on them)
+            relations = ", ".join(r.text() for r in env.relations)
+            record.sizes = f"any sizes where {relations}" if relations else "any sizes"
+            _log_dynamic.info("%s: kernels for %s", self.graph.name, record.sizes)
+        else:
+            record.sizes = getattr(self, "_note", "")
         record.cpu_matmul = self.options.cpu_matmul
         record.tuned = self._tuned
         record_event(record)
@@ -202,6 +277,38 @@ class KilnProgram:
                 _log.info("%s\n%s", "; ".join(kernel.fused), format_kernel(kernel))
         if program is not None and config.debug_dir:
             dump_program(self.graph, program, str(config.debug_dir))
+
+
+@dataclass(frozen=True)
+class SymbolicVariant:
+    """A program compiled for a range of sizes: the inputs' layouts it was scheduled for and
+    the relations on the symbols it holds for."""
+
+    layouts: tuple[object, ...]
+    relations: tuple[Relation, ...]
+    runner: Runner
+    holds: Callable[[dict[str, int]], bool] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "holds", relations_check(self.relations))
+
+
+def _layout_pattern(graph: Graph, inputs: Sequence[torch.Tensor]) -> tuple[object, ...]:
+    """The user inputs' layouts as a program with symbols depends on them
+    (:func:`~kiln.schedule.layouts.input_pattern` for an input with symbolic dims)."""
+    pattern: list[object] = []
+    for value, tensor in zip(graph.inputs, inputs, strict=True):
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if value.type.is_symbolic:
+            pattern.append(input_pattern(tensor))
+        elif value.kind is InputKind.USER:
+            pattern.append(tensor.stride())
+    return tuple(pattern)
+
+
+def _sizes_text(values: dict[str, int]) -> str:
+    return "sizes " + ", ".join(f"{name}={value}" for name, value in values.items())
 
 
 def _draws_random_numbers(graph: Graph) -> bool:

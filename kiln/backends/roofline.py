@@ -25,6 +25,7 @@ from functools import cache
 
 import torch
 
+from kiln.ir.symbolic import hint
 from kiln.schedule.loops import Kernel
 from kiln.schedule.program import Program, kernel_arguments
 
@@ -49,7 +50,7 @@ class KernelTime:
 
 def kernel_bytes(kernel: Kernel) -> int:
     """The bytes of every buffer ``kernel`` reads or writes."""
-    return sum(b.numel * b.dtype.itemsize for b in kernel_arguments(kernel))
+    return sum(hint(b.numel) * b.dtype.itemsize for b in kernel_arguments(kernel))
 
 
 def function_name(kernel_name: str) -> str:

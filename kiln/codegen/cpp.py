@@ -1,10 +1,12 @@
 """C++/OpenMP code generation: a list of loop-level Kernels -> one C++ translation unit.
 
-Every kernel becomes ``extern "C" void <name>(T0* a0, const T1* a1, ..., [int64_t seed])``,
-its pointer arguments in :func:`~kiln.schedule.program.kernel_arguments` order (written
-buffers non-const). Shapes and strides are constants of the index expressions (int32 unless an
-offset may not fit). A pointwise kernel is one loop over ``x`` vectorized with ``#pragma omp
-simd``, split into one chunk per thread when the work is large (>= 32768 elements). A
+Every kernel becomes ``extern "C" void <name>(T0* a0, const T1* a1, ..., [int64_t seed],
+[int64_t size_s0, ...])``, its pointer arguments in
+:func:`~kiln.schedule.program.kernel_arguments` order (written buffers non-const). Shapes and
+strides are constants of the index expressions (int32 unless an offset may not fit), or, in
+a program with symbolic sizes, expressions of the ``size_*`` parameters. A pointwise kernel
+is one loop over ``x`` vectorized with ``#pragma omp simd``, split into one chunk per thread
+when the work is large (>= 32768 elements). A
 reduction kernel runs over rows ``x`` in parallel and, per row, one loop over ``r`` per
 reduction phase (``omp simd reduction(...)``; float max/min carry NaN in a flag), then a last
 ``r`` loop for row-shaped stores that need the last phase. Row-shaped subexpressions are
@@ -45,10 +47,12 @@ import torch
 
 from kiln.codegen import cpp_math, cpp_segments, cpp_split
 from kiln.codegen.cpp_math import compute_type, storage_type
+from kiln.codegen.cpp_reductions import Accumulator, accumulator_type
 from kiln.codegen.cpp_segments import Segment
 from kiln.codegen.cpp_split import XL, LaneSplit, PointwiseSplit
 from kiln.codegen.sources import CppEntry, CppSource
 from kiln.ir.op import Op
+from kiln.ir.symbolic import Symbol, printing_sizes
 from kiln.schedule.index import INT32_LIMIT, FloorDiv, Index, Indirect, Mod, Var
 from kiln.schedule.loops import (
     Apply,
@@ -68,6 +72,7 @@ from kiln.schedule.loops import (
     children,
     depends_on_r,
     index_magnitudes,
+    kernel_symbols,
     reduction_phase,
     walk,
 )
@@ -92,7 +97,19 @@ def generate_cpp(kernels: list[Kernel], threads: int | None = None) -> str:
     """One C++ translation unit defining every kernel of ``kernels``; ``threads`` (default:
     ``torch.get_num_threads()``) is baked into the OpenMP pragmas."""
     count = torch.get_num_threads() if threads is None else max(int(threads), 1)
-    return "\n".join([cpp_math.PRELUDE, *(_KernelPrinter(k, count).source() for k in kernels)])
+    return "\n".join([cpp_math.PRELUDE, *(_printed(k, count) for k in kernels)])
+
+
+def _printed(kernel: Kernel, threads: int) -> str:
+    """``kernel``'s function; symbolic sizes printed as its ``size_*`` parameters."""
+    sized = bool(kernel_symbols(kernel))
+    with printing_sizes(size_parameter if sized else None, "/"):  # (sizes are non-negative)
+        return _KernelPrinter(kernel, threads).source()
+
+
+def size_parameter(symbol: Symbol) -> str:
+    """The parameter of a kernel that takes the symbolic size ``symbol``."""
+    return f"size_{symbol.name}"
 
 
 def cpp_library(
@@ -101,7 +118,13 @@ def cpp_library(
     """The translation unit of ``kernels`` (``source``: one already printed for them) with
     each kernel's entry point, what the runtime builds and binds."""
     entries = tuple(
-        CppEntry(k.name, len(kernel_arguments(k)), k.seed() is not None, checks_indices(k))
+        CppEntry(
+            k.name,
+            len(kernel_arguments(k)),
+            k.seed() is not None,
+            checks_indices(k),
+            len(kernel_symbols(k)),
+        )
         for k in kernels
     )
     name = kernels[0].name if kernels else "kernels"
@@ -139,121 +162,6 @@ class _Block:
         self.add("}")
 
 
-@dataclass(eq=False)
-class _Accumulator:
-    """The C++ state of one Reduce: variables before its loop, the update inside, the per-row
-    value after it. ``at`` indexes the variables when they are arrays (one slot per row of a
-    block, in column reductions)."""
-
-    reduce: Reduce
-    name: str
-    value_type: str  # the compute type of the reduced values
-    acc_type: str
-
-    @property
-    def kind(self) -> ReduceKind:
-        return self.reduce.kind
-
-    @property
-    def is_arg(self) -> bool:
-        return self.kind in {ReduceKind.ARGMAX, ReduceKind.ARGMIN}
-
-    @property
-    def nan_flag(self) -> bool:
-        """Float MAX/MIN keep NaN out of the accumulator and in a flag (simd-reducible)."""
-        return self.kind in {ReduceKind.MAX, ReduceKind.MIN} and self.reduce.value.dtype in FLOATS
-
-    def variables(self) -> list[tuple[str, str, str]]:
-        """``(type, name, initial value)`` of each variable."""
-        acc, kind = self.name, self.kind
-        is_float = self.reduce.value.dtype in FLOATS
-        if self.is_arg:
-            best = _extreme(self.value_type, is_float, low=kind is ReduceKind.ARGMAX)
-            return [(self.value_type, f"best_{acc}", best), ("int64_t", acc, "0")]
-        if kind in {ReduceKind.SUM, ReduceKind.PROD}:
-            initial = "0" if kind is ReduceKind.SUM else "1"
-        else:
-            initial = _extreme(self.acc_type, is_float, low=kind is ReduceKind.MAX)
-        flag = [("int", f"nan_{acc}", "0")] if self.nan_flag else []
-        return [(self.acc_type, acc, initial), *flag]
-
-    def clauses(self) -> list[str]:
-        """OpenMP reduction clauses (none for ARGMAX/ARGMIN, which forbid ``omp simd``)."""
-        operator = {
-            ReduceKind.SUM: "+",
-            ReduceKind.PROD: "*",
-            ReduceKind.MAX: "max",
-            ReduceKind.MIN: "min",
-        }.get(self.kind)
-        if operator is None:
-            return []
-        flag = [f"reduction(|:nan_{self.name})"] if self.nan_flag else []
-        return [f"reduction({operator}:{self.name})", *flag]
-
-    def update(self, value: str, at: str = "") -> list[str]:
-        acc, kind = f"{self.name}{at}", self.kind
-        v = value if self.acc_type == self.value_type else f"({self.acc_type})({value})"
-        if kind is ReduceKind.SUM:
-            return [f"{acc} += {v};"]
-        if kind is ReduceKind.PROD:
-            return [f"{acc} *= {v};"]
-        if kind in {ReduceKind.MAX, ReduceKind.MIN}:
-            compare = ">" if kind is ReduceKind.MAX else "<"
-            lines = [f"{acc} = {v} {compare} {acc} ? {v} : {acc};"]
-            if self.nan_flag:
-                lines.append(f"nan_{acc} |= {value} != {value};")
-            return lines
-        best = f"best_{acc}"
-        wins = f"{value} {'>' if kind is ReduceKind.ARGMAX else '<'} {best}"
-        if self.reduce.value.dtype in FLOATS:  # the first NaN is the extreme (torch.argmax)
-            wins = f"{wins} || ({value} != {value} && {best} == {best})"
-        return [f"if ({wins}) {{ {best} = {value}; {acc} = r; }}"]
-
-    def result(self, at: str = "") -> str:
-        acc = f"{self.name}{at}"
-        if self.is_arg:
-            return acc
-        if self.nan_flag:
-            return f"nan_{acc} ? NAN : {acc}"
-        dtype = self.reduce.dtype
-        if dtype == torch.bool:
-            return f"{acc} != 0"
-        if self.acc_type != compute_type(dtype):
-            return f"({compute_type(dtype)})({acc})"
-        return acc
-
-
-FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-
-
-def _extreme(ctype: str, is_float: bool, low: bool) -> str:
-    if is_float:
-        return "-INFINITY" if low else "INFINITY"
-    if ctype in {"bool", "int"}:  # bool values (accumulated in an int for MAX/MIN)
-        return "0" if low else "1"
-    limits = {
-        "int8_t": ("INT8_MIN", "INT8_MAX"),
-        "uint8_t": ("0", "UINT8_MAX"),
-        "int16_t": ("INT16_MIN", "INT16_MAX"),
-        "int32_t": ("INT32_MIN", "INT32_MAX"),
-        "int64_t": ("INT64_MIN", "INT64_MAX"),
-    }
-    return limits[ctype][0 if low else 1]
-
-
-def _accumulator_type(reduce: Reduce) -> str:
-    """Floats accumulate in their compute type (fp32 for 16-bit floats); integer and bool
-    sums and products in uint64 (two's-complement wrap, converted at the end)."""
-    value_type = compute_type(reduce.value.dtype)
-    if reduce.kind in {ReduceKind.SUM, ReduceKind.PROD}:
-        if not reduce.dtype.is_floating_point:
-            return "uint64_t"
-        return compute_type(reduce.dtype)
-    if reduce.value.dtype == torch.bool:
-        return "int"
-    return value_type
-
-
 class _KernelPrinter:
     """Prints one kernel as an ``extern "C"`` function."""
 
@@ -269,7 +177,7 @@ class _KernelPrinter:
         self.phase = reduction_phase(self.roots)
         self.work = kernel.xnumel * max(kernel.rnumel, 1)
         self.parallel = threads > 1 and self.work >= PARALLEL_MIN_WORK
-        self.accumulators: dict[int, _Accumulator] = {}
+        self.accumulators: dict[int, Accumulator] = {}
         self.row_cache: dict[int, str] = {}  # expression id -> the per-row array keeping it
         self.cached: set[int] = set()  # cached expressions an earlier r loop already stored
         self.caching: set[int] = set()  # those the current r loop stores
@@ -278,6 +186,7 @@ class _KernelPrinter:
         self.across_rows: dict[int, bool] = {}  # in column reductions: varies along the block
         self.row_segments: list[Segment | None] = [None]  # rows' constant masks
         self.linkage = 'extern "C"'  # a part's own function is static
+        self.sizes = kernel_symbols(kernel)  # (int64 parameters after the pointers and seed)
 
     # -- names and the signature ----------------------------------------------------------
 
@@ -295,6 +204,7 @@ class _KernelPrinter:
             params.append(f"{const}{storage_type(buffer.dtype)}* {self.pointer[id(buffer)]}")
         if self.kernel.seed() is not None:
             params.append("int64_t seed")
+        params += [f"int64_t {size_parameter(s)}" for s in self.sizes]
         return f"{self.linkage} void {self.kernel.name}({', '.join(params)})"
 
     def header(self) -> list[str]:
@@ -329,6 +239,9 @@ class _KernelPrinter:
             printer.linkage = "static"
             functions.append(printer.source())
             arguments = [self.pointer[id(b)] for b in printer.arguments]
+            if printer.kernel.seed() is not None:
+                arguments.append("seed")
+            arguments += [size_parameter(s) for s in printer.sizes]
             body.add(f"{part.name}({', '.join(arguments)});")
         head = [*self.header(), self.signature() + " {", *body.lines, "}", ""]
         return "\n".join([*functions, *head])
@@ -459,8 +372,8 @@ class _KernelPrinter:
             self.split_pointwise(body, split)
             return
         if self.parallel:
-            chunk = -(-xnumel // self.threads)
-            chunk = -(-chunk // 64) * 64
+            chunk = (xnumel + self.threads - 1) // self.threads
+            chunk = (chunk + 63) // 64 * 64
             body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
             body.add(f"for ({t} x0 = 0; x0 < {xnumel}; x0 += {chunk}) {{")
             outer = body.child()
@@ -701,8 +614,8 @@ class _KernelPrinter:
         if self.split is not None:
             body.add(f"for ({t} xb = 0; xb < {self.split.blocks}; ++xb) {{")
             return body.child(), self.split.lanes
-        lanes = -(-xnumel // self.threads) if self.parallel else xnumel
-        lanes = min(COLUMN_BLOCK, -(-lanes // 16) * 16)
+        lanes = (xnumel + self.threads - 1) // self.threads if self.parallel else xnumel
+        lanes = int(min(COLUMN_BLOCK, (lanes + 15) // 16 * 16))  # (arrays: a size guarded)
         body.add(f"for ({t} x0 = 0; x0 < {xnumel}; x0 += {lanes}) {{")
         outer = body.child()
         outer.add(f"const {t} x1 = x0 + {lanes} < {xnumel} ? x0 + {lanes} : {xnumel};")
@@ -712,8 +625,8 @@ class _KernelPrinter:
         self,
         block: _Block,
         stores: list[Store],
-        updating: list[_Accumulator],
-        finished: list[_Accumulator],
+        updating: list[Accumulator],
+        finished: list[Accumulator],
     ) -> None:
         """A vectorized loop over the rows of a block: it reads the results of the ``finished``
         accumulators, updates the ``updating`` ones (inside an ``r`` loop), then runs
@@ -744,12 +657,12 @@ class _KernelPrinter:
         for store in done:
             self.store(store, row)
 
-    def accumulator(self, reduce: Reduce) -> _Accumulator:
-        acc = _Accumulator(
+    def accumulator(self, reduce: Reduce) -> Accumulator:
+        acc = Accumulator(
             reduce,
             f"acc{len(self.accumulators)}",
             compute_type(reduce.value.dtype),
-            _accumulator_type(reduce),
+            accumulator_type(reduce),
         )
         self.accumulators[id(reduce)] = acc
         return acc

@@ -41,6 +41,7 @@ import torch
 
 from kiln.codegen.cpp_split import XL, LaneSplit
 from kiln.ir.op import Op
+from kiln.ir.symbolic import Dim
 from kiln.schedule.index import FloorDiv, Index, Mod, Var
 from kiln.schedule.loops import Apply, Const, Expr, IndexValue, X
 
@@ -77,11 +78,13 @@ def lane_segments(
     return _segments(values, split.lanes, (split.substitute, XL), limit)
 
 
-def row_segments(rows: int, values: list[Expr]) -> list[Segment] | None:
+def row_segments(rows: Dim, values: list[Expr]) -> list[Segment] | None:
     """Segments of a column reduction's rows ``0 <= x < rows`` over which every boolean of
     ``values`` (functions of ``x`` alone) is constant: a BatchNorm's statistics over a
     DenseNet ``cat`` of up to 32 inputs, whose every element otherwise walked a 32-deep chain
     of masked loads. Each segment's loop reads one input, so more segments pay here."""
+    if not isinstance(rows, int):
+        return None  # (rows of a symbolic count: one loop over them)
     return _segments(values, rows, (lambda index: index, X), MAX_ROW_SEGMENTS)
 
 
@@ -157,17 +160,22 @@ def _evaluate(
 
 def _index(index: Index, lanes: torch.Tensor, variable: str) -> torch.Tensor:
     """``index`` at every lane as the printed C++ computes it (division truncates)."""
-    total = torch.full_like(lanes, index.const)
+    sizes = [index.const, *(c for _, c in index.terms)]
+    sizes += [a.divisor for a, _ in index.terms if isinstance(a, (FloorDiv, Mod))]
+    if not all(isinstance(n, int) for n in sizes):
+        raise _NotConstant  # (a symbolic size: not evaluated per lane)
+    total = torch.full_like(lanes, int(index.const))
     for atom, coef in index.terms:
         if isinstance(atom, Var) and atom.name == variable:
             value = lanes
         elif isinstance(atom, (FloorDiv, Mod)):
             operand = _index(atom.operand, lanes, variable)
-            quotient = torch.div(operand, atom.divisor, rounding_mode="trunc")
-            value = quotient if isinstance(atom, FloorDiv) else operand - quotient * atom.divisor
+            divisor = int(atom.divisor)
+            quotient = torch.div(operand, divisor, rounding_mode="trunc")
+            value = quotient if isinstance(atom, FloorDiv) else operand - quotient * divisor
         else:
             raise _NotConstant  # another loop variable, or a gathered index
-        total = total + coef * value
+        total = total + int(coef) * value
     return total
 
 

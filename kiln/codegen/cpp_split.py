@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.ir.symbolic import Dim
 from kiln.schedule.index import FloorDiv, Index, Mod, Var, floordiv, mod, var
 from kiln.schedule.loops import (
     Const,
@@ -75,7 +76,7 @@ class LaneSplit:
     """``x = lanes*xb + xl`` with ``0 <= xl < lanes`` and ``0 <= xb < blocks``."""
 
     lanes: int
-    blocks: int
+    blocks: Dim
 
     def substitute(self, index: Index) -> Index:
         """``index`` over ``xb`` and ``xl`` instead of ``x``, simplified."""
@@ -114,7 +115,8 @@ def x_divisors(indexes: Iterable[Index]) -> list[int]:
         index = pending.pop()
         for atom, _ in index.terms:
             if isinstance(atom, (FloorDiv, Mod)):
-                if any(isinstance(a, Var) and a.name == X for a, _ in atom.operand.terms):
+                on_x = any(isinstance(a, Var) and a.name == X for a, _ in atom.operand.terms)
+                if on_x and isinstance(atom.divisor, int):  # (a symbolic one: no lanes)
                     found.add(atom.divisor)
                 pending.append(atom.operand)
     return sorted(found)
@@ -143,7 +145,7 @@ def lane_counts(divisor: int, most: int) -> list[int]:
 
 
 def column_split(
-    xnumel: int, offsets: list[Index], most_lanes: int, min_blocks: int
+    xnumel: Dim, offsets: list[Index], most_lanes: int, min_blocks: int
 ) -> LaneSplit | None:
     """A split under which the reads at ``offsets`` (those that vary along ``r``) are columns
     contiguous along ``xl``; the most lanes that still give ``min_blocks`` blocks (one per
@@ -207,7 +209,7 @@ def loop_invariants(roots: list[Expr], varies: dict[int, bool]) -> list[Expr]:
     return found
 
 
-def pointwise_split(xnumel: int, roots: list[Expr], min_blocks: int) -> PointwiseSplit | None:
+def pointwise_split(xnumel: Dim, roots: list[Expr], min_blocks: int) -> PointwiseSplit | None:
     """The split of a flat kernel by its innermost dim (the smallest divisor of ``x``): worth
     it when some computed value depends on ``xl`` alone or on ``xb`` alone (per-channel math),
     or when it takes divisions out of the indexes (a bias read at ``x % C`` is a gather in

@@ -34,16 +34,22 @@ class TritonSource:
     grid: tuple[int, int, int]
     form: Form
     interpret: bool
+    # Symbolic sizes the kernel takes (int arguments after the pointers and the seed), and
+    # then the grid's program count as a Python expression of them ("" when it is ``grid``).
+    sizes: tuple[str, ...] = ()
+    grid_text: str = ""
 
 
 @dataclass(frozen=True)
 class CppEntry:
-    """One kernel's function in a C++ library: ``name(T0* a0, ..., [int64_t seed])``."""
+    """One kernel's function in a C++ library:
+    ``name(T0* a0, ..., [int64_t seed], [int64_t size_s0, ...])``."""
 
     name: str
     argument_count: int  # tensors, in kernel_arguments() order
     has_seed: bool
     checks_indices: bool  # reports a gathered index out of range through kiln_index_error
+    sizes: int = 0  # symbolic sizes it takes, after the seed (their values, as int64)
 
 
 @dataclass(frozen=True)

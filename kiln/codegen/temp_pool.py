@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.ir.symbolic import Sym
 from kiln.schedule.buffers import FRESH_RESULTS
 from kiln.schedule.loops import Buffer, BufferKind, Kernel
 from kiln.schedule.program import ExternCall, Program, View
@@ -64,7 +65,9 @@ def pooled_allocations(program: Program) -> list[Buffer]:
     for site in sites:
         if id(site) in escaping or site.device.type != "cpu":
             continue
-        size = site.numel * site.dtype.itemsize
+        if any(isinstance(n, Sym) for n in (*site.shape, *site.strides)):
+            continue  # (a size that varies from call to call: allocated per call)
+        size = int(site.numel) * site.dtype.itemsize
         if total + size > POOL_BYTES:
             continue
         total += size

@@ -33,7 +33,11 @@ A bf16 softmax over 4096 rows of 1000 (buffers ``a`` and ``out``) compiles for t
         tl.store(out_ptr + (1000*xindex + rindex), tmp7.to(tl.bfloat16), rmask)
 
 with ``XBLOCK=4, RBLOCK=1024, num_warps=8`` and a header comment listing the fused nodes.
-Masks appear only where a block overhangs its loop (``xnumel % XBLOCK != 0``). Values of
+Masks appear only where a block overhangs its loop (``xnumel % XBLOCK != 0``, or an extent
+is symbolic). A kernel of a program with symbolic sizes takes them as int arguments after the
+pointers and the seed (``size_s0``, not specialized by Triton, so one binary serves every
+size); its block sizes hold for a bucket of sizes (a power of two, guarded), and its grid is
+an expression the launcher evaluates per size (``TritonSource.grid_text``). Values of
 16-bit float type are float32 in registers (converted after the load and before the store).
 Indices are int32 unless some buffer, loop extent or index term reaches 2**31.
 """
@@ -51,6 +55,7 @@ from kiln.codegen import triton_math as tm
 from kiln.codegen.sources import Form, TritonSource
 from kiln.errors import BackendError
 from kiln.ir.op import Op
+from kiln.ir.symbolic import Dim, Sym, Symbol, hint, printing_sizes
 from kiln.schedule.index import INT32_LIMIT, FloorDiv, Index, Indirect, Mod, Var
 from kiln.schedule.loops import (
     Apply,
@@ -69,6 +74,7 @@ from kiln.schedule.loops import (
     depends_on_r,
     index_magnitudes,
     index_of,
+    kernel_symbols,
     reduction_phase,
     walk,
 )
@@ -99,8 +105,19 @@ class UnsupportedKernel(BackendError):
     """The Triton code generator cannot express a kernel (an op or dtype it lacks)."""
 
 
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+def next_power_of_2(n: Dim) -> int:
+    """The smallest power of 2 at least ``n``; for a symbolic ``n``, its hint's, guarded to
+    the bucket of sizes that share it."""
+    if isinstance(n, Sym):
+        power = next_power_of_2(n.hint)
+        if n <= power and (power == 1 or n > power // 2):  # (both recorded as guards)
+            return power
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _at_most(cap: int, n: Dim) -> int:
+    """``min(cap, next_power_of_2(n))``, guarding only ``n >= cap`` for a large size."""
+    return cap if n >= cap else next_power_of_2(n)
 
 
 def _clamp(value: int, low: int, high: int) -> int:
@@ -114,19 +131,19 @@ def choose_blocks(kernel: Kernel, interpret: bool) -> Blocks:
     """
     xnumel, rnumel = kernel.xnumel, kernel.rnumel
     if kernel.kind is KernelKind.POINTWISE:
-        xblock = min(8192 if interpret else 1024, next_power_of_2(xnumel))
+        xblock = _at_most(8192 if interpret else 1024, xnumel)
         warps = _clamp(xblock // 256, 1, 8)
         return Blocks(Form.POINTWISE, xblock, 1, max(warps, 4) if xblock >= 128 else warps)
     rblock = next_power_of_2(rnumel)
     if rblock <= MAX_PERSISTENT_RBLOCK and (_rows_contiguous(kernel) or rblock <= 64):
         budget = 16384 if interpret else 4096
-        xblock = min(next_power_of_2(xnumel), max(1, budget // rblock))
+        xblock = _at_most(max(1, budget // rblock), xnumel)
         elements = xblock * rblock
         warps = 16 if rblock >= 8192 and not interpret else _clamp(elements // 512, 1, 8)
         return Blocks(Form.PERSISTENT, xblock, rblock, warps)
     if _rows_contiguous(kernel):  # long rows: a few rows, wide lanes
         return Blocks(Form.LOOPED, 1, min(rblock, 2048), 8)
-    xblock = min(64, next_power_of_2(xnumel))  # columns: coalesce along x
+    xblock = _at_most(64, xnumel)  # columns: coalesce along x
     return Blocks(Form.LOOPED, xblock, min(rblock, max(1, 4096 // xblock)), 8)
 
 
@@ -169,16 +186,21 @@ def generate_triton(
         blocks = Blocks(Form.POINTWISE, blocks.xblock, 1, blocks.num_warps)
     if kernel.kind is KernelKind.REDUCTION and blocks.form is Form.POINTWISE:
         raise ValueError(f"kernel {kernel.name} reduces: a pointwise form cannot run it")
-    printer = _Printer(kernel, blocks, interpret)
+    sizes = kernel_symbols(kernel)
+    with printing_sizes(_size_name if sizes else None):
+        printer = _Printer(kernel, blocks, interpret, sizes=sizes)
+        source = printer.module_source()
+        programs = printer.programs + sum(p.programs for p in printer.parts)
+        grid_text = str(programs) if isinstance(programs, Sym) else ""
     arguments = kernel_arguments(kernel)
     constexprs = {"XBLOCK": blocks.xblock}
     if blocks.form is not Form.POINTWISE:
         constexprs["RBLOCK"] = blocks.rblock
-    grid = (printer.programs + sum(p.programs for p in printer.parts), 1, 1)
+    grid = (hint(programs), 1, 1)
     return TritonSource(
         name=printer.function_name,
         kernel_name=kernel.name,
-        source=printer.module_source(),
+        source=source,
         arguments=tuple(b.name for b in arguments),
         argument_dtypes=tuple(b.dtype for b in arguments),
         has_seed=kernel.seed() is not None,
@@ -187,7 +209,14 @@ def generate_triton(
         grid=grid,
         form=blocks.form,
         interpret=interpret,
+        sizes=tuple(_size_name(s) for s in sizes),
+        grid_text=grid_text,
     )
+
+
+def _size_name(symbol: Symbol) -> str:
+    """A symbolic size's parameter in kernel source (and in ``TritonSource.grid_text``)."""
+    return f"size_{symbol.name}"
 
 
 def _identifier(name: str, taken: set[str]) -> str:
@@ -227,6 +256,7 @@ class _Printer:
     function_name: str = ""
     program: str = "tl.program_id(0)"  # a part's program number is its function's argument
     parts: list[_Printer] = field(default_factory=list)  # kiln/schedule/combine.py
+    sizes: tuple[Symbol, ...] = ()  # the symbolic sizes it takes as arguments, after pointers
 
     def __post_init__(self) -> None:
         kernel = self.kernel
@@ -238,8 +268,12 @@ class _Printer:
         self.literals: set[int] = set()
         for expr in walk(self.roots):
             self.dims[id(expr)] = self._dims_of(expr)
-        self.xmask = kernel.xnumel % self.blocks.xblock != 0
-        self.rmask = self.two_d and (kernel.rnumel % self.blocks.rblock != 0 or kernel.rnumel == 0)
+        # (a symbolic extent is masked at every size: no guard on divisibility)
+        xnumel, rnumel = kernel.xnumel, kernel.rnumel
+        self.xmask = isinstance(xnumel, Sym) or xnumel % self.blocks.xblock != 0
+        self.rmask = self.two_d and (
+            isinstance(rnumel, Sym) or rnumel % self.blocks.rblock != 0 or rnumel == 0
+        )
         self.int64 = self._needs_int64()
         taken = {"tl", "triton", "libdevice", "seed", "seed_ptr"}
         self.pointers = {
@@ -247,15 +281,16 @@ class _Printer:
         }
         self.function_name = _identifier(kernel.name, set(tm.helper_names()) | taken)
         for part in kernel.parts:
-            printer = _Printer(part, choose_blocks(part, self.interpret), self.interpret)
+            blocks = choose_blocks(part, self.interpret)
+            printer = _Printer(part, blocks, self.interpret, sizes=self.sizes)
             printer.pointers = {id(b): self.pointers[id(b)] for b in kernel_arguments(part)}
             printer.function_name = _identifier(f"{self.function_name}_{part.name}", taken)
             self.parts.append(printer)
 
     @property
-    def programs(self) -> int:
+    def programs(self) -> Dim:
         """How many programs the kernel's own positions take."""
-        return -(-self.kernel.xnumel // self.blocks.xblock)
+        return (self.kernel.xnumel + self.blocks.xblock - 1) // self.blocks.xblock
 
     # -- shapes and masks ---------------------------------------------------------------------
 
@@ -327,9 +362,14 @@ class _Printer:
         terms = sorted(index.terms, key=lambda t: order.get(getattr(t[0], "name", ""), 2))
         for atom, coef in terms:
             text = self._atom(atom)
+            if isinstance(coef, Sym):  # (written as it is: its sign is its own)
+                parts.append(f"+ ({coef})*{text}")
+                continue
             term = text if abs(coef) == 1 else f"{abs(coef)}*{text}"
             parts.append(f"{'-' if coef < 0 else '+'} {term}")
-        if index.const or not parts:
+        if isinstance(index.const, Sym):
+            parts.append(f"+ ({index.const})")
+        elif index.const or not parts:
             parts.append(f"{'-' if index.const < 0 else '+'} {abs(index.const)}")
         text = " ".join(parts)
         return text[2:] if text.startswith("+ ") else f"-{text[2:]}"
@@ -342,14 +382,14 @@ class _Printer:
             # under TRITON_DEBUG=1, as eager's CUDA asserts do): an index outside reads
             # element 0 instead of memory it does not own. The C++ kernels raise IndexError.
             name = self.name(atom.value)
-            return f"tl.where(({name} >= 0) & ({name} < {atom.size}), {name}, 0)"
+            return f"tl.where(({name} >= 0) & ({name} < ({atom.size})), {name}, 0)"
         if isinstance(atom, Indirect):
             return self.name(atom.value)
         assert isinstance(atom, (FloorDiv, Mod))
         symbol = "//" if isinstance(atom, FloorDiv) else "%"
         inner = self.index(atom.operand)
         inner = inner if re.fullmatch(r"\w+", inner) else f"({inner})"
-        return f"({inner} {symbol} {atom.divisor})"
+        return f"({inner} {symbol} ({atom.divisor}))"
 
     def pointer(self, buffer_id: int, offset: Index, dims: frozenset[str]) -> str:
         """``ptr + offset``, broadcast to ``dims`` when the offset varies along fewer."""
@@ -388,11 +428,16 @@ class _Printer:
         params = [self.pointers[id(b)] for b in kernel_arguments(self.kernel)]
         if self.kernel.seed() is not None:
             params.append("seed_ptr")
-        params += [*extra, *self.constexpr_params()]
+        sizes = [_size_name(s) for s in self.sizes]
+        params += [*sizes, *extra, *self.constexpr_params()]
         # The seed is read through a pointer (a CUDA graph replays with a seed refreshed in
-        # place); not specialized on alignment: a 0-d tensor may sit anywhere.
-        seeded = "seed_ptr" in params
-        jit = '@triton.jit(do_not_specialize=["seed_ptr"])' if seeded else "@triton.jit"
+        # place); not specialized on alignment: a 0-d tensor may sit anywhere. Sizes are not
+        # specialized either (on divisibility by 16): one binary serves every size.
+        unspecialized = (["seed_ptr"] if "seed_ptr" in params else []) + sizes
+        jit = "@triton.jit"
+        if unspecialized:
+            names = ", ".join(f'"{name}"' for name in unspecialized)
+            jit += f"(do_not_specialize=[{names}])"
         return f"{jit}\ndef {name or self.function_name}({', '.join(params)}):\n{body}"
 
     def combined_functions(self) -> list[str]:
@@ -405,9 +450,10 @@ class _Printer:
             printer.program = "pid"
             functions.append(printer.function(printer.body(), name, ("pid",)))
         lines = ["    pid = tl.program_id(0)"]
-        start = 0
+        start: Dim = 0
         for number, (printer, name) in enumerate(zip(printers, names, strict=True)):
             arguments = [printer.pointers[id(b)] for b in kernel_arguments(printer.kernel)]
+            arguments += [_size_name(s) for s in self.sizes]
             arguments.append(f"pid - {start}" if start else "pid")
             if printer is self:
                 arguments += ["XBLOCK"] + (["RBLOCK"] if self.two_d else [])

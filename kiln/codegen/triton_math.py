@@ -325,7 +325,7 @@ def first_index(
     indices: str,
     is_float: bool,
     valid: str | None,
-    missing: int,
+    missing: object,
 ) -> str:
     """The smallest of ``indices`` where ``lanes`` holds ``extreme`` (or a NaN, which torch's
     argmax/argmin count as the extreme), as int64."""
@@ -347,7 +347,7 @@ def accumulate(kind: ReduceKind, acc: str, value: str, is_float: bool) -> str:
 
 
 def better_lane(
-    kind: ReduceKind, value: str, acc: str, index: str, is_float: bool, missing: int
+    kind: ReduceKind, value: str, acc: str, index: str, is_float: bool, missing: object
 ) -> str:
     """Whether a loop step's ``value`` replaces a lane's (value, index) pair in an
     argmax/argmin: strictly better (so each lane keeps its first extreme), the first NaN, or

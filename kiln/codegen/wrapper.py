@@ -24,6 +24,7 @@ The source is readable and dumped to the debug directory with the kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import linecache
@@ -36,10 +37,12 @@ import torch
 from kiln.code_cache import compiled as compiled_code
 from kiln.codegen import temp_pool
 from kiln.ir.op import Op, op_def
+from kiln.ir.specialize import mentions_symbols, sized_node, substitute_deep
+from kiln.ir.symbolic import Dim, is_symbolic, substitute
 from kiln.ops.externs import extern_runner
 from kiln.ops.host_calls import host_call, operand_types
 from kiln.ops.indexing import index_put_in_place
-from kiln.schedule.loops import Buffer, BufferKind, Kernel
+from kiln.schedule.loops import Buffer, BufferKind, Kernel, kernel_symbols
 from kiln.schedule.program import ExternCall, Program, View, kernel_arguments
 
 Launcher = Callable[..., Any]
@@ -59,8 +62,10 @@ class Wrapper:
         launchers: dict[str, Launcher],
         on_layout: LayoutReport | None = None,
         cpu_matmul: str = "auto",
+        sizes: Sequence[tuple[str, tuple[int, int]]] = (),
     ) -> None:
         self.program = program
+        self.sizes = sizes  # symbol -> (input, dim) it is read from, for a program with symbols
         self.on_layout = on_layout
         self.cpu_matmul = cpu_matmul  # the library of float32 CPU matmuls (Options.cpu_matmul)
         self.namespace: dict[str, Any] = {
@@ -92,7 +97,7 @@ class Wrapper:
             return name
         if not view.offset:  # as_strided keeps the base's storage offset: 0.2 us less a view
             return f"as_strided({name}, {view.shape!r}, {view.strides!r})"
-        offset = f"{name}.storage_offset() + {view.offset}"
+        offset = f"{name}.storage_offset() + {view.offset!r}"
         return f"as_strided({name}, {view.shape!r}, {view.strides!r}, {offset})"
 
     def source(self) -> str:
@@ -102,11 +107,15 @@ class Wrapper:
         names = [self.name(b) for b in program.inputs]
         if names:
             self.lines.append(f"    {', '.join(names)}{',' if len(names) == 1 else ''} = inputs")
+        for symbol, (position, dim) in self.sizes:  # (the sizes the steps below are written in)
+            self.lines.append(f"    {symbol} = {names[position]}.shape[{dim}]")
+        if self.sizes and any(_mentions_symbols(call) for call in program.externs()):
+            self.lines.append(f"    sizes = ({''.join(f'{n}, ' for n, _ in self.sizes)})")
         self._seeds()
         pooled = temp_pool.pooled_allocations(program)  # kept from call to call (CPU)
         self.slots = {id(b): number for number, b in enumerate(pooled)}
         if pooled:
-            slots = [temp_pool.Slot(b.shape, b.strides, b.dtype) for b in pooled]
+            slots = [temp_pool.Slot(_ints(b.shape), _ints(b.strides), b.dtype) for b in pooled]
             self.namespace["pool"] = temp_pool.TempPool(slots)
             self.lines.append("    temps = pool.take()")
         # Freed when taken over instead (one taken over in place is read by that kernel: it
@@ -203,14 +212,20 @@ class Wrapper:
         arguments = [self.name(b) for b in kernel_arguments(kernel)]
         if kernel.seed() is not None:
             arguments.append(self.seeds[kernel.name])
+        arguments += [symbol.name for symbol in kernel_symbols(kernel)]  # (bound above)
         self.lines.append(f"    {kernel.name}({', '.join(arguments)})")
 
     def _extern(self, call: ExternCall, position: int) -> None:
         function = f"extern_{position}"
-        self.namespace[function] = extern_function(call, self.on_layout, self.cpu_matmul)
         operands = ", ".join(
             self.view(o) if isinstance(o, View) else repr(o) for o in call.operands
         )
+        if self.sizes and _mentions_symbols(call):
+            symbols = [name for name, _ in self.sizes]
+            self.namespace[function] = sized_extern(call, self.on_layout, self.cpu_matmul, symbols)
+            operands = f"sizes, {operands}"
+        else:
+            self.namespace[function] = extern_function(call, self.on_layout, self.cpu_matmul)
         results = ", ".join(self.name(b) for b in call.outputs)
         comment = f"  # {call.node.op.printed_name}  {call.node.origin}".rstrip()
         self.lines.append(f"    {results}, = {function}({operands}){comment}")
@@ -302,7 +317,54 @@ def extern_function(
     return run_one
 
 
-def _same_layout(tensor: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+def _ints(sizes: tuple[Dim, ...]) -> tuple[int, ...]:
+    """Sizes known to be ints here (a program's symbolic ones are substituted before)."""
+    return tuple(int(n) for n in sizes)
+
+
+def _mentions_symbols(call: ExternCall) -> bool:
+    buffers = [(b.shape, b.strides, b.offset) for b in call.outputs]
+    return mentions_symbols(call.node) or any(is_symbolic(n) for b in buffers for n in flat(b))
+
+
+def flat(items: tuple[Any, ...]) -> list[Any]:
+    return [x for item in items for x in (item if isinstance(item, tuple) else (item,))]
+
+
+def sized_extern(
+    call: ExternCall, on_layout: LayoutReport | None, cpu_matmul: str, symbols: Sequence[str]
+) -> Callable[..., list[torch.Tensor]]:
+    """:func:`extern_function` of an extern whose attributes or result layouts are written in
+    the program's symbols: made per distinct ``sizes`` (their values, in ``symbols`` order),
+    which the host program passes first."""
+    made: dict[tuple[int, ...], Callable[..., list[torch.Tensor]]] = {}
+
+    def run(sizes: tuple[int, ...], *operands: Any) -> list[torch.Tensor]:
+        function = made.get(sizes)
+        if function is None:
+            values = dict(zip(symbols, sizes, strict=True))
+            outputs = tuple(
+                dataclasses.replace(
+                    b,
+                    shape=substitute(b.shape, values),
+                    strides=substitute(b.strides, values),
+                    offset=substitute(b.offset, values),
+                )
+                for b in call.outputs
+            )
+            node = call.node
+            if node.op in (Op.MM, Op.ADDMM):  # (host_call picks their library by the types)
+                node = sized_node(node, values)
+            else:  # (the attributes are all the call reads: cheaper, once per new size)
+                node = dataclasses.replace(node, attrs=substitute_deep(node.attrs, values))
+            sized = dataclasses.replace(call, node=node, outputs=outputs)
+            function = made[sizes] = extern_function(sized, on_layout, cpu_matmul)
+        return function(*operands)
+
+    return run
+
+
+def _same_layout(tensor: torch.Tensor, shape: tuple[Dim, ...], strides: tuple[Dim, ...]) -> bool:
     if tuple(tensor.shape) != shape:
         return False
     actual = tensor.stride()
@@ -310,7 +372,9 @@ def _same_layout(tensor: torch.Tensor, shape: tuple[int, ...], strides: tuple[in
 
 
 def _restride(
-    tensor: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]
+    tensor: torch.Tensor, shape: tuple[Dim, ...], strides: tuple[Dim, ...]
 ) -> torch.Tensor:
-    out = torch.empty_strided(shape, strides, dtype=tensor.dtype, device=tensor.device)
+    out = torch.empty_strided(
+        _ints(shape), _ints(strides), dtype=tensor.dtype, device=tensor.device
+    )
     return out.copy_(tensor)

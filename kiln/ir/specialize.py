@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kiln.ir.graph import Graph, Node, Value
-from kiln.ir.symbolic import Sym, substitute
+from kiln.ir.symbolic import Dim, Sym, Symbol, substitute
 from kiln.ir.types import TensorType
 
 
@@ -46,10 +46,60 @@ def used_symbols(graph: Graph) -> set[str]:
     return {s.name for size in sizes if isinstance(size, Sym) for s in size.symbols()}
 
 
-def specialize(graph: Graph, values: Mapping[str, int]) -> Graph:
+def symbols_of(graph: Graph) -> dict[str, Symbol]:
+    """The symbols ``graph``'s sizes mention, by name (with their ranges)."""
+    sizes = [size for value in graph.inputs for size in value.type.shape]
+    for node in graph.nodes:
+        sizes += [size for out in node.outputs for size in out.type.shape]
+        sizes += sizes_in(node.attrs) + sizes_in(node.inputs)
+    return {s.name: s for size in sizes if isinstance(size, Sym) for s in size.symbols()}
+
+
+def rehint(graph: Graph, values: Mapping[str, int]) -> Graph:
+    """``graph`` with its symbols kept but hinted by ``values`` (the sizes of the call being
+    compiled), so that what later stages decide by hint follows that call's sizes."""
+    hinted: dict[str, Dim] = {
+        name: Sym.symbol(name, values[name], symbol.low, symbol.high)
+        for name, symbol in symbols_of(graph).items()
+        if name in values
+    }
+    result = specialize(graph, hinted)
+    result.symbols = graph.symbols
+    return result
+
+
+def size_places(graph: Graph) -> dict[str, tuple[int, int]]:
+    """Where each symbol of ``graph``'s input types can be read at run time: (input position,
+    dim) of the first input dim that is exactly that symbol."""
+    places: dict[str, tuple[int, int]] = {}
+    for position, value in enumerate(graph.inputs):
+        for dim, size in enumerate(value.type.shape):
+            if isinstance(size, Sym) and len(size.terms) == 1 and size.terms[0][1] == 1:
+                atoms = size.terms[0][0]
+                if len(atoms) == 1 and isinstance(atoms[0], Symbol):
+                    places.setdefault(atoms[0].name, (position, dim))
+    return places
+
+
+def sized_node(node: Node, values: Mapping[str, int]) -> Node:
+    """A copy of ``node`` (its attributes, operand and result types) at the sizes ``values``;
+    the results keep their names."""
+    operands = list(dict.fromkeys(node.input_values()))
+    alone = Graph(inputs=operands, nodes=[node], outputs=list(node.outputs))
+    return specialize(alone, values).nodes[0]
+
+
+def mentions_symbols(node: Node) -> bool:
+    """Whether ``node``'s attributes or the types it reads or makes have symbolic sizes."""
+    types = [v.type for v in (*node.input_values(), *node.outputs)]
+    return bool(sizes_in(node.attrs)) or any(t.is_symbolic for t in types)
+
+
+def specialize(graph: Graph, values: Mapping[str, Dim]) -> Graph:
     """A copy of ``graph`` with every symbol replaced by its value in ``values``."""
     result = Graph(name=graph.name, constants=dict(graph.constants), output_spec=graph.output_spec)
     result.symbols = ()
+    result.user_outputs = graph.user_outputs
     renamed: dict[Value, Value] = {}
 
     def typed(kind: TensorType) -> TensorType:
@@ -77,7 +127,7 @@ def specialize(graph: Graph, values: Mapping[str, int]) -> Graph:
     return result
 
 
-def substitute_deep(value: Any, values: Mapping[str, int]) -> Any:
+def substitute_deep(value: Any, values: Mapping[str, Dim]) -> Any:
     """``value`` with symbols replaced, through tuples, lists and dataclasses."""
     if isinstance(value, Sym):
         return substitute(value, values)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -286,9 +287,15 @@ class Sym:
         return float(specialize(self, "used as a Python float"))
 
     def __str__(self) -> str:
+        printing = _printing()
+        if printing is not None:
+            return self._printed(*printing)
         return str(specialize(self, "printed"))
 
     def __format__(self, spec: str) -> str:
+        printing = _printing()
+        if not spec and printing is not None:
+            return self._printed(*printing)
         return format(specialize(self, "formatted"), spec)
 
     def __round__(self, digits: int | None = None) -> Dim:
@@ -314,11 +321,12 @@ class Sym:
     def __repr__(self) -> str:
         return self.format(repr)
 
-    def format(self, name_of: Callable[[Symbol], str]) -> str:
-        """Python source computing the value (``name_of`` spells each symbol)."""
+    def format(self, name_of: Callable[[Symbol], str], floor: str = "//") -> str:
+        """Python source computing the value (``name_of`` spells each symbol; ``floor`` the
+        floor division of a non-negative numerator: C and C++ write ``/``)."""
         text = ""
         for mono, coef in self.terms:
-            factors = [_format_atom(atom, name_of) for atom in mono]
+            factors = [_format_atom(atom, name_of, floor) for atom in mono]
             magnitude = abs(coef)
             if not factors:
                 term = str(magnitude)
@@ -329,6 +337,12 @@ class Sym:
             else:
                 text += f" - {term}" if coef < 0 else f" + {term}"
         return text or "0"
+
+    def _printed(self, name_of: Callable[[Symbol], str], floor: str) -> str:
+        """:meth:`format`, in parentheses unless it is one symbol (code around it may multiply)."""
+        text = self.format(name_of, floor)
+        alone = len(self.terms) == 1 and self.terms[0][1] == 1 and len(self.terms[0][0]) == 1
+        return text if alone and isinstance(self.terms[0][0][0], Symbol) else f"({text})"
 
     def evaluate(self, values: Mapping[str, int]) -> int:
         total = 0
@@ -398,11 +412,12 @@ def _terms(value: Dim) -> tuple[tuple[Monomial, int], ...]:
     return value.terms if isinstance(value, Sym) else (((), value),)
 
 
-def _format_atom(atom: Atom, name_of: Callable[[Symbol], str]) -> str:
+def _format_atom(atom: Atom, name_of: Callable[[Symbol], str], floor: str = "//") -> str:
     if isinstance(atom, Symbol):
         return name_of(atom)
-    op = "%" if atom.modulo else "//"
-    return f"(({atom.numerator.format(name_of)}) {op} ({atom.denominator.format(name_of)}))"
+    op = "%" if atom.modulo else floor
+    numerator, denominator = (e.format(name_of, floor) for e in (atom.numerator, atom.denominator))
+    return f"(({numerator}) {op} ({denominator}))"
 
 
 def _evaluate_atom(atom: Atom, values: Mapping[str, int]) -> int:
@@ -605,6 +620,25 @@ class Relation:
 _FLIPPED = {"==": "==", "!=": "!=", "<": ">", ">=": "<="}
 
 
+def pinned(values: Mapping[str, int]) -> tuple[Relation, ...]:
+    """The relations that hold for exactly these values of the symbols."""
+    relations = []
+    for name, value in values.items():
+        difference = Sym.symbol(name, value) - value
+        assert isinstance(difference, Sym)
+        relations.append(Relation(difference, "=="))
+    return tuple(relations)
+
+
+def relations_check(relations: tuple[Relation, ...]) -> Callable[[Mapping[str, int]], bool]:
+    """One function testing every relation on a binding of the symbols (Python source, so that a
+    program reused for each new size, a token's length in text generation, checks fast)."""
+    if not relations:
+        return lambda values: True
+    texts = [f"({r.text(lambda symbol: f'v[{symbol.name!r}]')})" for r in relations]
+    return eval(f"lambda v: {' and '.join(texts)}")  # (our own relations' text)
+
+
 @dataclass
 class ShapeEnv:
     """The symbols of one capture, where each was read, and the guards decided on them."""
@@ -652,20 +686,48 @@ class ShapeEnv:
         return {name: sym.hint for name, sym in self.symbols.items()}
 
 
-_ACTIVE: list[ShapeEnv] = []
+class _State(threading.local):
+    """Per thread (compiles may run on several): the environments recording guards, and how
+    code being generated spells a symbol (:func:`printing_sizes`)."""
+
+    def __init__(self) -> None:
+        self.active: list[ShapeEnv] = []
+        self.printing: list[tuple[Callable[[Symbol], str], str] | None] = []
+
+
+_STATE = _State()
+
+
+def _printing() -> tuple[Callable[[Symbol], str], str] | None:
+    printing = _STATE.printing
+    return printing[-1] if printing else None
+
+
+@contextlib.contextmanager
+def printing_sizes(name_of: Callable[[Symbol], str] | None, floor: str = "//") -> Iterator[None]:
+    """Inside, ``str(size)`` and ``f"{size}"`` print a symbolic size as source text computing
+    it (``name_of`` spells each symbol: a kernel's argument; ``floor`` is the language's floor
+    division of non-negative ints) instead of specializing it: code generators print sizes
+    that way, so one kernel serves every size. ``name_of`` None: specialize."""
+    _STATE.printing.append((name_of, floor) if name_of is not None else None)
+    try:
+        yield
+    finally:
+        _STATE.printing.pop()
 
 
 def current_env() -> ShapeEnv | None:
-    return _ACTIVE[-1] if _ACTIVE else None
+    active = _STATE.active
+    return active[-1] if active else None
 
 
 @contextlib.contextmanager
 def active_env(env: ShapeEnv) -> Iterator[ShapeEnv]:
-    _ACTIVE.append(env)
+    _STATE.active.append(env)
     try:
         yield env
     finally:
-        _ACTIVE.pop()
+        _STATE.active.pop()
 
 
 def is_symbolic(value: Any) -> bool:

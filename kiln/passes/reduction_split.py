@@ -59,6 +59,8 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 def _operand_shape(node: Node) -> tuple[int, ...] | None:
     if node.op not in SPLIT_OPS or not isinstance(node.inputs[0], Value):
         return None
+    if node.inputs[0].type.is_symbolic:
+        return None  # (chunks of a symbolic size: not split, so that one graph serves all)
     return concrete_shape(node.inputs[0].type.shape)
 
 

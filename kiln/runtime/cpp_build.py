@@ -262,16 +262,18 @@ def load_kernels(
 ) -> dict[str, Launcher]:
     """Build ``library`` (from :func:`~kiln.codegen.cpp.cpp_library`) and give each entry's
     callable: ``launch(*tensors[, seed])`` with CPU tensors in kernel-argument order. Argument
-    types are set once, so a call costs a few microseconds."""
+    types are set once, so a call costs a few microseconds. A kernel in symbolic sizes takes
+    their values last, as ints."""
     symbols = [entry.name for entry in library.entries]
     built = build(library.source, library.name, cache_dir, symbols)
     launchers: dict[str, Launcher] = {}
     for entry in library.entries:
         function = getattr(built, entry.name)
         count, has_seed = entry.argument_count, entry.has_seed
-        function.argtypes = [ctypes.c_void_p] * count + ([ctypes.c_int64] if has_seed else [])
+        integers = int(has_seed) + entry.sizes  # (the seed, then symbolic sizes' values)
+        function.argtypes = [ctypes.c_void_p] * count + [ctypes.c_int64] * integers
         function.restype = None
-        launch = _launcher(function, entry.name, count, has_seed)
+        launch = _launcher(function, entry.name, count, integers)
         if entry.checks_indices:
             status = (ctypes.c_int64 * 3).in_dll(built, "kiln_index_error")
             launch = _index_checked(launch, status)
@@ -279,15 +281,15 @@ def load_kernels(
     return launchers
 
 
-def _launcher(function: Callable[..., None], name: str, count: int, has_seed: bool) -> Launcher:
-    expected = count + int(has_seed)
+def _launcher(function: Callable[..., None], name: str, count: int, integers: int) -> Launcher:
+    expected = count + integers
 
     def launch(*arguments: torch.Tensor | int) -> None:
         if len(arguments) != expected:
             raise TypeError(f"kernel {name} takes {expected} arguments, got {len(arguments)}")
         pointers = [tensor.data_ptr() for tensor in arguments[:count]]  # type: ignore[union-attr]
-        if has_seed:
-            function(*pointers, arguments[count])
+        if integers:
+            function(*pointers, *arguments[count:])
         else:
             function(*pointers)
 

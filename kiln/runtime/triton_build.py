@@ -43,13 +43,14 @@ from kiln.recording import record
 from kiln.runtime import triton_index
 from kiln.runtime.kernel_files import KernelFiles
 from kiln.runtime.triton_interpret import LOCK, interpret_mode
-from kiln.runtime.triton_launch import OPTIONS, TritonLauncher, _version
+from kiln.runtime.triton_launch import OPTIONS, SizedLauncher, TritonLauncher, _version
 
 MIN_VERSION = (3, 6)
 MIN_CAPABILITY = (7, 0)
 SERIAL_COMPILES = 2  # programs with at most this many kernels compile in-process
 WORKER_TIMEOUT_S = 900
 SEED_EXAMPLE = torch.int64  # the seed's pointer (its alignment is not specialized on)
+SIZE_EXAMPLE = 2  # a symbolic size's value: int32, as every size below 2**31 is
 
 _log = logger("kernels")
 _modules: dict[str, ModuleType] = {}
@@ -153,6 +154,8 @@ def build_triton(source: TritonSource) -> TritonLauncher:
     function = getattr(module, source.name, None)
     if function is None:
         raise BackendError(f"{path} does not define the Triton kernel {source.name}")
+    if source.sizes:
+        return SizedLauncher(source, path, function)  # type: ignore[return-value]
     return TritonLauncher(source, path, function)
 
 
@@ -232,6 +235,7 @@ def _job(source: TritonSource, device_index: int) -> Job:
         "name": source.name,
         "dtypes": [str(d).removeprefix("torch.") for d in source.argument_dtypes],
         "has_seed": source.has_seed,
+        "sizes": len(source.sizes),
         "constexprs": source.constexprs,
         "num_warps": source.num_warps,
         "device": device_index,
@@ -456,6 +460,7 @@ def _warm_on_device(job: Job) -> str:
     arguments: list[Any] = [getattr(torch, d) for d in job["dtypes"]]
     if job["has_seed"]:
         arguments.append(SEED_EXAMPLE)
+    arguments += [SIZE_EXAMPLE] * job.get("sizes", 0)  # (sizes are not specialized on)
     options = {**OPTIONS, "num_warps": job["num_warps"], **job["constexprs"]}
     compiled = function.warmup(*arguments, grid=(1,), **options)
     # Loading the binary also builds Triton's C launcher for this signature (a gcc run of

@@ -44,6 +44,55 @@ OPTIONS = {"enable_fp_fusion": True}
 _log = logger("kernels")
 
 
+class SizedLauncher:
+    """Launches a kernel written in symbolic sizes (``TritonSource.sizes``):
+    ``launch(*tensors, [seed], *sizes)``, the sizes' values last. The binary is one for every
+    size (sizes are not specialized); each distinct set of values gets a
+    :class:`TritonLauncher` with its grid and its own fast paths."""
+
+    seed_as_tensor = True
+
+    def __init__(self, source: TritonSource, path: Path, function: Any) -> None:
+        self.source, self.path, self.function = source, path, function
+        self.count = len(source.sizes)
+        text = source.grid_text or str(source.grid[0])
+        self.grid_code = compile(text, f"<grid of {source.kernel_name}>", "eval")
+        self.by_sizes: dict[tuple[int, ...], TritonLauncher] = {}
+        self.model: TritonLauncher | None = None  # one whose C launch call was recorded
+        self.__name__ = source.kernel_name
+
+    def __call__(self, *arguments: Any) -> None:
+        sizes = arguments[-self.count :]
+        launcher = self.by_sizes.get(sizes)
+        if launcher is None:
+            launcher = self.by_sizes[sizes] = self._launcher(sizes)
+        launcher(*arguments[: -self.count])
+        if self.model is None and launcher.replay is not None:
+            self.model = launcher
+
+    def _launcher(self, sizes: tuple[int, ...]) -> TritonLauncher:
+        """The launcher of new sizes: their grid, and, once some size's launch has been
+        recorded, that record's C call with the new grid (sizes below 2**31 run the same
+        binary, and the call's other arguments do not depend on the grid), so that text
+        generation, a new length every token, never takes Triton's slow path."""
+        programs = eval(self.grid_code, {}, dict(zip(self.source.sizes, sizes, strict=True)))
+        grid = (int(programs), 1, 1)
+        launcher = TritonLauncher(self.source, self.path, self.function, sizes, grid)
+        model = self.model
+        if model is None or model.replay is None or model.compiled is None:
+            return launcher
+        if not grid[0] or not all(-(2**31) <= size < 2**31 for size in sizes):
+            return launcher
+        recorded = model.replay
+        replay = Replay(recorded.c_function, grid, recorded.fixed, recorded.packed)
+        replay.bind(recorded.hooks, recorded.stream, recorded.device)
+        launcher.launched = True
+        launcher.aligned = _direct_runner(model.compiled, grid)  # (under launch hooks)
+        launcher.aligned_device = model.aligned_device
+        launcher.replay = replay
+        return launcher
+
+
 def _version(text: str) -> tuple[int, int]:
     parts = [*text.split("+")[0].split("."), "0", "0"][:2]
     return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
@@ -56,15 +105,25 @@ class TritonLauncher:
 
     seed_as_tensor = True  # what the host program passes (kiln/codegen/wrapper.py)
 
-    def __init__(self, source: TritonSource, path: Path, function: Any) -> None:
+    def __init__(
+        self,
+        source: TritonSource,
+        path: Path,
+        function: Any,
+        sizes: tuple[int, ...] = (),
+        grid: tuple[int, int, int] | None = None,
+    ) -> None:
         self.source = source
         self.path = path
         self.function = function
         self.specialized = len(source.arguments)  # the pointers Triton specializes on
         self.count = self.specialized + int(source.has_seed)  # the seed's tensor last
-        self.grid = source.grid
+        self.grid = grid or source.grid
         self.constexprs = source.constexprs
-        self.constexpr_values = tuple(source.constexprs.values())
+        # (a kernel in symbolic sizes: their values, passed after the tensors, as the
+        # constexprs are: see SizedLauncher)
+        self.sizes = sizes
+        self.constexpr_values = (*sizes, *source.constexprs.values())
         self.launched = False
         self.fast: dict[tuple[Any, ...], Any] = {}  # specialization -> compiled kernel runner
         self.fast_ok = not source.interpret and _fast_launch_supported()
@@ -77,6 +136,7 @@ class TritonLauncher:
         # a compiler bug must cost speed, never the program.
         self.fallback: Callable[..., None] | None = None
         self.failed: str | None = None  # why the fallback runs instead
+        self.compiled: Any = None  # the all-aligned specialization's binary, once launched
         self.__name__ = source.kernel_name
 
     def __call__(self, *arguments: Any, seed: Any = None) -> None:
@@ -149,6 +209,7 @@ class TritonLauncher:
                 self.fast[key] = runner
                 if aligned:
                     self.aligned, self.aligned_device = runner, key[1]
+                    self.compiled = compiled
             except Exception:  # keep the slow path
                 self.fast_ok = False
 
@@ -171,9 +232,9 @@ class TritonLauncher:
         if not self.source.interpret:
             kwargs.update(OPTIONS, num_warps=self.source.num_warps)
         if self.launched:
-            return self.function[self.grid](*arguments, **kwargs)
+            return self.function[self.grid](*arguments, *self.sizes, **kwargs)
         try:
-            result = self.function[self.grid](*arguments, **kwargs)
+            result = self.function[self.grid](*arguments, *self.sizes, **kwargs)
         except Exception as error:
             what = "run in the interpreter" if self.source.interpret else "compile or launch"
             raise BackendError(

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.op import Op, Tag, op_def
+from kiln.ir.symbolic import Dim
 from kiln.schedule import index as ix
 from kiln.schedule.layouts import channels_last_strides, memory_order, strides_in_order
 from kiln.schedule.lowering import in_kernels, shape_of
 from kiln.schedule.program import View
 from kiln.schedule.views import VIEW_OPS, is_dense, view_of
 
-Strides = tuple[int, ...]
+Strides = tuple[Dim, ...]
 CONTIGUOUS_EXTERNS = frozenset({Op.MM, Op.BMM, Op.ADDMM, Op.BADDBMM})
 
 

@@ -43,8 +43,9 @@ def evaluate_kernel(
     arguments = kernel_arguments(kernel)
     storage = {id(b): t for b, t in zip(arguments, tensors, strict=True)}
     device = tensors[0].device if tensors else torch.device("cpu")
-    x = torch.arange(kernel.xnumel, device=device).reshape(-1, 1)
-    r = torch.arange(kernel.rnumel, device=device).reshape(1, -1)
+    # (a kernel in symbolic sizes never runs here: kiln/backends/kernels.py refuses it)
+    x = torch.arange(int(kernel.xnumel), device=device).reshape(-1, 1)
+    r = torch.arange(int(kernel.rnumel), device=device).reshape(1, -1)
     env: dict[int, torch.Tensor] = {}
     positions = {X: x, R: r}
     for expr in walk([s.value for s in kernel.stores]):
@@ -77,15 +78,15 @@ def _index(
         elif isinstance(atom, Indirect):
             term = env[id(atom.value)]
             if atom.checked:
-                check_indices(term, atom.size, atom.wrapped)
+                check_indices(term, int(atom.size), atom.wrapped)
         elif isinstance(atom, FloorDiv):
             term = torch.div(
-                _index(atom.operand, env, positions), atom.divisor, rounding_mode="floor"
+                _index(atom.operand, env, positions), int(atom.divisor), rounding_mode="floor"
             )
         else:
             assert isinstance(atom, Mod)
-            term = torch.remainder(_index(atom.operand, env, positions), atom.divisor)
-        total = total + term * coef
+            term = torch.remainder(_index(atom.operand, env, positions), int(atom.divisor))
+        total = total + term * int(coef)
     if not isinstance(total, torch.Tensor):
         total = torch.tensor(total)
     return total.to(torch.int64)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.ir.graph import Node, Value
+from kiln.ir.symbolic import Dim
 from kiln.schedule import index as ix
 from kiln.schedule.index import Index
 from kiln.schedule.loops import Buffer, Kernel, R, Store, X
@@ -27,7 +28,7 @@ class Group:
     """A kernel being formed: the values it computes, over ``numel`` elements or ``rows``."""
 
     position: int
-    numel: int
+    numel: Dim
     device: torch.device
     rows: RowSpace | None = None
     members: list[Value] = field(default_factory=list)
@@ -35,11 +36,11 @@ class Group:
     touched: set[Value] = field(default_factory=set)
     # A pointwise kernel walks ``shape`` in memory order of its first stored value: dims in
     # ``order``, outermost first, so stores (and loads of like-laid-out inputs) are contiguous.
-    shape: tuple[int, ...] = ()
+    shape: tuple[Dim, ...] = ()
     order: tuple[int, ...] = ()
 
     @property
-    def elements(self) -> int:
+    def elements(self) -> Dim:
         """How many elements the group's loops visit."""
         return self.numel * (self.rows.rnumel if self.rows else 1)
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kiln.ir.symbolic import Dim, Sym
 
 
 @dataclass(frozen=True)
@@ -29,19 +31,19 @@ class Var:
     """A loop variable ranging over ``0 <= name < size``."""
 
     name: str
-    size: int
+    size: Dim
 
 
 @dataclass(frozen=True)
 class FloorDiv:
     operand: Index
-    divisor: int
+    divisor: Dim
 
 
 @dataclass(frozen=True)
 class Mod:
     operand: Index
-    divisor: int
+    divisor: Dim
 
 
 _SERIALS = itertools.count()  # creation order of Indirect atoms
@@ -55,7 +57,7 @@ class Indirect:
     the generated code then tests the bound, as eager does, instead of reading outside."""
 
     value: Any  # kiln.schedule.loops.Expr (not imported: loops imports this module)
-    size: int
+    size: Dim
     checked: bool = False
     wrapped: bool = False  # (negatives had ``size`` added: one still below 0 was below -size)
     # Orders indirect terms by creation, never by address: the same program must print the
@@ -72,48 +74,55 @@ def _atom_key(atom: Atom, order: bool = False) -> tuple[Any, ...]:
     if isinstance(atom, Var):
         return (0, atom.name)
     if isinstance(atom, FloorDiv):
-        return (1, atom.divisor, _index_key(atom.operand, order))
+        return (1, size_key(atom.divisor), _index_key(atom.operand, order))
     if isinstance(atom, Mod):
-        return (2, atom.divisor, _index_key(atom.operand, order))
+        return (2, size_key(atom.divisor), _index_key(atom.operand, order))
     return (3, atom.serial) if order else (3, id(atom.value))
 
 
+def size_key(size: Dim) -> tuple[int, Any]:
+    """A key that compares and orders sizes by their form, never by a guarded question: an
+    int by value, a symbolic size by its text."""
+    return (0, size) if isinstance(size, int) else (1, repr(size))
+
+
 def _index_key(index: Index, order: bool = False) -> tuple[Any, ...]:
-    return (index.const, tuple((_atom_key(a, order), c) for a, c in index.terms))
+    terms = tuple((_atom_key(a, order), size_key(c)) for a, c in index.terms)
+    return (size_key(index.const), terms)
 
 
 @dataclass(frozen=True)
 class Index:
     """``const + sum(coef * atom)``; terms are sorted and have non-zero coefficients."""
 
-    terms: tuple[tuple[Atom, int], ...] = ()
-    const: int = 0
+    terms: tuple[tuple[Atom, Dim], ...] = ()
+    const: Dim = 0
 
     @property
     def is_constant(self) -> bool:
         return not self.terms
 
-    def __add__(self, other: Index | int) -> Index:
+    def __add__(self, other: Index | Dim) -> Index:
         other = as_index(other)
         return _make(_merge(self.terms, other.terms), self.const + other.const)
 
-    def __radd__(self, other: int) -> Index:
+    def __radd__(self, other: Dim) -> Index:
         return self + other
 
-    def __sub__(self, other: Index | int) -> Index:
+    def __sub__(self, other: Index | Dim) -> Index:
         return self + as_index(other) * -1
 
-    def __mul__(self, factor: int) -> Index:
+    def __mul__(self, factor: Dim) -> Index:
         if factor == 0:
             return Index()
         return Index(tuple((a, c * factor) for a, c in self.terms), self.const * factor)
 
     __rmul__ = __mul__
 
-    def __floordiv__(self, divisor: int) -> Index:
+    def __floordiv__(self, divisor: Dim) -> Index:
         return floordiv(self, divisor)
 
-    def __mod__(self, divisor: int) -> Index:
+    def __mod__(self, divisor: Dim) -> Index:
         return mod(self, divisor)
 
     def variables(self) -> set[str]:
@@ -138,23 +147,25 @@ class Index:
         return format_index(self, lambda atom: repr(atom))
 
 
-def as_index(value: Index | int) -> Index:
-    return value if isinstance(value, Index) else Index((), int(value))
+def as_index(value: Index | Dim) -> Index:
+    if isinstance(value, Index):
+        return value
+    return Index((), value if isinstance(value, Sym) else int(value))
 
 
-def var(name: str, size: int) -> Index:
+def var(name: str, size: Dim) -> Index:
     if size <= 1:
         return Index()
     return Index(((Var(name, size), 1),))
 
 
-def indirect(value: Any, size: int, checked: bool = False, wrapped: bool = False) -> Index:
+def indirect(value: Any, size: Dim, checked: bool = False, wrapped: bool = False) -> Index:
     return Index(((Indirect(value, size, checked, wrapped), 1),))
 
 
 def _merge(
-    left: tuple[tuple[Atom, int], ...], right: tuple[tuple[Atom, int], ...]
-) -> list[tuple[Atom, int]]:
+    left: tuple[tuple[Atom, Dim], ...], right: tuple[tuple[Atom, Dim], ...]
+) -> list[tuple[Atom, Dim]]:
     coefficients: dict[Any, list[Any]] = {}
     for atom, coef in (*left, *right):
         key = _atom_key(atom)
@@ -165,16 +176,16 @@ def _merge(
     return [(atom, coef) for atom, coef in coefficients.values() if coef != 0]
 
 
-def _make(terms: list[tuple[Atom, int]], const: int) -> Index:
+def _make(terms: list[tuple[Atom, Dim]], const: Dim) -> Index:
     terms, extra = _recombine(terms)
     terms.sort(key=lambda term: _atom_key(term[0], order=True))
     return Index(tuple(terms), const + extra)
 
 
-def _recombine(terms: list[tuple[Atom, int]]) -> tuple[list[tuple[Atom, int]], int]:
+def _recombine(terms: list[tuple[Atom, Dim]]) -> tuple[list[tuple[Atom, Dim]], Dim]:
     """Rewrite ``c*k*(e // k) + c*(e % k)`` as ``c*e`` until no pair is left; returns the
     terms and the constant the rewrites add."""
-    extra = 0
+    extra: Dim = 0
     changed = True
     while changed:
         changed = False
@@ -198,7 +209,7 @@ def _recombine(terms: list[tuple[Atom, int]]) -> tuple[list[tuple[Atom, int]], i
     return terms, extra
 
 
-def bounds(index: Index) -> tuple[int, int]:
+def bounds(index: Index) -> tuple[Dim, Dim]:
     """Inclusive ``(low, high)`` of ``index`` over all loop-variable values."""
     low = high = index.const
     for atom, coef in index.terms:
@@ -210,7 +221,7 @@ def bounds(index: Index) -> tuple[int, int]:
     return low, high
 
 
-def _atom_bounds(atom: Atom) -> tuple[int, int]:
+def _atom_bounds(atom: Atom) -> tuple[Dim, Dim]:
     if isinstance(atom, (Var, Indirect)):
         return 0, max(atom.size - 1, 0)
     low, high = bounds(atom.operand)
@@ -221,7 +232,7 @@ def _atom_bounds(atom: Atom) -> tuple[int, int]:
     return 0, atom.divisor - 1
 
 
-def floordiv(index: Index, divisor: int) -> Index:
+def floordiv(index: Index, divisor: Dim) -> Index:
     if divisor <= 0:
         raise ValueError(f"floor division by {divisor}")
     if divisor == 1:
@@ -249,7 +260,7 @@ def floordiv(index: Index, divisor: int) -> Index:
     return Index(((FloorDiv(index, divisor), 1),))
 
 
-def mod(index: Index, divisor: int) -> Index:
+def mod(index: Index, divisor: Dim) -> Index:
     if divisor <= 0:
         raise ValueError(f"modulo by {divisor}")
     if divisor == 1:
@@ -267,12 +278,12 @@ def mod(index: Index, divisor: int) -> Index:
     return Index(((Mod(kept, divisor), 1),))
 
 
-def _factor(index: Index, divisor: int) -> tuple[Index, Index, int] | None:
+def _factor(index: Index, divisor: Dim) -> tuple[Index, Index, int] | None:
     """``(major, minor, g)`` with ``index == g * major + minor``, ``g > 1`` dividing
     ``divisor`` and ``0 <= minor < g``: then ``index // divisor == major // (divisor // g)``
     and ``index % divisor == g * (major % (divisor // g)) + minor``. A channels-last row of
     64 read as ``(64*r + x) // 1024`` with ``x < 64`` is ``r // 16``."""
-    candidates = sorted({math.gcd(divisor, abs(c)) for _, c in index.terms}, reverse=True)
+    candidates = sorted({_gcd(divisor, c) for _, c in index.terms}, reverse=True)
     for factor in candidates:
         if factor <= 1:
             break
@@ -285,14 +296,33 @@ def _factor(index: Index, divisor: int) -> tuple[Index, Index, int] | None:
     return None
 
 
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
+def _gcd(a: Dim, b: Dim) -> int:
+    """A common divisor of two sizes: their greatest for ints; for a symbolic size, what its
+    integer coefficients share (``64*s0 + 64`` and ``128``: 64)."""
+    return math.gcd(*(_content(n) for n in (a, b)))
+
+
+def _content(size: Dim) -> int:
+    if isinstance(size, Sym):
+        return math.gcd(*(abs(coef) for _, coef in size.terms))
+    return abs(size)
+
+
+def product(sizes: Iterable[Dim]) -> Dim:
+    total: Dim = 1
+    for size in sizes:
+        total = total * size
+    return total
+
+
+def contiguous_strides(shape: Sequence[Dim]) -> tuple[Dim, ...]:
+    strides: list[Dim] = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * max(shape[i + 1], 1)
     return tuple(strides)
 
 
-def decompose(flat: Index, shape: Sequence[int]) -> tuple[Index, ...]:
+def decompose(flat: Index, shape: Sequence[Dim]) -> tuple[Index, ...]:
     """The multi-index of row-major position ``flat`` in ``shape``."""
     if 0 in shape:  # no positions: the loops never run
         return tuple(Index() for _ in shape)
@@ -303,7 +333,7 @@ def decompose(flat: Index, shape: Sequence[int]) -> tuple[Index, ...]:
     )
 
 
-def linear(indices: Sequence[Index], strides: Sequence[int], offset: int = 0) -> Index:
+def linear(indices: Sequence[Index], strides: Sequence[Dim], offset: Dim = 0) -> Index:
     """``offset + sum(index_i * stride_i)``."""
     total = as_index(offset)
     for index, stride in zip(indices, strides, strict=True):
@@ -314,12 +344,13 @@ def linear(indices: Sequence[Index], strides: Sequence[int], offset: int = 0) ->
 INT32_LIMIT = 2**31 - 1
 
 
-def magnitude(index: Index) -> int:
+def magnitude(index: Index) -> Dim:
     """An upper bound of ``|value|`` of ``index``, of every partial sum while it is evaluated
     term by term, and of the operands of its floor-divisions and modulos. Atoms count at
     their exclusive bounds (a loop variable of extent ``n`` as ``n``): index math whose
     magnitude is at most ``INT32_LIMIT`` can run in int32, one-past-the-end included."""
-    total, worst = abs(index.const), 0
+    total: Dim = abs(index.const)
+    worst: Dim = 0
     for atom, coef in index.terms:
         if isinstance(atom, (Var, Indirect)):
             size = atom.size
@@ -331,6 +362,19 @@ def magnitude(index: Index) -> int:
     return max(total, worst)
 
 
+def index_sizes(index: Index) -> list[Dim]:
+    """Every size ``index`` is written in: its constant, coefficients, loop extents and
+    divisors (a symbolic one names symbols the generated code must be given)."""
+    sizes: list[Dim] = [index.const]
+    for atom, coef in index.terms:
+        sizes.append(coef)
+        if isinstance(atom, (Var, Indirect)):
+            sizes.append(atom.size)
+        else:
+            sizes += [atom.divisor, *index_sizes(atom.operand)]
+    return sizes
+
+
 def format_index(index: Index, name_of: Any) -> str:
     """Source text of ``index``; ``name_of(atom)`` prints variables and indirect atoms."""
     parts: list[str] = []
@@ -339,10 +383,16 @@ def format_index(index: Index, name_of: Any) -> str:
             inner = format_index(atom.operand, name_of)
             if len(atom.operand.terms) + bool(atom.operand.const) > 1 or "*" in inner:
                 inner = f"({inner})"
-            text = f"({inner} {'//' if isinstance(atom, FloorDiv) else '%'} {atom.divisor})"
+            divisor = f"({atom.divisor})" if isinstance(atom.divisor, Sym) else atom.divisor
+            text = f"({inner} {'//' if isinstance(atom, FloorDiv) else '%'} {divisor})"
         else:
             text = name_of(atom)
-        parts.append(text if coef == 1 else f"{coef}*{text}" if coef > 0 else f"({coef})*{text}")
+        if isinstance(coef, Sym):  # (its text may be a sum)
+            parts.append(f"({coef})*{text}")
+        elif coef == 1:
+            parts.append(text)
+        else:
+            parts.append(f"{coef}*{text}" if coef > 0 else f"({coef})*{text}")
     if index.const or not parts:
         parts.append(str(index.const))
     return " + ".join(parts)

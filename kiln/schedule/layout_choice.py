@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from kiln.ir.graph import Node, Origin, Value
 from kiln.ir.op import Op
+from kiln.ir.symbolic import Dim
 from kiln.ops.attrs import ConvertAttrs
 from kiln.ops.externs import convolution_backward
 from kiln.schedule import index as ix
@@ -30,7 +31,7 @@ class LayoutChoice:
         self.users = users
         self.layouts = layouts
 
-    def strides_for(self, value: Value) -> tuple[int, ...]:
+    def strides_for(self, value: Value) -> tuple[Dim, ...]:
         """The layout of a value a kernel stores: channels-last when it feeds a convolution on
         the GPU (cuDNN's fast path), the dim order of an input it is computed from (as eager's
         elementwise ops, pooling and cropping keep ``channels_last``), else contiguous."""
@@ -43,7 +44,7 @@ class LayoutChoice:
             return source
         return channels_last_strides(shape) if self._feeds_channels_last(value) else contiguous
 
-    def source_strides(self, value: Value) -> tuple[int, ...] | None:
+    def source_strides(self, value: Value) -> tuple[Dim, ...] | None:
         """Dense strides in the dim order of a value in memory that ``value`` is computed
         from (see :meth:`_source_layout`), or None when there is none."""
         shape = shape_of(value)
@@ -71,7 +72,7 @@ class LayoutChoice:
         return False
 
     def _source_layout(
-        self, value: Value, shape: tuple[int, ...], resized: bool = False
+        self, value: Value, shape: tuple[Dim, ...], resized: bool = False
     ) -> View | None:
         """The layout of the first same-shaped value in memory that ``value``'s inlined
         elementwise work reads (depth-first, operands in order). ``resized``: the first value of
@@ -137,7 +138,7 @@ class LayoutChoice:
 _ORDERED_VIEWS = frozenset({Op.SLICE, Op.RESHAPE, Op.UNSQUEEZE, Op.SQUEEZE})
 
 
-def _alike(shape: tuple[int, ...], target: tuple[int, ...], resized: bool) -> bool:
+def _alike(shape: tuple[Dim, ...], target: tuple[Dim, ...], resized: bool) -> bool:
     if not resized:
         return shape == target
     return len(shape) == len(target) and all(

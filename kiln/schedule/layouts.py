@@ -18,6 +18,9 @@ import torch
 
 from kiln.ir.graph import Node, Value
 from kiln.ir.op import Op, op_def
+from kiln.ir.specialize import sized_node, sizes_in
+from kiln.ir.symbolic import Dim, Sym, hint, substitute
+from kiln.ir.types import concrete_shape
 from kiln.ops.attention import (
     sdpa_backward,
     sdpa_cpu_backward,
@@ -41,30 +44,90 @@ CONTIGUOUS_RESULTS = frozenset({Op.MM, Op.BMM, Op.ADDMM, Op.BADDBMM, Op.CONVOLUT
 SAME_AS_CONTIGUOUS_BASE = frozenset({Op.INDEX_PUT, Op.SCATTER, Op.SCATTER_ADD})
 
 
-def memory_order(strides: Sequence[int]) -> tuple[int, ...]:
+def memory_order(strides: Sequence[Dim]) -> tuple[int, ...]:
     """Dims from the largest stride to the smallest (ties keep the logical order)."""
     return tuple(sorted(range(len(strides)), key=lambda d: -strides[d]))
 
 
-def strides_in_order(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+def strides_in_order(shape: Sequence[Dim], order: Sequence[int]) -> tuple[Dim, ...]:
     """Dense strides of ``shape`` with dims laid out in ``order`` (outermost first)."""
-    strides = [0] * len(shape)
-    running = 1
+    strides: list[Dim] = [0] * len(shape)
+    running: Dim = 1
     for dim in reversed(order):
         strides[dim] = running
         running *= max(shape[dim], 1)
     return tuple(strides)
 
 
-def channels_last_strides(shape: Sequence[int]) -> tuple[int, ...]:
+def input_pattern(tensor: torch.Tensor) -> object:
+    """What a program for symbolic sizes assumes of an input's layout: the order of its dims
+    when it is dense in that order (any sizes then have the same strides in terms of them),
+    else its strides themselves."""
+    order = memory_order(tensor.stride())
+    expected = strides_in_order(tuple(tensor.shape), order)
+    dense = all(
+        n <= 1 or s == e for n, s, e in zip(tensor.shape, tensor.stride(), expected, strict=True)
+    )
+    return ("dense", order) if dense else tensor.stride()
+
+
+def input_layout(
+    shape: Sequence[Dim], tensor: torch.Tensor
+) -> tuple[tuple[Dim, ...], tuple[Dim, ...]]:
+    """An input's shape and strides as the scheduler sees them: the tensor's own when its type
+    is static; for a type with symbolic dims, the dense strides of its dim order in terms of
+    the symbols when it is dense (:func:`input_pattern`), else its own, specialized."""
+    if not any(isinstance(dim, Sym) for dim in shape):
+        return tuple(tensor.shape), tuple(tensor.stride())
+    pattern = input_pattern(tensor)
+    if isinstance(pattern, tuple) and pattern and pattern[0] == "dense":
+        return tuple(shape), strides_in_order(shape, pattern[1])
+    return concrete_shape(tuple(shape)), tuple(tensor.stride())
+
+
+def observed_strides(node: Node, seen: list[tuple[Dim, ...]]) -> list[tuple[Dim, ...]]:
+    """Strides PyTorch gave ``node``'s results at run time, for the sizes of its types: a
+    result dense in some dim order has that order's strides at any size; any other keeps
+    the strides seen (its sizes then specialize)."""
+    result: list[tuple[Dim, ...]] = []
+    for value, strides in zip(node.outputs, seen, strict=True):
+        shape = value.type.shape
+        order = memory_order(strides)
+        if all(isinstance(n, int) for n in shape):
+            result.append(strides)
+        elif strides_in_order(tuple(hint(n) for n in shape), order) == tuple(strides):
+            result.append(strides_in_order(shape, order))
+        else:
+            concrete_shape(shape)
+            result.append(strides)
+    return result
+
+
+def channels_last_strides(shape: Sequence[Dim]) -> tuple[Dim, ...]:
     return strides_in_order(shape, (0, 2, 3, 1))
 
 
-def extern_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
+def extern_strides(node: Node, operands: list[object]) -> list[tuple[Dim, ...]]:
     """Output strides of an extern call with ``operands`` laid out as given: a CUDA probe,
     a rule, or a meta run, in that order (module docstring); contiguous when all fail. The
     wrapper checks them at run time, and a mismatch is learned for the next compilation
-    (``observed``)."""
+    (``observed``). With symbolic sizes, found at the sizes being compiled and written in the
+    symbols by the results' dim order (:func:`observed_strides`)."""
+    types = [v.type for v in (*node.input_values(), *node.outputs)]
+    sizes = [*sizes_in(node.attrs), *sizes_in(operands), *(n for t in types for n in t.shape)]
+    values = {s.name: s.hint for size in sizes if isinstance(size, Sym) for s in size.symbols()}
+    if not values:
+        return _extern_strides(node, operands)
+    sized = [
+        View(o.buffer, *(substitute(x, values) for x in (o.shape, o.strides, o.offset)))
+        if isinstance(o, View)
+        else substitute(o, values)
+        for o in operands
+    ]
+    return observed_strides(node, _extern_strides(sized_node(node, values), sized))
+
+
+def _extern_strides(node: Node, operands: list[object]) -> list[tuple[Dim, ...]]:
     convolution = _convolution_rule(node, operands)
     on_gpu = all(o.buffer.device.type == "cuda" for o in operands if isinstance(o, View))
     if convolution is not None and (not on_gpu or torch.backends.cudnn.enabled):
@@ -106,7 +169,7 @@ def _is_contiguous(operand: object) -> bool:
     return isinstance(operand, View) and operand.strides == ix.contiguous_strides(operand.shape)
 
 
-def _cpu_flash_rule(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
+def _cpu_flash_rule(node: Node, operands: list[object]) -> list[tuple[Dim, ...]] | None:
     """PyTorch's CPU flash kernel (training graphs call it directly, see
     ``passes.attention_statistics``) returns its output in the query's dim order (dense:
     torchvision's attention passes [L, B, H, E] ones, whose rebuild at the second call cost
@@ -129,7 +192,7 @@ def _cpu_flash_rule(node: Node, operands: list[object]) -> list[tuple[int, ...]]
 
 def _cpu_convolution_backward_rule(
     node: Node, operands: list[object]
-) -> list[tuple[int, ...]] | None:
+) -> list[tuple[Dim, ...]] | None:
     """oneDNN's (and meta's) convolution backward: the input and weight gradients are
     channels-last when the input or the weight is, else contiguous; a bias gradient is a
     vector. Known here, the meta run (whose first call imports sympy, 0.4 s) is saved."""
@@ -151,7 +214,7 @@ def _cpu_convolution_backward_rule(
     ]
 
 
-def _convolution_rule(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
+def _convolution_rule(node: Node, operands: list[object]) -> list[tuple[Dim, ...]] | None:
     """Meta convolutions answer contiguous; cuDNN and oneDNN answer channels-last when the
     input or the weight is channels-last (PyTorch's ``suggest_memory_format``; a tensor that
     is both, such as one of a single channel, counts as contiguous). Channels-last strides
@@ -177,10 +240,10 @@ def _is_probed(node: Node) -> bool:
     )
 
 
-_PROBED: dict[tuple[object, ...], list[tuple[int, ...]] | None] = {}
+_PROBED: dict[tuple[object, ...], list[tuple[Dim, ...]] | None] = {}
 
 
-def probe_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]] | None:
+def probe_strides(node: Node, operands: list[object]) -> list[tuple[Dim, ...]] | None:
     """Output strides of an extern, from running it once on uninitialized tensors laid out
     like the operands (attention here has no dropout: nothing draws random numbers). Which
     kernel PyTorch picks (flash, cuDNN, memory-efficient or math attention; cuDNN's
@@ -219,10 +282,11 @@ def _empty_like_view(view: View, device: torch.device | str | None = None) -> to
     """An uninitialized tensor laid out like ``view`` (on its buffer's device by default)."""
     buffer = view.buffer
     where = buffer.device if device is None else device
-    return torch.empty_strided(view.shape, view.strides, dtype=buffer.dtype, device=where)
+    shape, strides = [int(n) for n in view.shape], [int(n) for n in view.strides]
+    return torch.empty_strided(shape, strides, dtype=buffer.dtype, device=where)
 
 
-def _meta_strides(node: Node, operands: list[object]) -> list[tuple[int, ...]]:
+def _meta_strides(node: Node, operands: list[object]) -> list[tuple[Dim, ...]]:
     metas = [_empty_like_view(o, "meta") if isinstance(o, View) else o for o in operands]
     try:
         with torch.no_grad():

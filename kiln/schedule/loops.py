@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from kiln.ir.op import Op
-from kiln.schedule.index import Index, format_index, magnitude
+from kiln.ir.symbolic import Dim, Sym, Symbol, printing_sizes
+from kiln.schedule.index import Index, format_index, index_sizes, magnitude
 
 X = "x"  # the name of the row (or element) loop variable
 R = "r"  # the name of the reduction loop variable
@@ -55,16 +56,16 @@ class Buffer:
     results) the strides observed when the program was built."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[Dim, ...]
     dtype: torch.dtype
     device: torch.device
     kind: BufferKind
-    strides: tuple[int, ...] = ()
-    offset: int = 0
+    strides: tuple[Dim, ...] = ()
+    offset: Dim = 0
 
     @property
-    def numel(self) -> int:
-        total = 1
+    def numel(self) -> Dim:
+        total: Dim = 1
         for size in self.shape:
             total *= size
         return total
@@ -150,8 +151,8 @@ class Kernel:
     kernel's arguments too, after its own."""
 
     name: str
-    xnumel: int
-    rnumel: int
+    xnumel: Dim
+    rnumel: Dim
     stores: list[Store]
     fused: list[str] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -246,13 +247,28 @@ def index_of(expr: Expr) -> list[Index]:
     return []
 
 
-def index_magnitudes(kernel: Kernel) -> list[int]:
+def index_magnitudes(kernel: Kernel) -> list[Dim]:
     """The :func:`~kiln.schedule.index.magnitude` of every index ``kernel`` evaluates (loads,
     random offsets, index values, store offsets): a code generator uses 64-bit index math
     when one, or its own loop extents, passes ``INT32_LIMIT``."""
     roots = [store.value for store in kernel.stores]
     found = [magnitude(index) for expr in walk(roots) for index in index_of(expr)]
     return found + [magnitude(store.offset) for store in kernel.stores]
+
+
+def kernel_symbols(kernel: Kernel) -> tuple[Symbol, ...]:
+    """The size symbols ``kernel`` (with its parts) is written in, by name: its extents, and
+    the sizes, coefficients and divisors of its indices. Generated code takes their values as
+    arguments, after the pointers and the seed."""
+    sizes: list[Any] = []
+    for part in (kernel, *kernel.parts):
+        sizes += [part.xnumel, part.rnumel]
+        indices = [store.offset for store in part.stores]
+        indices += [i for e in walk([s.value for s in part.stores]) for i in index_of(e)]
+        for index in indices:
+            sizes += index_sizes(index)
+    found = {s.name: s for size in sizes if isinstance(size, Sym) for s in size.symbols()}
+    return tuple(found[name] for name in sorted(found, key=lambda n: (len(n), n)))
 
 
 def checks_indices(kernel: Kernel) -> bool:
@@ -295,6 +311,11 @@ def format_kernel(kernel: Kernel, buffer_name: Callable[[Buffer], str] | None = 
     with equal signatures compile to the same code."""
     signature = buffer_name is not None
     buffer_text = buffer_name or (lambda buffer: buffer.name)
+    with printing_sizes(repr):  # (symbolic sizes as written, never specialized)
+        return _format_kernel(kernel, signature, buffer_text)
+
+
+def _format_kernel(kernel: Kernel, signature: bool, buffer_text: Callable[[Buffer], str]) -> str:
     names: dict[int, str] = {}
 
     def name(expr: Expr) -> str:
@@ -320,7 +341,8 @@ def format_kernel(kernel: Kernel, buffer_name: Callable[[Buffer], str] | None = 
         lines.append(f"  store({target}, {idx(store.offset)}, {name(store.value)})")
     for part in kernel.parts:
         lines.append("  and, in the same launch:")
-        lines += ["  " + line for line in format_kernel(part, buffer_name).splitlines()]
+        listing = _format_kernel(part, signature, buffer_text)
+        lines += ["  " + line for line in listing.splitlines()]
     return "\n".join(lines)
 
 

@@ -23,7 +23,8 @@ import torch
 
 from kiln.ir.graph import InputKind, Node, Value
 from kiln.ir.op import Op, Tag, op_def
-from kiln.ir.types import concrete, concrete_shape
+from kiln.ir.symbolic import Dim, Sym
+from kiln.ir.types import concrete
 from kiln.ops import attrs as A
 from kiln.schedule import index as ix
 from kiln.schedule.index import Index
@@ -63,8 +64,10 @@ def reduced_dims(node: Node) -> tuple[int, ...]:
     return (attrs.dim,) if node.op in (Op.ARGMAX, Op.ARGMIN) else tuple(attrs.dims)
 
 
-def shape_of(value: Value) -> tuple[int, ...]:
-    return concrete_shape(value.type.shape)  # (kiln/pipeline.py:PerSize specializes symbols first)
+def shape_of(value: Value) -> tuple[Dim, ...]:
+    """``value``'s shape; symbolic dims stay symbolic (what the kernels decide on them is
+    guarded: ``kiln/backends/kiln.py``)."""
+    return tuple(value.type.shape)
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class RowSpace:
     """The iteration space of a reduction kernel: ``shape`` is the reduced operand's shape,
     ``dims`` the reduced dims; rows (``x``) run over the kept dims, ``r`` over the reduced."""
 
-    shape: tuple[int, ...]
+    shape: tuple[Dim, ...]
     dims: tuple[int, ...]
 
     @property
@@ -80,11 +83,11 @@ class RowSpace:
         return tuple(d for d in range(len(self.shape)) if d not in self.dims)
 
     @property
-    def xnumel(self) -> int:
+    def xnumel(self) -> Dim:
         return _product(self.shape[d] for d in self.kept)
 
     @property
-    def rnumel(self) -> int:
+    def rnumel(self) -> Dim:
         return _product(self.shape[d] for d in self.dims)
 
     def row_index(self, x: Index) -> MultiIndex:
@@ -101,7 +104,7 @@ class RowSpace:
         return tuple(full)
 
 
-def _product(sizes: Any) -> int:
+def _product(sizes: Any) -> Dim:
     total = 1
     for size in sizes:
         total *= size
@@ -144,6 +147,8 @@ class Lowering:
         return self._interned.setdefault(key, expr)
 
     def const(self, value: Any, dtype: torch.dtype) -> Expr:
+        if isinstance(value, Sym) and dtype == torch.int64:  # (a size: the kernel is given it)
+            return self.intern(IndexValue(dtype, Index((), value)))
         if dtype == torch.bool:
             value = bool(value)
         elif not dtype.is_floating_point:
@@ -160,7 +165,7 @@ class Lowering:
             return self.const(index.const, torch.int64)
         return self.intern(IndexValue(torch.int64, index))
 
-    def in_range(self, index: Index, low: int, high: int) -> Expr | None:
+    def in_range(self, index: Index, low: Dim, high: Dim) -> Expr | None:
         """A bool expression ``low <= index < high``; None when always true."""
         lo, hi = ix.bounds(index)
         checks: list[Expr] = []
@@ -362,7 +367,7 @@ def _flip(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> Ex
 
 
 def _shifted_load(
-    lowering: Lowering, source: Value, index: MultiIndex, dim: int, low: int, mask: Expr | None
+    lowering: Lowering, source: Value, index: MultiIndex, dim: int, low: Dim, mask: Expr | None
 ) -> Expr:
     """``source`` at ``index`` with ``index[dim] - low`` (out-of-range positions masked)."""
     shifted = list(index)
@@ -442,7 +447,7 @@ def _cat(lowering: Lowering, node: Node, value: Value, index: MultiIndex) -> Exp
     return result if result is not None else lowering.const(0, value.type.dtype)
 
 
-def _wrapped(lowering: Lowering, raw: Expr, size: int, negative: bool = True) -> Index:
+def _wrapped(lowering: Lowering, raw: Expr, size: Dim, negative: bool = True) -> Index:
     """An index tensor's value as an :class:`Indirect` index, negatives wrapped (if
     ``negative``), checked against ``size`` where it is read (an index outside raises
     IndexError, as in eager)."""

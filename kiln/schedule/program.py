@@ -8,8 +8,10 @@ step each buffer dies, so peak memory stays at or below eager's.
 
 Kernel calling convention (both code generators): a kernel's arguments are the data pointers
 of :func:`kernel_arguments` in that order, then, when the kernel draws random numbers, the
-int64 seed (a scalar in C++, a pointer to it in Triton); shapes, strides and offsets are
-compile-time constants baked into the kernel's index expressions.
+int64 seed (a scalar in C++, a pointer to it in Triton), then the values of the symbolic
+sizes the kernel is written in (:func:`~kiln.schedule.loops.kernel_symbols`, in that order;
+the host program computes them from its inputs). Other shapes, strides and offsets are
+compile-time constants of the kernel's index expressions.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.ir.graph import Node
+from kiln.ir.symbolic import Dim
 from kiln.ir.types import Scalar
 from kiln.schedule.loops import Buffer, Kernel
 
@@ -27,9 +30,9 @@ class View:
     itself (no view needed)."""
 
     buffer: Buffer
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    offset: int
+    shape: tuple[Dim, ...]
+    strides: tuple[Dim, ...]
+    offset: Dim
 
     @property
     def is_whole(self) -> bool:

@@ -33,6 +33,7 @@ import torch
 
 from kiln.ir.graph import Graph, Node, Origin, Value
 from kiln.ir.op import Op
+from kiln.ir.symbolic import Dim
 from kiln.schedule import index as ix
 from kiln.schedule.buffers import drop_dead_stores, plan_buffers
 from kiln.schedule.combine import combine_kernels
@@ -43,7 +44,9 @@ from kiln.schedule.layout_choice import LayoutChoice, channels_last_copy, copied
 from kiln.schedule.layouts import (
     channels_last_strides,
     extern_strides,
+    input_layout,
     memory_order,
+    observed_strides,
     strides_in_order,
 )
 from kiln.schedule.loops import Buffer, BufferKind
@@ -77,10 +80,10 @@ class Scheduler:
         self,
         graph: Graph,
         inputs: Sequence[torch.Tensor],
-        observed: dict[int, list[tuple[int, ...]]] | None = None,
+        observed: dict[str, list[tuple[Dim, ...]]] | None = None,
     ):
         self.graph = graph
-        self.observed = observed or {}  # id(node) -> extern output strides seen at run time
+        self.observed = observed or {}  # node's first output name -> extern strides seen
         self._node_order = {id(node): i for i, node in enumerate(graph.nodes)}
         self.users = graph.users()
         self.outputs = [*graph.outputs, *(new for _, new in graph.mutations)]
@@ -91,13 +94,9 @@ class Scheduler:
         self.inputs: list[Buffer] = []
         self._copies: dict[Value, Value] = {}  # graph input -> its channels-last copy
         for value, tensor in zip(graph.inputs, inputs, strict=True):
+            shape, strides = input_layout(value.type.shape, tensor)
             buffer = Buffer(
-                value.name,
-                tuple(tensor.shape),
-                tensor.dtype,
-                tensor.device,
-                BufferKind.INPUT,
-                tuple(tensor.stride()),
+                value.name, shape, tensor.dtype, tensor.device, BufferKind.INPUT, strides
             )
             self.inputs.append(buffer)
             self.layouts[value] = View(buffer, buffer.shape, buffer.strides, 0)
@@ -188,7 +187,8 @@ class Scheduler:
             else:
                 operands.append(operand)
         position = len(self.steps)
-        strides = self.observed.get(id(node)) or extern_strides(node, operands)
+        seen = self.observed.get(node.outputs[0].name)
+        strides = observed_strides(node, seen) if seen else extern_strides(node, operands)
         in_place = self._writes_input_in_place(node)
         if in_place:
             strides = [self.layouts[node.inputs[0]].strides]  # type: ignore[index]
@@ -274,10 +274,10 @@ class Scheduler:
             self.steps.remove(group)
         self._start_kernel(value, self.layout.strides_for(value))
 
-    def _start_kernel(self, value: Value, strides: tuple[int, ...]) -> None:
+    def _start_kernel(self, value: Value, strides: tuple[Dim, ...]) -> None:
         """Store ``value`` from a new pointwise kernel, which walks it in the memory order of
         ``strides``."""
-        group = self._new_group(math.prod(shape_of(value)), value.type.device, None)
+        group = self._new_group(ix.product(shape_of(value)), value.type.device, None)
         group.shape = shape_of(value)
         group.order = memory_order(strides)
         self._join(group, value, require=True)
@@ -300,7 +300,7 @@ class Scheduler:
                     frontier.append(output)
         return None
 
-    def _new_group(self, numel: int, device: torch.device, rows: RowSpace | None) -> Group:
+    def _new_group(self, numel: Dim, device: torch.device, rows: RowSpace | None) -> Group:
         group = Group(len(self.steps), numel, device, rows)
         self.steps.append(group)
         return group
@@ -392,12 +392,12 @@ class Scheduler:
 def schedule(
     graph: Graph,
     inputs: Sequence[torch.Tensor],
-    observed: dict[int, list[tuple[int, ...]]] | None = None,
+    observed: dict[str, list[tuple[Dim, ...]]] | None = None,
 ) -> Program:
     """The program computing ``graph`` for inputs laid out like ``inputs``. Kernels run on
     one device each (a mixed-device graph gets kernels per device, transfers are externs).
-    ``observed``: extern output strides seen at run time (by node id), where PyTorch chose
-    another layout than the meta run predicted."""
+    ``observed``: extern output strides seen at run time (by the name of the node's first
+    output), where PyTorch chose another layout than the meta run predicted."""
     scheduler = Scheduler(graph, inputs, observed)
     scheduler.run()
     return scheduler.program()

@@ -14,7 +14,7 @@ import torch
 
 from kiln.ir.graph import Node
 from kiln.ir.op import Op
-from kiln.ir.types import concrete_shape
+from kiln.ir.symbolic import Dim, Sym
 from kiln.schedule.program import View
 
 VIEW_OPS = frozenset(
@@ -27,18 +27,18 @@ def view_of(view: View, node: Node) -> View | None:
     the op would have to move data."""
     op, attrs = node.op, node.attrs
     shape, strides = list(view.shape), list(view.strides)
-    out_shape = concrete_shape(node.output.type.shape)
+    out_shape: tuple[Dim, ...] = tuple(node.output.type.shape)
     if op is Op.PERMUTE:
         return View(view.buffer, out_shape, tuple(strides[d] for d in attrs.dims), view.offset)
     if op is Op.BROADCAST:
-        new = [0] * len(out_shape)
+        new: list[Dim] = [0] * len(out_shape)
         for i, out_dim in enumerate(attrs.dims):
             new[out_dim] = strides[i] if shape[i] == out_shape[out_dim] else 0
         return View(view.buffer, out_shape, tuple(new), view.offset)
     if op is Op.EXPAND:
         pairs = zip(shape, out_shape, strides, strict=True)
-        new = [st if size == out_size else 0 for size, out_size, st in pairs]
-        return View(view.buffer, out_shape, tuple(new), view.offset)
+        expanded: list[Dim] = [st if size == out_size else 0 for size, out_size, st in pairs]
+        return View(view.buffer, out_shape, tuple(expanded), view.offset)
     if op is Op.SLICE:
         offset = view.offset + attrs.start * strides[attrs.dim]
         strides[attrs.dim] *= attrs.step
@@ -57,28 +57,32 @@ def view_of(view: View, node: Node) -> View | None:
 
 
 def reshape_strides(
-    shape: tuple[int, ...], strides: tuple[int, ...], new_shape: tuple[int, ...]
-) -> tuple[int, ...] | None:
+    shape: tuple[Dim, ...], strides: tuple[Dim, ...], new_shape: tuple[Dim, ...]
+) -> tuple[Dim, ...] | None:
     """Strides of ``new_shape`` viewing the same elements, or None when a copy is needed."""
     if shape == new_shape:
         return strides
-    numel = 1
+    numel: Dim = 1
     for size in shape:
         numel *= size
     if numel == 0 or _is_contiguous(shape, strides):
-        result = [1] * len(new_shape)
+        result: list[Dim] = [1] * len(new_shape)
         for i in range(len(new_shape) - 2, -1, -1):
             result[i] = result[i + 1] * max(new_shape[i + 1], 1)
         return tuple(result)
+    if any(isinstance(n, Sym) for n in (*shape, *strides, *new_shape)):
+        return None  # (PyTorch's view rule needs sizes: a kernel copies instead)
     try:
-        meta = torch.empty_strided(shape, strides, device="meta")
-        return tuple(meta.view(new_shape).stride())
+        meta = torch.empty_strided(
+            [int(n) for n in shape], [int(n) for n in strides], device="meta"
+        )
+        return tuple(meta.view([int(n) for n in new_shape]).stride())
     except RuntimeError:
         return None
 
 
-def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    expected = 1
+def _is_contiguous(shape: tuple[Dim, ...], strides: tuple[Dim, ...]) -> bool:
+    expected: Dim = 1
     for size, stride in zip(reversed(shape), reversed(strides), strict=True):
         if size != 1 and stride != expected:
             return False
@@ -91,7 +95,7 @@ def is_dense(view: View) -> bool:
     pairs = sorted(
         (st, size) for size, st in zip(view.shape, view.strides, strict=True) if size != 1
     )
-    expected = 1
+    expected: Dim = 1
     for stride, size in pairs:
         if stride != expected:
             return False

@@ -205,9 +205,9 @@ def test_save_and_load_in_process(tmp_path: Path) -> None:
         names = archive.namelist()
     assert names[:3] == ["kiln-export", "graph.json", "weights.safetensors"]
     assert any(name.startswith("kernels/cpp/") and name.endswith(".so") for name in names)
-    loaded.save(tmp_path / "again.kiln")  # what it loaded, and the kernels of size 7
+    loaded.save(tmp_path / "again.kiln")  # what it loaded: size 7 needed no new kernels
     with zipfile.ZipFile(tmp_path / "again.kiln") as archive:
-        assert set(names) < set(archive.namelist())
+        assert set(names) == set(archive.namelist())  # (the kernels take their sizes)
 
 
 def test_closed_over_tensors_are_weights(tmp_path: Path) -> None:
@@ -322,11 +322,11 @@ def test_load_in_a_process_without_the_model_source(saved: Path, machine: str) -
     report = json.loads(
         _python(saved / "load_it.py", "net.kiln", "data.pt", machine, cache=cache).splitlines()[-1]
     )
-    assert report["entries"] >= 2  # a C++ library per size (4 and 5)
+    assert report["entries"] >= 1  # (sizes 4 and 5 share their kernels: they take sizes)
     if machine == "same-cpu":
         assert report["built"] == 0  # every kernel library came from the file
     else:
-        assert report["built"] == report["entries"]  # rebuilt from the sources
+        assert 1 <= report["built"] <= report["entries"]  # rebuilt from the sources, once each
 
 
 @pytest.fixture
