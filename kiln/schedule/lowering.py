@@ -147,8 +147,9 @@ class Lowering:
         return self._interned.setdefault(key, expr)
 
     def const(self, value: Any, dtype: torch.dtype) -> Expr:
-        if isinstance(value, Sym) and dtype == torch.int64:  # (a size: the kernel is given it)
-            return self.intern(IndexValue(dtype, Index((), value)))
+        if isinstance(value, Sym):  # (a size: the kernel is given it; as an int64, converted)
+            size = self.intern(IndexValue(torch.int64, Index((), value)))
+            return size if dtype == torch.int64 else self.apply(Op.CONVERT, (size,), dtype)
         if dtype == torch.bool:
             value = bool(value)
         elif not dtype.is_floating_point:

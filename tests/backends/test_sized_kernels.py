@@ -197,3 +197,24 @@ def test_explain_says_which_sizes_a_program_serves() -> None:
     compiled = kiln.compile(lambda x: x.relu(), dynamic=True, options=TRITON)
     text = str(kiln.explain(compiled, _randn(5, 3)))
     assert "compiled for any sizes" in text, text
+
+
+def test_sizes_served_often_get_their_own_programs(monkeypatch: Any) -> None:
+    """A size a program in symbolic sizes serves ``HOT_CALLS`` times is compiled on its own
+    (constant sizes run faster), for at most ``HOT_SIZES`` sizes: a training loop's batch
+    after its last smaller one, not every length of text generation."""
+    import kiln.backends.kiln as backend
+
+    monkeypatch.setattr(backend, "HOT_CALLS", 3)
+    monkeypatch.setattr(backend, "HOT_SIZES", 2)
+    torch.manual_seed(0)
+    kiln.reset()
+    compiled = kiln.compile(lambda x: x.softmax(-1), dynamic=True, options=TRITON)
+    with recording(CompiledProgramRecord) as records:
+        for n in [5, 6, 7]:
+            for _ in range(5):
+                x = _randn(n, 10)
+                torch.testing.assert_close(compiled(x), x.softmax(-1))
+    notes = [r.sizes.split(" (")[0] for r in records]
+    assert notes[0].startswith("any sizes"), notes
+    assert notes[1:] == ["sizes s0=5, s1=10 only", "sizes s0=6, s1=10 only"], notes
