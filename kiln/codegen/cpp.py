@@ -52,7 +52,7 @@ from kiln.codegen.cpp_segments import Segment
 from kiln.codegen.cpp_split import XL, LaneSplit, PointwiseSplit
 from kiln.codegen.sources import CppEntry, CppSource
 from kiln.ir.op import Op
-from kiln.ir.symbolic import Symbol, printing_sizes
+from kiln.ir.symbolic import Sym, Symbol, printing_sizes
 from kiln.schedule.index import INT32_LIMIT, FloorDiv, Index, Indirect, Mod, Var
 from kiln.schedule.loops import (
     Apply,
@@ -187,6 +187,8 @@ class _KernelPrinter:
         self.row_segments: list[Segment | None] = [None]  # rows' constant masks
         self.linkage = 'extern "C"'  # a part's own function is static
         self.sizes = kernel_symbols(kernel)  # (int64 parameters after the pointers and seed)
+        self.divisors: dict[str, int] = {}  # symbolic divisor's text -> its kiln_divisor number
+        self.prologue: list[str] = []  # lines before the body (the divisors' multipliers)
 
     # -- names and the signature ----------------------------------------------------------
 
@@ -243,7 +245,8 @@ class _KernelPrinter:
                 arguments.append("seed")
             arguments += [size_parameter(s) for s in printer.sizes]
             body.add(f"{part.name}({', '.join(arguments)});")
-        head = [*self.header(), self.signature() + " {", *body.lines, "}", ""]
+        prologue = [f"  {line}" for line in self.prologue]
+        head = [*self.header(), self.signature() + " {", *prologue, *body.lines, "}", ""]
         return "\n".join([*functions, *head])
 
     # -- expressions ----------------------------------------------------------------------
@@ -262,6 +265,13 @@ class _KernelPrinter:
                 text = f"({self.index_type}){checked}"
             elif isinstance(atom, Indirect):
                 text = f"({self.index_type}){self.name(atom.value)}"
+            elif isinstance(atom.divisor, Sym) and self.index_type == "int32_t":
+                operand = f"({self.index_text(atom.operand)})"
+                divisor, value = self.runtime_divisor(atom.divisor)
+                quotient = f"kiln_div({operand}, {divisor})"
+                text = (
+                    quotient if isinstance(atom, FloorDiv) else f"({operand} - {quotient}*{value})"
+                )
             else:
                 operator = "/" if isinstance(atom, FloorDiv) else "%"
                 assert isinstance(atom, (FloorDiv, Mod))
@@ -270,6 +280,18 @@ class _KernelPrinter:
         if index.const or not parts:
             parts.append(str(index.const))
         return " + ".join(parts).replace("+ -", "- ")
+
+    def runtime_divisor(self, size: Sym) -> tuple[str, str]:
+        """Names of a symbolic divisor's precomputed multiplier and of its value (kiln_div),
+        defined once at the top of the function."""
+        text = str(size)
+        if text not in self.divisors:
+            number = len(self.divisors)
+            self.divisors[text] = number
+            self.prologue.append(f"const kiln_divisor dv{number} = kiln_divisor_of({text});")
+            self.prologue.append(f"const int32_t dn{number} = (int32_t)({text});")
+        number = self.divisors[text]
+        return f"dv{number}", f"dn{number}"
 
     def render(self, expr: Expr) -> str:
         """The C++ text of ``expr``, its operands already named."""
