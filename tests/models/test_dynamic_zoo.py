@@ -19,6 +19,8 @@ import torch
 from zoo_models import ZOO, output_tensors
 
 import kiln
+from kiln.backends.kiln import CompiledProgramRecord
+from kiln.recording import recording
 
 pytest.importorskip("transformers")
 
@@ -157,7 +159,7 @@ def test_generate_captures_at_most_three_graphs(cache: str) -> None:
     if cache == "static":
         options.update(cache_implementation="static", disable_compile=True)
     kiln.reset()
-    with torch.no_grad():
+    with torch.no_grad(), recording(CompiledProgramRecord) as programs:
         want = model.generate(ids, **options)
         model.forward = kiln.compile(model.forward)
         got = model.generate(ids, **options)
@@ -165,3 +167,5 @@ def test_generate_captures_at_most_three_graphs(cache: str) -> None:
     assert torch.equal(got, want) and torch.equal(again, want)
     assert kiln.counters.captures <= (3 if cache == "dynamic" else 2), kiln.counters.recompiles
     assert kiln.counters.fallbacks == []
+    # one program serves every longer cache (its kernels take the length): not one per token
+    assert len(programs) <= 4, [p.sizes for p in programs]
