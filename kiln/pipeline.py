@@ -42,7 +42,15 @@ from kiln.backends import CompiledGraph, compile_split, lookup_backend
 from kiln.config import logger
 from kiln.ir.graph import Graph
 from kiln.ir.specialize import rehint, size_places, specialize, symbols_of, used_symbols
-from kiln.ir.symbolic import ShapeEnv, Sym, active_env, current_env, pinned, relations_check
+from kiln.ir.symbolic import (
+    ShapeEnv,
+    Sym,
+    active_env,
+    bounded,
+    current_env,
+    pinned,
+    relations_check,
+)
 from kiln.ir.verify import verify
 from kiln.options import Options
 from kiln.passes import optimize
@@ -198,7 +206,7 @@ class PerSize:
             with self._lock:
                 compiled = self.compiled.get(sizes)
                 if compiled is None:
-                    compiled = self.compiled[sizes] = self._entry(sizes)
+                    compiled = bounded(self.compiled)[sizes] = self._entry(sizes)
         return compiled(inputs)
 
     def _entry(self, sizes: tuple[int, ...]) -> Any:

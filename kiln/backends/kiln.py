@@ -36,6 +36,7 @@ from kiln.ir.symbolic import (
     Relation,
     ShapeEnv,
     active_env,
+    bounded,
     current_env,
     pinned,
     printing_sizes,
@@ -149,7 +150,8 @@ class KilnProgram:
         runner = self.variants.get(key)
         if runner is None:
             with preserved_random_state(), gc_paused():
-                runner = self.variants[key] = self._variant(inputs)
+                variants = bounded(self.variants) if self.places else self.variants
+                runner = variants[key] = self._variant(inputs)
             if self.places and self.hot < HOT_SIZES and self._sized(runner):
                 self.counting[key] = 0
         elif key in self.counting:

@@ -38,7 +38,7 @@ from kiln.code_cache import compiled as compiled_code
 from kiln.codegen import temp_pool
 from kiln.ir.op import Op, op_def
 from kiln.ir.specialize import mentions_symbols, sized_node, substitute_deep
-from kiln.ir.symbolic import Dim, is_symbolic, substitute
+from kiln.ir.symbolic import Dim, bounded, is_symbolic, substitute
 from kiln.ops.externs import extern_runner
 from kiln.ops.host_calls import host_call, operand_types
 from kiln.ops.indexing import index_put_in_place
@@ -358,7 +358,7 @@ def sized_extern(
             else:  # (the attributes are all the call reads: cheaper, once per new size)
                 node = dataclasses.replace(node, attrs=substitute_deep(node.attrs, values))
             sized = dataclasses.replace(call, node=node, outputs=outputs)
-            function = made[sizes] = extern_function(sized, on_layout, cpu_matmul)
+            function = bounded(made)[sizes] = extern_function(sized, on_layout, cpu_matmul)
         return function(*operands)
 
     return run

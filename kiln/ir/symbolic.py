@@ -581,6 +581,18 @@ def specialize(value: Sym, why: str) -> int:
     return value.hint
 
 
+# Entries a memo keyed by sizes (a program's, a launcher's, an extern's: one per distinct
+# binding) keeps before it starts over, so a server meeting every length stays bounded.
+SIZE_MEMO = 1024
+
+
+def bounded(memo: dict[Any, Any]) -> dict[Any, Any]:
+    """``memo``, emptied when it holds ``SIZE_MEMO`` entries (what it held is recomputed)."""
+    if len(memo) >= SIZE_MEMO:
+        memo.clear()
+    return memo
+
+
 # --- the environment of one capture -------------------------------------------------------
 @dataclass(frozen=True)
 class Relation:

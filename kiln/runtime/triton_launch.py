@@ -32,6 +32,7 @@ import torch
 
 from kiln.config import logger
 from kiln.errors import BackendError
+from kiln.ir.symbolic import bounded
 from kiln.runtime.triton_interpret import interpret_mode
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class SizedLauncher:
         sizes = arguments[-self.count :]
         launcher = self.by_sizes.get(sizes)
         if launcher is None:
-            launcher = self.by_sizes[sizes] = self._launcher(sizes)
+            launcher = bounded(self.by_sizes)[sizes] = self._launcher(sizes)
         launcher(*arguments[: -self.count])
         if self.model is None and launcher.replay is not None:
             self.model = launcher

@@ -218,3 +218,17 @@ def test_sizes_served_often_get_their_own_programs(monkeypatch: Any) -> None:
     notes = [r.sizes.split(" (")[0] for r in records]
     assert notes[0].startswith("any sizes"), notes
     assert notes[1:] == ["sizes s0=5, s1=10 only", "sizes s0=6, s1=10 only"], notes
+
+
+def test_memos_by_size_stay_bounded(monkeypatch: Any) -> None:
+    """Memos keyed by sizes start over past ``SIZE_MEMO`` entries: results stay right and
+    nothing compiles again (the programs are found again by their relations)."""
+    import kiln.ir.symbolic as symbolic
+
+    monkeypatch.setattr(symbolic, "SIZE_MEMO", 2)
+    torch.manual_seed(0)
+    block = Block().to(DEVICE).eval()
+    sizes = [300, 301, 302, 303, 304, 300, 305, 301]
+    with torch.no_grad():
+        records = _run(block, lambda n: (_randn(n, 32),), sizes)
+    assert len(records) == 1 and _sized(records[0]), [r.sizes for r in records]
