@@ -154,7 +154,7 @@ class KilnProgram:
                 runner = variants[key] = self._variant(inputs)
             if self.places and self.hot < HOT_SIZES and self._sized(runner):
                 self.counting[key] = 0
-        elif key in self.counting:
+        elif self.counting and key in self.counting:  # (empty but for symbolic programs)
             self.counting[key] += 1
             if self.counting[key] >= HOT_CALLS:
                 with preserved_random_state(), gc_paused():
