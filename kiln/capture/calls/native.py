@@ -225,11 +225,14 @@ def _container_method(
     if source is None or not existing or not isinstance(owner, dict):
         if existing:
             wrap_contents(session, owner)
+            session.guard_contents(owner)  # (a set's members: its methods read them all)
             fn = getattr(owner, name)
         result = fn(*args, **kwargs)
         if name in ("copy", "keys", "values", "items") and isinstance(result, list | dict):
             session.new(result)
         return result
+    if name != "__getitem__":  # (a missing key raises: its item's guard fails then)
+        session.guard_contents(owner)  # what the method returns depends on the keys
     if name == "get":
         key = args[0]
         if key in owner:

@@ -7,6 +7,7 @@ tensor in an argument list becomes a graph input and a module in a ``ModuleList`
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,22 +42,23 @@ class SymbolicIterator:
 
 
 def module_items(session: Session, module: torch.nn.Module) -> list[Any] | None:
-    """The submodules a container module iterates over, each guarded through ``_modules``."""
+    """The submodules a container module iterates over, each guarded through its table
+    (``_modules``, or ``_parameters`` of a ParameterList), whose keys are guarded too: a
+    module appended after the call compiled must not be skipped."""
     source = session.source_of(module)
     if isinstance(module, torch.nn.ModuleDict | torch.nn.ParameterDict):
+        name = "_modules" if isinstance(module, torch.nn.ModuleDict) else "_keys"
+        if source is not None:
+            session.guard_contents(session.wrap(getattr(module, name), Attr(source, name)))
         return list(module.keys())
-    if isinstance(module, torch.nn.ModuleList | torch.nn.Sequential):
-        values = list(module._modules.items())
+    if isinstance(module, torch.nn.ModuleList | torch.nn.Sequential | torch.nn.ParameterList):
+        name = "_parameters" if isinstance(module, torch.nn.ParameterList) else "_modules"
+        items = list(getattr(module, name).items())
         if source is None:
-            return [value for _, value in values]
-        modules = Attr(source, "_modules")
-        return [session.wrap(value, Item(modules, key)) for key, value in values]
-    if isinstance(module, torch.nn.ParameterList):
-        params = list(module._parameters.items())
-        if source is None:
-            return [value for _, value in params]
-        table = Attr(source, "_parameters")
-        return [session.wrap(value, Item(table, key)) for key, value in params]
+            return [value for _, value in items]
+        table = session.wrap(getattr(module, name), Attr(source, name))
+        session.guard_contents(table)
+        return [session.wrap(value, Item(Attr(source, name), key)) for key, value in items]
     return None
 
 
@@ -68,7 +70,7 @@ def items_of(session: Session, value: Any) -> list[Any] | None:
         value.position = len(value.items)
         return items
     source = session.source_of(value)
-    if isinstance(value, list | tuple):
+    if isinstance(value, list | tuple | collections.deque):
         if source is None or session.is_new(value):
             return list(value)
         session.guard_contents(value)
@@ -76,7 +78,10 @@ def items_of(session: Session, value: Any) -> list[Any] | None:
     if isinstance(value, dict):
         session.guard_contents(value)
         return list(value)
-    if isinstance(value, range | str | bytes | set | frozenset):
+    if isinstance(value, set | frozenset):
+        session.guard_contents(value)
+        return list(value)
+    if isinstance(value, range | str | bytes):
         return list(value)
     if isinstance(value, torch.Tensor):
         return list(value.unbind(0))

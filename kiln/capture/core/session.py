@@ -14,6 +14,7 @@ the graph on every call.
 
 from __future__ import annotations
 
+import collections
 import decimal
 import enum
 import fractions
@@ -241,17 +242,19 @@ class Session:
             self.add_guard(guard)
 
     def guard_contents(self, value: Any) -> None:
-        """The code reads what a list or dict argument holds: guard its length or keys (as
-        they were when the call began, if the code has mutated it since)."""
+        """The code reads what a list, dict or set argument holds: guard its length, keys or
+        members (as they were when the call began, if the code has mutated it since)."""
         source = self.sources.get(id(value))
         if source is None or self.is_new(value):
             return
         effect = self.effects.get(("container", id(value)))
         before = effect.snapshot if effect is not None else value
-        if isinstance(value, list | tuple):
+        if isinstance(value, list | tuple | collections.deque):
             self.add_guard(LengthIs(source, _reason(), len(before)))
         elif isinstance(value, dict):
             self.add_guard(KeysAre(source, _reason(), tuple(before)))
+        elif isinstance(value, set | frozenset):  # (a copy: the set may change after the call)
+            self.add_guard(Equals(source, _reason(), type(value)(before)))
 
     def traced_version(self, obj: Any) -> Any:
         """What the capture uses for a pre-existing object (a tensor's proxy, else itself)."""

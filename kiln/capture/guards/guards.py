@@ -209,6 +209,8 @@ def _hashable(value: Any) -> Any:
         return (slice, _hashable(value.start), _hashable(value.stop), _hashable(value.step))
     if type(value) is tuple:
         return tuple(_hashable(item) for item in value)
+    if isinstance(value, set):
+        return frozenset(value)
     if isinstance(value, dict):  # an object's state snapshot: compared whole, hashed by identity
         return id(value)
     return value
