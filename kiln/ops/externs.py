@@ -294,8 +294,54 @@ def convolution_backward(
     a = ConvolutionAttrs(**geometry)
     mask = [wanted[0], wanted[1], bias_sizes is not None]
     settings = (a.stride, a.padding, a.dilation, a.transposed, a.output_padding, a.groups)
-    results = torch.ops.aten.convolution_backward(grad, x, weight, bias_sizes, *settings, mask)
+    if wanted[1] and _strided_pointwise_on_cpu(a, x, weight):
+        rest = [mask[0], False, mask[2]]
+        results = list(
+            torch.ops.aten.convolution_backward(grad, x, weight, bias_sizes, *settings, rest)
+            if any(rest)
+            else (None, None, None)
+        )
+        results[1] = _strided_pointwise_weight_grad(a, grad, x, weight)
+    else:
+        results = torch.ops.aten.convolution_backward(grad, x, weight, bias_sizes, *settings, mask)
     return tuple(result for result, wanted in zip(results, mask, strict=True) if wanted)
+
+
+def _strided_pointwise_on_cpu(
+    attrs: ConvolutionAttrs, x: torch.Tensor, weight: torch.Tensor
+) -> bool:
+    """A CPU convolution with a 1x1 kernel, a stride above 1 and no padding (a ResNet's
+    downsampling shortcut): PyTorch 2.13's CPU weight gradient of a channels-last input
+    writes out of bounds at some sizes (``[3, 8, 10, 12]`` into 16 channels, stride 2: a
+    crash or a damaged heap, in eager PyTorch too), and Kiln lays CPU convolutions out
+    channels-last."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 4
+        and not attrs.transposed
+        and all(size == 1 for size in weight.shape[2:])
+        and all(p == 0 for p in attrs.padding)
+        and any(s > 1 for s in attrs.stride)
+    )
+
+
+def _strided_pointwise_weight_grad(
+    attrs: ConvolutionAttrs, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """The weight gradient of a 1x1 convolution with stride ``s``, as that of the stride-1
+    convolution of the pixels it reads (``x[..., ::s, ::s]``; PyTorch's kernels for that are
+    sound), laid out as the strided call returns it (channels-last for a channels-last x)."""
+    (sh, sw), ones = attrs.stride, (1, 1)
+    settings = (ones, (0, 0), ones, False, (0, 0), attrs.groups)
+    picked = x[:, :, ::sh, ::sw]
+    result = torch.ops.aten.convolution_backward(
+        grad, picked, weight, None, *settings, [False, True, False]
+    )[1]
+    laid_out = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    order = torch.channels_last if laid_out else torch.contiguous_format
+    # (empty_like, not contiguous(): a 1x1 kernel's strides are ambiguous, and its gradient
+    # must have exactly the strides the layout rule predicted)
+    return torch.empty_like(result, memory_format=order).copy_(result)
 
 
 def _convolution_backward_types(attrs: ExternAttrs, *operands: Any) -> Any:

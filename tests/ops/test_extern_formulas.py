@@ -111,6 +111,41 @@ def test_convolution_backward_types_and_layouts(
     _check(convolution_backward, args, geometry, [grad, x, weight])
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("wanted", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("shape", [(3, 8, 10, 12), (5, 8, 10, 12), (3, 8, 9, 9)])
+def test_strided_pointwise_convolution_backward(
+    channels_last: bool, wanted: tuple[bool, bool], shape: tuple[int, ...]
+) -> None:
+    """A 1x1 stride-2 convolution's weight gradient (a ResNet shortcut's): PyTorch 2.13's
+    CPU kernel for a channels-last input crashed the process at [3, 8, 10, 12] and [5, ...];
+    Kiln computes it as the stride-1 gradient of the pixels read, in the layout the layout
+    rule predicts, and matches the contiguous computation."""
+    x, weight = torch.randn(shape, dtype=torch.float64), torch.randn(16, 8, 1, 1).double()
+    geometry = {
+        "stride": (2, 2),
+        "padding": (0, 0),
+        "dilation": (1, 1),
+        "transposed": False,
+        "output_padding": (0, 0),
+        "groups": 1,
+    }
+    grad = torch.randn(torch.nn.functional.conv2d(x, weight, stride=2).shape).double()
+    expected = torch.ops.aten.convolution_backward(
+        grad, x, weight, [16], *geometry.values(), [*wanted, True]
+    )
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+        grad = grad.contiguous(memory_format=torch.channels_last)
+    got = convolution_backward(grad, x, weight, [16], wanted, **geometry)
+    want = [e for e, w in zip(expected, (*wanted, True), strict=True) if w]
+    assert len(got) == len(want)
+    for result, reference in zip(got, want, strict=True):
+        torch.testing.assert_close(result, reference)
+    args = (Slot(0), Slot(1), Slot(2), (16,), wanted)
+    _check(convolution_backward, args, geometry, [grad, x, weight])
+
+
 def test_first_training_call_imports_no_sympy() -> None:
     """A transformer and a CNN trained on the CPU: every extern's types and layouts come from
     formulas and rules, so nothing imports sympy (PyTorch's meta kernels do, 0.4-1.4 s)."""
