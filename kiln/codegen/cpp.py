@@ -47,7 +47,7 @@ import torch
 
 from kiln.codegen import cpp_math, cpp_segments, cpp_split
 from kiln.codegen.cpp_math import compute_type, storage_type
-from kiln.codegen.cpp_reductions import Accumulator, accumulator_type
+from kiln.codegen.cpp_reductions import SUM_CHUNK, Accumulator, accumulator_type
 from kiln.codegen.cpp_segments import Segment
 from kiln.codegen.cpp_split import XL, LaneSplit, PointwiseSplit
 from kiln.codegen.sources import CppEntry, CppSource
@@ -425,12 +425,14 @@ class _KernelPrinter:
         constant = segments[0].constants
         lane_values = [v for v in plan.lane_values if id(v) not in constant]
         if lane_values:
+            assert isinstance(lanes, int)  # (pointwise_split: per-lane arrays of a known size)
             self.fill_lane_arrays(body, lane_values, lanes)
         if self.parallel:
             body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
         body.add(f"for ({BLOCK_INDEX} xb = 0; xb < {plan.split.blocks}; ++xb) {{")
         outer = body.child()
-        flags = cpp_split.block_flags(self.roots, plan) if lanes <= LANE_FLAG_LIMIT else []
+        sized = isinstance(lanes, int) and lanes <= LANE_FLAG_LIMIT  # (arrays of lanes)
+        flags = cpp_split.block_flags(self.roots, plan) if sized else []
         names = [f"flag{number}" for number in range(len(flags))]
         if flags:  # each read in the lane loop from a per-lane copy (``cpp_split.block_flags``)
             self.emit(flags, outer)
@@ -618,14 +620,56 @@ class _KernelPrinter:
             stores = [s for s in r_stores if self.store_phase(s) + 1 == loop]
             if not updating and not stores:
                 continue
-            outer.add(f"for ({t} r = 0; r < {kernel.rnumel}; ++r) {{")
-            per_r = outer.child()
-            self.x_loop(per_r, stores, updating, finished)
-            outer.close(per_r)
+            chunked = [a for a in updating if a.cascades] if self.long_rows() else []
+            around, first = outer, "0"
+            if chunked:  # (partials of chunks: SUM_CHUNK)
+                around, first = self.open_chunk(outer, lanes, chunked), "r0"
+            around.add(f"for ({t} r = {first}; r < {'r1' if chunked else kernel.rnumel}; ++r) {{")
+            per_r = around.child()
+            self.x_loop(per_r, stores, updating, finished, {id(a) for a in chunked})
+            around.close(per_r)
+            if chunked:
+                around.add(f"for (int lane = 0; lane < {lanes}; ++lane) {{")
+                for acc in chunked:
+                    around.add(f"  {acc.name}[lane] += part_{acc.name}[lane];")
+                around.add("}")
+                outer.close(around)
         row_stores = [s for s in kernel.stores if s not in r_stores]
         if row_stores:
             self.x_loop(outer, row_stores, [], accumulators)
         body.close(outer)
+
+    def long_rows(self) -> bool:
+        """Whether rows may be longer than a chunk of a cascaded sum (``SUM_CHUNK``)."""
+        rnumel = self.kernel.rnumel
+        return not isinstance(rnumel, int) or rnumel > 2 * SUM_CHUNK
+
+    def open_chunk(
+        self, outer: _Block, lanes: int, chunked: list[Accumulator], header: bool = True
+    ) -> _Block:
+        """Opens the loop over chunks ``r0 <= r < r1`` of the rows, whose body starts with
+        the chunked accumulators' partials at zero; returns the body (``header`` False: the
+        caller adds the loop's line, :meth:`chunk_header`, after what it hoists to ``outer``)."""
+        t, rnumel = self.index_type, self.kernel.rnumel
+        if header:
+            outer.add(self.chunk_header())
+        chunk = outer.child()
+        chunk.add(f"const {t} r1 = r0 + {SUM_CHUNK} < {rnumel} ? r0 + {SUM_CHUNK} : {rnumel};")
+        if not lanes:  # (a row's partials: scalars)
+            for acc in chunked:
+                chunk.add(f"{acc.acc_type} part_{acc.name} = 0;")
+            return chunk
+        for acc in chunked:
+            chunk.add(f"{acc.acc_type} part_{acc.name}[{lanes}];")
+        chunk.add(f"for (int lane = 0; lane < {lanes}; ++lane) {{")
+        for acc in chunked:
+            chunk.add(f"  part_{acc.name}[lane] = 0;")
+        chunk.add("}")
+        return chunk
+
+    def chunk_header(self) -> str:
+        rnumel = self.kernel.rnumel
+        return f"for ({self.index_type} r0 = 0; r0 < {rnumel}; r0 += {SUM_CHUNK}) {{"
 
     def column_blocks(self, body: _Block) -> tuple[_Block, int]:
         """Opens the loop over blocks of rows (in parallel): ``x0 <= x < x1``, or the block
@@ -635,6 +679,7 @@ class _KernelPrinter:
             body.add(f"#pragma omp parallel for num_threads({self.threads}) schedule(static)")
         if self.split is not None:
             body.add(f"for ({t} xb = 0; xb < {self.split.blocks}; ++xb) {{")
+            assert isinstance(self.split.lanes, int)  # (column splits: cpp_split.column_split)
             return body.child(), self.split.lanes
         lanes = (xnumel + self.threads - 1) // self.threads if self.parallel else xnumel
         lanes = int(min(COLUMN_BLOCK, (lanes + 15) // 16 * 16))  # (arrays: a size guarded)
@@ -649,6 +694,7 @@ class _KernelPrinter:
         stores: list[Store],
         updating: list[Accumulator],
         finished: list[Accumulator],
+        chunked: set[int] = frozenset(),  # type: ignore[assignment]
     ) -> None:
         """A vectorized loop over the rows of a block: it reads the results of the ``finished``
         accumulators, updates the ``updating`` ones (inside an ``r`` loop), then runs
@@ -665,7 +711,8 @@ class _KernelPrinter:
             needs = values + [e for s in stores for e in _store_needs(s)]
             self.emit(needs, inner, block, self.across_rows)  # a row's own values once per r
             for acc in updating:
-                for line in acc.update(self.operand(acc.reduce.value), slot):
+                into = f"part_{acc.name}" if id(acc) in chunked else ""
+                for line in acc.update(self.operand(acc.reduce.value), slot, into):
                     inner.add(line)
             for store in stores:
                 self.store(store, inner)
@@ -694,24 +741,38 @@ class _KernelPrinter:
         for acc in accumulators:
             for ctype, name, initial in acc.variables():
                 row.add(f"{ctype} {name} = {initial};")
-        loop = row.child()
+        chunked = [a for a in accumulators if a.cascades] if self.long_rows() and not split else []
+        around = self.open_chunk(row, 0, chunked, header=False) if chunked else row
+        loop = around.child()
         needs = [e for s in stores for e in _store_needs(s)]
-        self.emit([r.value for r in reduces] + needs, loop, row)
+        self.emit([r.value for r in reduces] + needs, loop, row)  # (hoists to row)
+        if chunked:
+            row.add(self.chunk_header())
         for acc in accumulators:
-            for line in acc.update(self.operand(acc.reduce.value)):
+            into = f"part_{acc.name}" if acc in chunked else ""
+            for line in acc.update(self.operand(acc.reduce.value), into=into):
                 loop.add(line)
         for store in stores:
             self.store(store, loop)
-        clauses = [c for acc in accumulators for c in acc.clauses()]
+        clauses = [
+            c.replace(f":{acc.name})", f":part_{acc.name})") if acc in chunked else c
+            for acc in accumulators
+            for c in acc.clauses()
+        ]
         vectorize = all(acc.clauses() for acc in accumulators)  # no ARGMAX/ARGMIN
         pragma = " ".join(["omp simd", *clauses]) if vectorize else ""
         if split:
             schedule = f"num_threads({self.threads}) schedule(simd:static)"
             pragma = " ".join(["omp parallel for simd", schedule, *clauses])
         if pragma:
-            row.add(f"#pragma {pragma}")
-        row.add(f"for ({self.index_type} r = 0; r < {self.kernel.rnumel}; ++r) {{")
-        row.close(loop)
+            around.add(f"#pragma {pragma}")
+        bounds = "r = r0; r < r1" if chunked else f"r = 0; r < {self.kernel.rnumel}"
+        around.add(f"for ({self.index_type} {bounds}; ++r) {{")
+        around.close(loop)
+        if chunked:
+            for acc in chunked:
+                around.add(f"{acc.name} += part_{acc.name};")
+            row.close(around)
         self.cached |= self.caching
         self.caching = set()
         for acc in accumulators:

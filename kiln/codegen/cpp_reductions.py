@@ -63,8 +63,14 @@ class Accumulator:
         flag = [f"reduction(|:nan_{self.name})"] if self.nan_flag else []
         return [f"reduction({operator}:{self.name})", *flag]
 
-    def update(self, value: str, at: str = "") -> list[str]:
-        acc, kind = f"{self.name}{at}", self.kind
+    @property
+    def cascades(self) -> bool:
+        """Whether a long loop sums into per-chunk partials (:data:`SUM_CHUNK`)."""
+        return self.kind is ReduceKind.SUM and self.reduce.dtype.is_floating_point
+
+    def update(self, value: str, at: str = "", into: str = "") -> list[str]:
+        """The update of the accumulator (or of ``into``, a chunk's partial) by ``value``."""
+        acc, kind = f"{into or self.name}{at}", self.kind
         v = value if self.acc_type == self.value_type else f"({self.acc_type})({value})"
         if kind is ReduceKind.SUM:
             return [f"{acc} += {v};"]
@@ -95,6 +101,12 @@ class Accumulator:
             return f"({compute_type(dtype)})({acc})"
         return acc
 
+
+# Float sums over long rows add each chunk of SUM_CHUNK elements into a partial, then the
+# partials: the rounding error grows with the chunk and the number of chunks, not with the
+# row. One running sum over a BatchNorm's 8192 elements per channel (the rows of a symbolic
+# size, which reduction_split leaves whole) was ten times less accurate than eager's.
+SUM_CHUNK = 256
 
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 

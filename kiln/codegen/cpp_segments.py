@@ -60,7 +60,7 @@ class Segment:
     """Lanes ``start <= xl < stop``, where each expression id of ``constants`` has its value."""
 
     start: int
-    stop: int
+    stop: Dim  # (the lanes of a split of a symbolic count: one segment)
     constants: dict[int, bool]
 
 
@@ -75,6 +75,8 @@ def lane_segments(
     ``xl`` alone) is constant; None when there is one segment, more than ``limit``, or no
     such value. A column reduction's (a BatchNorm's statistics over a channels-last ``cat``)
     allows as many as :func:`row_segments`: each segment's loop reads one input."""
+    if not isinstance(split.lanes, int):
+        return None  # (lanes of a symbolic count: one loop over them)
     return _segments(values, split.lanes, (split.substitute, XL), limit)
 
 

@@ -46,11 +46,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kiln.ir.symbolic import Dim
-from kiln.schedule.index import FloorDiv, Index, Mod, Var, floordiv, mod, var
+from kiln.schedule.index import FloorDiv, Index, Mod, Var, floordiv, mod, size_key, var
 from kiln.schedule.loops import (
     Const,
     Expr,
@@ -75,7 +76,7 @@ LANE_ARRAY_LIMIT = 65536  # most elements in a flat kernel's per-lane arrays (on
 class LaneSplit:
     """``x = lanes*xb + xl`` with ``0 <= xl < lanes`` and ``0 <= xb < blocks``."""
 
-    lanes: int
+    lanes: Dim  # (symbolic only in flat kernels, without per-lane arrays)
     blocks: Dim
 
     def substitute(self, index: Index) -> Index:
@@ -106,20 +107,21 @@ class PointwiseSplit:
     on_lane: dict[int, bool]
 
 
-def x_divisors(indexes: Iterable[Index]) -> list[int]:
+def x_divisors(indexes: Iterable[Index], symbolic: bool = False) -> list[Dim]:
     """The divisors ``d`` of every ``(... + x) // d`` and ``(... + x) % d`` in ``indexes``,
-    ascending: the candidate inner dims of ``x``."""
-    found: set[int] = set()
+    ints ascending, then (with ``symbolic``) symbolic ones in a fixed order: the candidate
+    inner dims of ``x``."""
+    found: dict[Any, Dim] = {}
     pending = list(indexes)
     while pending:
         index = pending.pop()
         for atom, _ in index.terms:
             if isinstance(atom, (FloorDiv, Mod)):
                 on_x = any(isinstance(a, Var) and a.name == X for a, _ in atom.operand.terms)
-                if on_x and isinstance(atom.divisor, int):  # (a symbolic one: no lanes)
-                    found.add(atom.divisor)
+                if on_x and (symbolic or isinstance(atom.divisor, int)):
+                    found.setdefault(size_key(atom.divisor), atom.divisor)
                 pending.append(atom.operand)
-    return sorted(found)
+    return [found[key] for key in sorted(found)]
 
 
 def reads_columns(offsets: list[Index], along: str) -> bool:
@@ -151,6 +153,7 @@ def column_split(
     contiguous along ``xl``; the most lanes that still give ``min_blocks`` blocks (one per
     thread), else the most lanes. None when no inner dim of ``x`` gives columns."""
     for divisor in x_divisors(offsets):
+        assert isinstance(divisor, int)
         counts = [n for n in lane_counts(divisor, most_lanes) if xnumel % n == 0]
         if not counts:
             continue
@@ -215,7 +218,8 @@ def pointwise_split(xnumel: Dim, roots: list[Expr], min_blocks: int) -> Pointwis
     or when it takes divisions out of the indexes (a bias read at ``x % C`` is a gather in
     the flat loop and a contiguous read at ``xl`` in the split one), else None."""
     indexes = [index for expr in walk(roots) for index in index_of(expr)]
-    divisors = x_divisors(indexes)
+    divisors = x_divisors(indexes, symbolic=True)
+    # (a symbolic divisor: an NCHW BatchNorm's H*W, each comparison guarded)
     lanes = next((d for d in divisors if d >= MIN_LANES and xnumel % d == 0), 0)
     if not lanes or lanes > LANE_LIMIT or xnumel // lanes < max(min_blocks, 2):
         return None
@@ -224,8 +228,8 @@ def pointwise_split(xnumel: Dim, roots: list[Expr], min_blocks: int) -> Pointwis
     lane_values = loop_invariants(roots, varies_along(roots, XB, split))
     # (a value of neither xb nor xl, a scaled scalar gradient, is computed where it is read)
     lane_values = [v for v in lane_values if on_lane[id(v)]]
-    if lanes * len(lane_values) > LANE_ARRAY_LIMIT:
-        lane_values = []  # recomputed per element rather than risk the stack
+    if not isinstance(lanes, int) or lanes * len(lane_values) > LANE_ARRAY_LIMIT:
+        lane_values = []  # recomputed per element rather than risk the stack (or size it)
     fewer_divisions = sum(map(_divisions, indexes)) > sum(
         _divisions(split.substitute(index)) for index in indexes
     )
