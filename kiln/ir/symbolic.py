@@ -48,14 +48,32 @@ class Symbol:
         return self.name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Division:
     """``numerator // denominator`` (``floor``) or ``numerator % denominator`` (modulo), for a
-    non-negative numerator and a positive denominator."""
+    non-negative numerator and a positive denominator. Equal by structure (no guard), through
+    a key computed once (building expressions sorts and hashes atoms by it: recomputing it
+    through nested divisions was most of a dynamic ResNet's compile time)."""
 
     numerator: Sym
     denominator: Sym
     modulo: bool
+    _key: tuple[Any, ...] = field(init=False, repr=False)
+    _hash: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        key = (1, self.modulo, self.numerator._key, self.denominator._key)
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_hash", hash(key))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Division) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (rebuilt: a string's hash differs by process)
+        return (Division, (self.numerator, self.denominator, self.modulo))
 
     @property
     def hint(self) -> int:
@@ -73,11 +91,7 @@ Monomial = tuple[Atom, ...]  # sorted by _atom_key; repeated atoms are powers
 def _atom_key(atom: Atom) -> tuple[Any, ...]:
     if isinstance(atom, Symbol):
         return (0, len(atom.name), atom.name)
-    return (1, atom.modulo, _terms_key(atom.numerator.terms), _terms_key(atom.denominator.terms))
-
-
-def _terms_key(terms: tuple[tuple[Monomial, int], ...]) -> tuple[Any, ...]:
-    return tuple((tuple(_atom_key(a) for a in mono), coef) for mono, coef in terms)
+    return atom._key
 
 
 def _monomial_hint(monomial: Monomial) -> int:
@@ -121,17 +135,22 @@ def _with_tensor(size: Sym, other: Any, name: str, reflected: bool = False) -> A
 class Sym:
     """A symbolic integer: ``sum(coef * product(atoms))``; see the module docstring."""
 
-    __slots__ = ("_hash", "hint", "terms")
+    __slots__ = ("_hash", "_key", "hint", "terms")
 
     terms: tuple[tuple[Monomial, int], ...]
     hint: int
 
     def __init__(self, terms: Mapping[Monomial, int]) -> None:
-        kept = [(mono, coef) for mono, coef in terms.items() if coef]
-        kept.sort(key=lambda term: (len(term[0]), tuple(_atom_key(a) for a in term[0])))
-        self.terms = tuple(kept)
+        keyed = [
+            ((len(mono), tuple(_atom_key(a) for a in mono)), mono, coef)
+            for mono, coef in terms.items()
+            if coef
+        ]
+        keyed.sort(key=lambda term: term[0])
+        self.terms = tuple((mono, coef) for _, mono, coef in keyed)
         self.hint = sum(coef * _monomial_hint(mono) for mono, coef in self.terms)
-        self._hash = hash(_terms_key(self.terms))
+        self._key = tuple((key[1], coef) for key, _, coef in keyed)
+        self._hash = hash(self._key)
 
     # --- construction --------------------------------------------------------------------
     @staticmethod
@@ -273,9 +292,12 @@ class Sym:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple[Any, ...]:  # (rebuilt: a string's hash differs by process)
+        return (Sym, (dict(self.terms),))
+
     def same(self, other: object) -> bool:
         """Structural identity (no guard)."""
-        return isinstance(other, Sym) and self._hash == other._hash and self.terms == other.terms
+        return isinstance(other, Sym) and self._hash == other._hash and self._key == other._key
 
     # --- specialization ------------------------------------------------------------------
     def __index__(self) -> int:
@@ -558,18 +580,36 @@ def statically(value: Dim, relation: str) -> bool | None:
 def decide(value: Dim, relation: str) -> bool:
     """Whether ``value == 0`` (``relation`` "==") or ``value < 0`` ("<"): statically if that
     holds for every size, else by the hint, recording a guard."""
+    if isinstance(value, int):
+        return value == 0 if relation == "==" else value < 0
+    memo = env_memo("decide")
+    if memo is not None:
+        known = memo.get((value._key, relation))
+        if known is not None:
+            return known
     known = statically(value, relation)
-    if known is not None:
-        return known
-    assert isinstance(value, Sym)
-    answer = value.hint == 0 if relation == "==" else value.hint < 0
+    if known is None:
+        answer = value.hint == 0 if relation == "==" else value.hint < 0
+        env = current_env()
+        if env is None:
+            raise SymbolicDecisionError(
+                f"'{value!r} {relation} 0' depends on the sizes, and nothing records a guard here"
+            )
+        env.guard(value, relation, answer)
+        known = answer
+    if memo is not None:
+        memo[(value._key, relation)] = known
+    return known
+
+
+def env_memo(name: str) -> dict[Any, Any] | None:
+    """The memo called ``name`` of the active environment, None outside one. A result kept
+    there is sound to reuse while that environment is active: a guard its computation
+    recorded is still recorded, and the hints it read are the environment's. (Building
+    indexes asks the same questions of the same sizes thousands of times: a dynamic ResNet's
+    scheduling was mostly that.)"""
     env = current_env()
-    if env is None:
-        raise SymbolicDecisionError(
-            f"'{value!r} {relation} 0' depends on the sizes, and nothing records a guard here"
-        )
-    env.guard(value, relation, answer)
-    return answer
+    return None if env is None else env.memos.setdefault(name, {})
 
 
 def specialize(value: Sym, why: str) -> int:
@@ -662,6 +702,7 @@ class ShapeEnv:
     specializations: list[tuple[str, str]] = field(default_factory=list)  # (expr, why)
     location: Callable[[], str] = field(default=lambda: "")
     _by_hint: dict[int, str] = field(default_factory=dict)
+    memos: dict[str, dict[Any, Any]] = field(default_factory=dict, repr=False, compare=False)
     _names: Iterator[int] = field(default_factory=itertools.count)
 
     def size(
