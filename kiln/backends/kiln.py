@@ -104,7 +104,7 @@ class CompiledProgramRecord:
                 places = list(dict.fromkeys(f.split()[-1] for f in step.fused if ":" in f))
                 where = f"  [{', '.join(places[:4])}]" if places else ""
                 space = " + ".join(
-                    f"x<{k.xnumel}" + (f", r<{k.rnumel}" if k.rnumel > 1 else "")
+                    f"x<{k.xnumel}" + (f", r<{k.rnumel}" if _reduces(k.rnumel) else "")
                     for k in (step, *step.parts)
                 )
                 lines.append(f"{self.graph}: {step.name} ({space}): {', '.join(ops)}{where}")
@@ -374,3 +374,9 @@ class KilnBackend:
 
 
 add_backend(KilnBackend())
+
+
+def _reduces(rnumel: Dim) -> bool:
+    """Whether a kernel reduces (listed as ``r<n``), without a question about a symbolic
+    extent (``explain`` runs outside any environment that could record its guard)."""
+    return not isinstance(rnumel, int) or rnumel > 1

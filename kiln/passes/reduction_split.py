@@ -25,14 +25,12 @@ rounded once. Max and min split the same way; arg-reductions and products are le
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.op import Op
-from kiln.ir.types import concrete_shape
+from kiln.ir.symbolic import Dim, Sym
 from kiln.ops import prims
 from kiln.passes.rewriting import rewrite_nodes, take_over
 
@@ -56,17 +54,21 @@ POOLING_MIN_CHUNK = 128
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _operand_shape(node: Node) -> tuple[int, ...] | None:
+def _operand_shape(node: Node, symbolic: bool = False) -> tuple[Dim, ...] | None:
+    """The shape reduced; with symbolic sizes only where ``symbolic`` (a plan whose choices
+    are comparisons, guarded; chunks need divisors of concrete sizes)."""
     if node.op not in SPLIT_OPS or not isinstance(node.inputs[0], Value):
         return None
-    if node.inputs[0].type.is_symbolic:
-        return None  # (chunks of a symbolic size: not split, so that one graph serves all)
-    return concrete_shape(node.inputs[0].type.shape)
+    if node.inputs[0].type.is_symbolic and not symbolic:
+        return None
+    return tuple(node.inputs[0].type.shape)
 
 
 def _plan(node: Node) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(trailing dims, leading dims) of a reduction worth splitting."""
-    shape = _operand_shape(node)
+    """(trailing dims, leading dims) of a reduction worth splitting (symbolic sizes too: a
+    BatchNorm over a dynamic batch reduced as one row per channel ran 6x slower than split,
+    its r index divided and taken modulo the sizes at every element)."""
+    shape = _operand_shape(node, symbolic=True)
     if shape is None:
         return None
     dims = tuple(sorted(node.attrs.dims))
@@ -78,11 +80,11 @@ def _plan(node: Node) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     leading = tuple(d for d in dims if d not in trailing)
     if not trailing or not leading:
         return None
-    rows = 1
+    rows: Dim = 1
     for dim, size in enumerate(shape):
         if dim not in dims:
             rows *= size
-    inner = 1
+    inner: Dim = 1
     for dim in trailing:
         inner *= shape[dim]
     if rows >= MAX_ROWS or inner < MIN_INNER:
@@ -90,15 +92,33 @@ def _plan(node: Node) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return tuple(trailing), leading
 
 
-def _chunks(rows: int, kept: int, target: int = 0, min_chunk: int = MIN_CHUNK) -> int | None:
+def _product(sizes: tuple[Dim, ...]) -> Dim:
+    total: Dim = 1
+    for size in sizes:
+        total = total * size
+    return total
+
+
+def _chunks(rows: Dim, kept: Dim, target: int = 0, min_chunk: int = MIN_CHUNK) -> int | None:
     """How many chunks to cut ``rows`` into for a column reduction keeping ``kept`` outputs,
     aiming at ``target`` programs (0: ``TARGET_PROGRAMS``) of at least ``min_chunk`` rows
-    each (None: it has programs enough, or rows too few to cut)."""
+    each (None: it has programs enough, or rows too few to cut). A symbolic ``rows`` is cut
+    as its hint would be, guarded to sizes the count divides (GPT-2's bias gradients over a
+    dynamic batch ran 0.71x of static speed uncut); other sizes compile again."""
     target = target or TARGET_PROGRAMS
-    programs = -(-kept // COLUMN_BLOCK)
+    programs = (kept + COLUMN_BLOCK - 1) // COLUMN_BLOCK
     if programs == 0 or 2 * programs >= target or rows * kept < MIN_ELEMENTS:
         return None
-    wanted = -(-target // programs)
+    wanted = (target + programs - 1) // programs
+    if isinstance(rows, Sym):
+        # A power of two (rows of any size it divides, long enough, share the program):
+        # the largest dividing the hint, up to the first at least ``wanted``.
+        least = wanted.hint if isinstance(wanted, Sym) else wanted  # (no guard: a choice)
+        cap = min(1 << (least - 1).bit_length(), rows.hint // min_chunk)
+        powers = [1 << k for k in range(1, cap.bit_length()) if rows.hint % (1 << k) == 0]
+        if not powers or rows % powers[-1] != 0 or rows // powers[-1] < min_chunk:
+            return None  # (false at the hint: these questions only record their guards)
+        return powers[-1]
     divisors = [d for d in range(2, rows // min_chunk + 1) if rows % d == 0]
     if not divisors:
         return None
@@ -106,31 +126,31 @@ def _chunks(rows: int, kept: int, target: int = 0, min_chunk: int = MIN_CHUNK) -
     return above[0] if above else divisors[-1]
 
 
-def _column_plan(node: Node) -> tuple[int, int] | None:
+def _column_plan(node: Node) -> tuple[Dim, int] | None:
     """(rows, chunks) of a reduction over leading dims only, worth chunking: on the GPU,
     whose column kernels give each program 64 outputs. The C++ kernels already run columns
     in parallel, and chunked ones index each element by division (bert_tiny's decoder-bias
     gradient took 1.7 ms a step chunked)."""
-    shape = _operand_shape(node)
+    shape = _operand_shape(node, symbolic=True)
     if shape is None or not _chunks_columns(node.inputs[0]):  # type: ignore[arg-type]
         return None
     dims = tuple(sorted(node.attrs.dims))
     if not dims or dims != tuple(range(len(dims))) or len(dims) == len(shape):
         return None
-    rows = math.prod(shape[: len(dims)])
-    chunks = _chunks(rows, math.prod(shape[len(dims) :]))
+    rows = _product(shape[: len(dims)])
+    chunks = _chunks(rows, _product(shape[len(dims) :]))
     return None if chunks is None else (rows, chunks)
 
 
-def _channels_last_shape(node: Node, dims: tuple[int, ...]) -> tuple[int, ...] | None:
+def _channels_last_shape(node: Node, dims: tuple[int, ...]) -> tuple[Dim, ...] | None:
     """The shape of a 4-D reduction over ``dims`` of a value held channels-last."""
-    shape = _operand_shape(node)
+    shape = _operand_shape(node, symbolic=True)
     if shape is None or len(shape) != 4 or tuple(sorted(node.attrs.dims)) != dims:
         return None
     return shape if _holds_channels_last(node.inputs[0]) else None  # type: ignore[arg-type]
 
 
-def _channels_last_plan(node: Node) -> tuple[int, int | None] | None:
+def _channels_last_plan(node: Node) -> tuple[Dim, int | None] | None:
     """(rows, chunks or None) of a BatchNorm-style reduction of an ``[N, C, H, W]`` tensor on
     the GPU, which holds it channels-last (``[N, H, W, C]`` in memory, as it feeds or comes
     from a convolution): there it is a column reduction of ``[N*H*W, C]``."""
@@ -141,7 +161,7 @@ def _channels_last_plan(node: Node) -> tuple[int, int | None] | None:
     return rows, _chunks(rows, shape[1])
 
 
-def _pooling_plan(node: Node) -> tuple[int, int] | None:
+def _pooling_plan(node: Node) -> tuple[Dim, int] | None:
     """(rows, chunks) of a spatial pooling, ``[N, C, H, W]`` reduced over ``(2, 3)``, held
     channels-last on the GPU: ``N`` column reductions of ``[H*W, C]`` whose ``N*C`` outputs
     are too few programs for their long rows (a squeeze-excitation's mean over 56x56)."""
@@ -176,13 +196,13 @@ def _emit(node: Node, builder: GraphBuilder) -> None:
         plan = _plan(node)
         if pooling is not None:
             rows, pieces = pooling
-            n, c = concrete_shape(source.type.shape)[:2]
+            n, c = source.type.shape[:2]
             rows_first = prims.permute(source, dims=(0, 2, 3, 1))
             chunked = prims.reshape(rows_first, shape=(n, pieces, rows // pieces, c))
             result = prims.call(node.op, prims.call(node.op, chunked, dims=(2,)), dims=(1,))
         elif channels_last is not None:
             rows, chunks = channels_last
-            shape = concrete_shape(source.type.shape)
+            shape = source.type.shape
             flat = prims.reshape(prims.permute(source, dims=(0, 2, 3, 1)), shape=(rows, shape[1]))
             result = _column_sum(node.op, flat, rows, chunks, (shape[1],))
         elif plan is not None:
@@ -192,7 +212,7 @@ def _emit(node: Node, builder: GraphBuilder) -> None:
             columns = _column_plan(node)
             assert columns is not None
             rows, chunks = columns
-            kept = concrete_shape(source.type.shape)[len(node.attrs.dims) :]
+            kept = source.type.shape[len(node.attrs.dims) :]
             result = _column_sum(node.op, source, rows, chunks, kept)
         if widen:
             result = prims.convert(result, dtype=dtype)
@@ -200,7 +220,7 @@ def _emit(node: Node, builder: GraphBuilder) -> None:
 
 
 def _column_sum(
-    op: Op, source: Value, rows: int, chunks: int | None, kept: tuple[int, ...]
+    op: Op, source: Value, rows: Dim, chunks: int | None, kept: tuple[Dim, ...]
 ) -> Value:
     """``op`` over the leading ``rows`` of ``source`` (shape ``[..., *kept]``), in two steps
     of ``chunks`` when given."""

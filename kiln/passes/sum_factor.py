@@ -25,7 +25,6 @@ from __future__ import annotations
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.op import Op
-from kiln.ir.types import concrete_shape
 from kiln.ops import prims
 from kiln.passes.rewriting import rewrite_nodes, take_over
 
@@ -47,7 +46,7 @@ def _constant_along(value: Value, dims: tuple[int, ...]) -> Factor | None:
             if mapping is None
             else tuple(mapping[d] for d in node.attrs.dims)
         )
-        sizes = concrete_shape(source.type.shape)
+        sizes = tuple(source.type.shape)
         if all(sizes[i] == 1 for i, out_dim in enumerate(mapping) if out_dim in dims):
             return source, mapping
         node = source.node
@@ -128,7 +127,7 @@ def factor_sums(graph: Graph) -> Graph:
     def emit(node: Node, builder: GraphBuilder) -> None:
         scale, factors, core = chosen[node]
         dims = tuple(node.attrs.dims)
-        full = concrete_shape(node.inputs[0].type.shape)  # type: ignore[union-attr]
+        full = tuple(node.inputs[0].type.shape)  # type: ignore[union-attr]
         kept = [d for d in range(len(full)) if d not in dims]
         shape = tuple(full[d] for d in kept)
         with builder.origin_scope(node.origin):

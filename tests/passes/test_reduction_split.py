@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import kiln
 from kiln.frontends.trace import graph_inputs
 from kiln.ir import Op, interpret, verify
-from kiln.passes import split_reductions
+from kiln.passes import reduction_split, split_reductions
 
 
 def _reductions(graph: kiln.ir.Graph) -> list[tuple[Op, tuple[int, ...]]]:
@@ -279,3 +279,44 @@ def test_cpu_column_reductions_stay_whole() -> None:
     """The C++ kernels run columns in parallel already: no chunks on the CPU."""
     graph = kiln.trace(lambda x: x.sum(0), torch.randn(4096, 96))
     assert _reductions(split_reductions(graph)) == [(Op.SUM, (0,))]
+
+
+def test_symbolic_rows_are_split_and_chunked_for_sizes_the_count_divides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a dynamic batch the splits still run: a BatchNorm's trailing-then-leading sums,
+    and column sums (a bias gradient's; a channels-last BatchNorm's statistics) in chunks of
+    a power of two dividing the hint, guarded: sizes it divides share one program (8192 and
+    12288 rows: 128 chunks), others compile their own. Every result and gradient matches
+    eager at each size."""
+    from kiln.backends.kiln import CompiledProgramRecord
+    from kiln.recording import recording
+
+    monkeypatch.setattr(reduction_split, "_chunks_columns", lambda value: True)
+    monkeypatch.setattr(reduction_split, "_holds_channels_last", lambda value: True)
+    torch.manual_seed(0)
+    weight = torch.randn(32, 128, requires_grad=True)
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = (x @ weight).relu()
+        images = y.reshape(-1, 8, 4, 4)
+        normed = F.batch_norm(images, None, None, training=True)
+        return y.sum(0), normed, images.amax((2, 3)), normed.square().mean()
+
+    kiln.reset()
+    compiled = kiln.compile(step, dynamic=True)
+    with recording(CompiledProgramRecord) as records:
+        for rows in (8192, 12288, 4100, 8192):
+            x = torch.randn(rows, 32)
+            got, want = compiled(x), step(x)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            (grad,) = torch.autograd.grad(got[-1], weight)
+            (expected,) = torch.autograd.grad(want[-1], weight)
+            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
+    sized = [r for r in records if r.sizes.startswith("any sizes")]
+    assert len(sized) == len(records) == 4, [r.sizes for r in records]  # (2 programs x fwd/bwd)
+    kernels = "\n".join(line for r in records for line in r.kernel_lines())
+    # chunked column sums: the bias-like sum's second step over 128 chunks, a channels-last
+    # BatchNorm's over 512 (8192 and 12288 rows) or 64 (4100)
+    assert "(x<s2, r<128): sum" in kernels and "(x<8, r<512): sum" in kernels, kernels
