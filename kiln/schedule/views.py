@@ -71,7 +71,7 @@ def reshape_strides(
             result[i] = result[i + 1] * max(new_shape[i + 1], 1)
         return tuple(result)
     if any(isinstance(n, Sym) for n in (*shape, *strides, *new_shape)):
-        return None  # (PyTorch's view rule needs sizes: a kernel copies instead)
+        return view_rule(shape, strides, new_shape)
     try:
         meta = torch.empty_strided(
             [int(n) for n in shape], [int(n) for n in strides], device="meta"
@@ -79,6 +79,35 @@ def reshape_strides(
         return tuple(meta.view([int(n) for n in new_shape]).stride())
     except RuntimeError:
         return None
+
+
+def view_rule(
+    shape: tuple[Dim, ...], strides: tuple[Dim, ...], new_shape: tuple[Dim, ...]
+) -> tuple[Dim, ...] | None:
+    """PyTorch's rule for ``view`` on sizes that may be symbolic (each comparison decided for
+    all sizes or guarded): the old dims fall into runs laid out as one contiguous block
+    (each dim's stride the product of the sizes inside it times the run's last stride); the
+    new dims must cover each run exactly, from the innermost out, and take strides within
+    it. None where a new dim would straddle two runs (a copy is needed). Without it a
+    symbolic ``q.view(b, t, h, d).transpose(1, 2)`` of a strided projection was copied."""
+    new_strides: list[Dim] = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    base: Dim = strides[-1] if strides else 1
+    run_numel: Dim = 1
+    view_numel: Dim = 1
+    for d in range(len(shape) - 1, -1, -1):
+        run_numel = run_numel * shape[d]
+        if d > 0 and (shape[d - 1] == 1 or strides[d - 1] == run_numel * base):
+            continue  # (the run goes on into dim d - 1)
+        while view_d >= 0 and (view_numel < run_numel or new_shape[view_d] == 1):
+            new_strides[view_d] = view_numel * base
+            view_numel = view_numel * new_shape[view_d]
+            view_d -= 1
+        if view_numel != run_numel:
+            return None
+        if d > 0:
+            base, run_numel, view_numel = strides[d - 1], 1, 1
+    return tuple(new_strides) if view_d == -1 else None
 
 
 def _is_contiguous(shape: tuple[Dim, ...], strides: tuple[Dim, ...]) -> bool:
