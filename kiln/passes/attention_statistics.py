@@ -38,6 +38,7 @@ from torch.nn.attention import SDPBackend
 from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.op import Op
+from kiln.ir.symbolic import Sym
 from kiln.ir.types import concrete_shape
 from kiln.ops.attention import (
     CUDA_CUDNN,
@@ -74,7 +75,7 @@ def _kernel(node: Node) -> int | None:
     try:
         empties = [
             torch.empty(
-                concrete_shape(v.type.shape),
+                _probe_shape(v),
                 dtype=v.type.dtype,
                 device=v.type.device,
                 requires_grad=v.type.requires_grad,
@@ -105,6 +106,18 @@ def _kernel(node: Node) -> int | None:
     if mask is not None and choice in (CUDA_FLASH, CUDA_CUDNN) and not bias:
         return None  # (flash takes no mask; cuDNN's with a float one: module docstring)
     return choice if choice in (CUDA_FLASH, CUDA_EFFICIENT, CUDA_CUDNN) else None
+
+
+def _probe_shape(value: Value) -> tuple[int, ...]:
+    """The sizes PyTorch's choice is asked at. On the CPU a symbolic size is probed at its
+    hint, unguarded: PyTorch's CPU flash kernel takes every size, and eager's choice there
+    depends on dtypes, masks and gradients, not sizes (pinned, a dynamic transformer's
+    training graph compiled its passes and autodiff once per length). On CUDA the choice may
+    depend on sizes (cuDNN's limits), so the sizes are pinned, guarded."""
+    shape = value.type.shape
+    if value.type.device.type == "cpu":
+        return tuple(size.hint if isinstance(size, Sym) else size for size in shape)
+    return concrete_shape(shape)
 
 
 def _emit(node: Node, builder: GraphBuilder) -> None:

@@ -62,13 +62,23 @@ def strides_in_order(shape: Sequence[Dim], order: Sequence[int]) -> tuple[Dim, .
 def input_pattern(tensor: torch.Tensor) -> object:
     """What a program for symbolic sizes assumes of an input's layout: the order of its dims
     when it is dense in that order (any sizes then have the same strides in terms of them),
-    else its strides themselves."""
-    order = memory_order(tensor.stride())
-    expected = strides_in_order(tuple(tensor.shape), order)
+    and which dims are broadcast (stride 0: the gradient of a ``sum()`` autograd passes as
+    one value expanded), else its strides themselves."""
+    shape, stride = tuple(tensor.shape), tensor.stride()
+    zero = tuple(d for d, (n, st) in enumerate(zip(shape, stride, strict=True)) if n > 1 and not st)
+    order = memory_order(stride)
+    expected = strides_in_order(_unbroadcast(shape, zero), order)
     dense = all(
-        n <= 1 or s == e for n, s, e in zip(tensor.shape, tensor.stride(), expected, strict=True)
+        n <= 1 or d in zero or st == e
+        for d, (n, st, e) in enumerate(zip(shape, stride, expected, strict=True))
     )
-    return ("dense", order) if dense else tensor.stride()
+    if not dense:
+        return stride
+    return ("dense", order, zero) if zero else ("dense", order)
+
+
+def _unbroadcast(shape: Sequence[Dim], zero: Sequence[int]) -> tuple[Dim, ...]:
+    return tuple(1 if d in zero else n for d, n in enumerate(shape))
 
 
 def input_layout(
@@ -81,7 +91,9 @@ def input_layout(
         return tuple(tensor.shape), tuple(tensor.stride())
     pattern = input_pattern(tensor)
     if isinstance(pattern, tuple) and pattern and pattern[0] == "dense":
-        return tuple(shape), strides_in_order(shape, pattern[1])
+        zero = pattern[2] if len(pattern) > 2 else ()
+        strides = strides_in_order(_unbroadcast(shape, zero), pattern[1])
+        return tuple(shape), tuple(0 if d in zero else st for d, st in enumerate(strides))
     return concrete_shape(tuple(shape)), tuple(tensor.stride())
 
 

@@ -232,3 +232,29 @@ def test_memos_by_size_stay_bounded(monkeypatch: Any) -> None:
     with torch.no_grad():
         records = _run(block, lambda n: (_randn(n, 32),), sizes)
     assert len(records) == 1 and _sized(records[0]), [r.sizes for r in records]
+
+
+def test_a_broadcast_gradient_keeps_the_backward_sized() -> None:
+    """``compiled(x).sum().backward()`` hands the backward its gradient as one value
+    expanded (all strides 0): that input's layout is a pattern too (its broadcast dims), not
+    a reason to compile the backward per size. Every gradient matches eager's."""
+    torch.manual_seed(0)
+    weight = _randn(16, 16).requires_grad_(True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ weight) * x
+
+    kiln.reset()
+    compiled = kiln.compile(fn, dynamic=True, options={"strict": True, **TRITON})
+    with recording(CompiledProgramRecord) as records:
+        for n in (9, 12, 15):  # (one power-of-two bucket of Triton's blocks: 129..256)
+            x = _randn(n, 16).requires_grad_(True)
+            compiled(x).sum().backward()
+            got = (x.grad, weight.grad)
+            x.grad = weight.grad = None
+            fn(x).sum().backward()
+            for a, b in zip(got, (x.grad, weight.grad), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            x.grad = weight.grad = None
+    backwards = [r for r in records if r.graph.endswith("_backward")]
+    assert len(backwards) == 1 and _sized(backwards[0]), [r.sizes for r in backwards]

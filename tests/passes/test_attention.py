@@ -261,3 +261,29 @@ def test_a_learned_bias_on_the_cpu_keeps_the_general_rule() -> None:
         got = torch.autograd.grad(compiled(q, k, v, bias), (q, k, v, bias), grad)
         for a, b in zip(got, expected, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_flash_attention_trains_over_symbolic_lengths() -> None:
+    """On the CPU the flash kernel's choice is probed at the hints, unguarded: a causal
+    attention trained at four (batch, length) pairs compiles its passes and autodiff once,
+    every gradient matching eager's (pinned, each pair compiled again)."""
+    from kiln.backends.kiln import CompiledProgramRecord
+    from kiln.recording import recording
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sin()
+
+    kiln.reset()
+    compiled = kiln.compile(attend, dynamic=True)
+    with recording(CompiledProgramRecord) as records:
+        for batch, length in ((2, 48), (3, 40), (2, 100), (4, 33)):
+            q, k, v = (torch.randn(batch, H, length, D, requires_grad=True) for _ in range(3))
+            grad = torch.randn(batch, H, length, D)
+            expected = torch.autograd.grad(attend(q, k, v), (q, k, v), grad)
+            got = torch.autograd.grad(compiled(q, k, v), (q, k, v), grad)
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert kiln.counters.captures == 1
+    assert len(records) == 2, [r.sizes for r in records]  # one forward, one backward
+    kernels = "\n".join(line for r in records for line in r.kernel_lines())
+    assert "sdpa_cpu_forward" in kernels or "extern" in kernels
