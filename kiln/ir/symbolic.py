@@ -603,11 +603,8 @@ def decide(value: Dim, relation: str) -> bool:
 
 
 def env_memo(name: str) -> dict[Any, Any] | None:
-    """The memo called ``name`` of the active environment, None outside one. A result kept
-    there is sound to reuse while that environment is active: a guard its computation
-    recorded is still recorded, and the hints it read are the environment's. (Building
-    indexes asks the same questions of the same sizes thousands of times: a dynamic ResNet's
-    scheduling was mostly that.)"""
+    """The active environment's memo ``name`` (None outside one): reusing a result there is
+    sound, its guards being recorded in that environment and its hints that environment's."""
     env = current_env()
     return None if env is None else env.memos.setdefault(name, {})
 
