@@ -41,6 +41,7 @@ prelude live in :mod:`kiln.codegen.cpp_math`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -694,7 +695,7 @@ class _KernelPrinter:
         stores: list[Store],
         updating: list[Accumulator],
         finished: list[Accumulator],
-        chunked: set[int] = frozenset(),  # type: ignore[assignment]
+        chunked: Collection[int] = (),  # (ids of accumulators updated through partials)
     ) -> None:
         """A vectorized loop over the rows of a block: it reads the results of the ``finished``
         accumulators, updates the ``updating`` ones (inside an ``r`` loop), then runs

@@ -54,12 +54,10 @@ POOLING_MIN_CHUNK = 128
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _operand_shape(node: Node, symbolic: bool = False) -> tuple[Dim, ...] | None:
-    """The shape reduced; with symbolic sizes only where ``symbolic`` (a plan whose choices
-    are comparisons, guarded; chunks need divisors of concrete sizes)."""
+def _operand_shape(node: Node) -> tuple[Dim, ...] | None:
+    """The shape a splittable reduction reduces (symbolic sizes too: each plan's choices are
+    comparisons, guarded, and chunks divide a symbolic row count only where guarded to)."""
     if node.op not in SPLIT_OPS or not isinstance(node.inputs[0], Value):
-        return None
-    if node.inputs[0].type.is_symbolic and not symbolic:
         return None
     return tuple(node.inputs[0].type.shape)
 
@@ -68,7 +66,7 @@ def _plan(node: Node) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(trailing dims, leading dims) of a reduction worth splitting (symbolic sizes too: a
     BatchNorm over a dynamic batch reduced as one row per channel ran 6x slower than split,
     its r index divided and taken modulo the sizes at every element)."""
-    shape = _operand_shape(node, symbolic=True)
+    shape = _operand_shape(node)
     if shape is None:
         return None
     dims = tuple(sorted(node.attrs.dims))
@@ -131,7 +129,7 @@ def _column_plan(node: Node) -> tuple[Dim, int] | None:
     whose column kernels give each program 64 outputs. The C++ kernels already run columns
     in parallel, and chunked ones index each element by division (bert_tiny's decoder-bias
     gradient took 1.7 ms a step chunked)."""
-    shape = _operand_shape(node, symbolic=True)
+    shape = _operand_shape(node)
     if shape is None or not _chunks_columns(node.inputs[0]):  # type: ignore[arg-type]
         return None
     dims = tuple(sorted(node.attrs.dims))
@@ -144,7 +142,7 @@ def _column_plan(node: Node) -> tuple[Dim, int] | None:
 
 def _channels_last_shape(node: Node, dims: tuple[int, ...]) -> tuple[Dim, ...] | None:
     """The shape of a 4-D reduction over ``dims`` of a value held channels-last."""
-    shape = _operand_shape(node, symbolic=True)
+    shape = _operand_shape(node)
     if shape is None or len(shape) != 4 or tuple(sorted(node.attrs.dims)) != dims:
         return None
     return shape if _holds_channels_last(node.inputs[0]) else None  # type: ignore[arg-type]
