@@ -89,6 +89,18 @@ def test_irregular_flash_calls_run_pytorch() -> None:
     assert extern_result_types(attrs, *flat) is None
 
 
+def _stride_two(padding: tuple[int, int]) -> dict[str, Any]:
+    """A 2-D convolution's geometry fields, stride 2, in ``ConvolutionAttrs`` order."""
+    return {
+        "stride": (2, 2),
+        "padding": padding,
+        "dilation": (1, 1),
+        "transposed": False,
+        "output_padding": (0, 0),
+        "groups": 1,
+    }
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize(("wanted", "bias"), [((True, True), True), ((False, True), False)])
 def test_convolution_backward_types_and_layouts(
@@ -99,14 +111,7 @@ def test_convolution_backward_types_and_layouts(
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
         grad = grad.contiguous(memory_format=torch.channels_last)
-    geometry = {
-        "stride": (2, 2),
-        "padding": (1, 1),
-        "dilation": (1, 1),
-        "transposed": False,
-        "output_padding": (0, 0),
-        "groups": 1,
-    }
+    geometry = _stride_two((1, 1))
     args = (Slot(0), Slot(1), Slot(2), (6,) if bias else None, wanted)
     _check(convolution_backward, args, geometry, [grad, x, weight])
 
@@ -122,14 +127,7 @@ def test_strided_pointwise_convolution_backward(
     Kiln computes it as the stride-1 gradient of the pixels read, in the layout the layout
     rule predicts, and matches the contiguous computation."""
     x, weight = torch.randn(shape, dtype=torch.float64), torch.randn(16, 8, 1, 1).double()
-    geometry = {
-        "stride": (2, 2),
-        "padding": (0, 0),
-        "dilation": (1, 1),
-        "transposed": False,
-        "output_padding": (0, 0),
-        "groups": 1,
-    }
+    geometry = _stride_two((0, 0))
     grad = torch.randn(torch.nn.functional.conv2d(x, weight, stride=2).shape).double()
     expected = torch.ops.aten.convolution_backward(
         grad, x, weight, [16], *geometry.values(), [*wanted, True]
