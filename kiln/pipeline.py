@@ -234,11 +234,9 @@ class PerSize:
             self.entries.append((relations_check(pinned(values)), compiled))
             return compiled
         relations = tuple(env.relations)
-        if relations:
-            _log_dynamic.info(
-                "%s: compiled for %s", self.graph.name, ", ".join(r.text() for r in relations)
-            )
-        self.entries.append((relations_check(relations), compiled))
+        if texts := [r.text() for r in relations] + list(env.checks):
+            _log_dynamic.info("%s: compiled for %s", self.graph.name, ", ".join(texts))
+        self.entries.append((relations_check(relations, tuple(env.checks.values())), compiled))
         return compiled
 
 

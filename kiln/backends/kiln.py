@@ -32,6 +32,7 @@ from kiln.ir.interpreter import interpret
 from kiln.ir.op import Op
 from kiln.ir.specialize import rehint, size_places, specialize, used_symbols
 from kiln.ir.symbolic import (
+    Check,
     Dim,
     Relation,
     ShapeEnv,
@@ -186,7 +187,7 @@ class KilnProgram:
         try:
             with active_env(env):
                 runner = self._compile(inputs, rehint(self.graph, values), symbolic=True)
-            relations = tuple(env.relations)
+            relations, checks = tuple(env.relations), tuple(env.checks.values())
         except Exception as error:
             reason = (
                 f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
@@ -196,7 +197,7 @@ class KilnProgram:
             runner = self._compile(inputs, specialize(self.graph, values), note=note)
             self.symbolic.append(SymbolicVariant(layouts, pinned(values), runner, pinned=True))
             return runner
-        self.symbolic.append(SymbolicVariant(layouts, relations, runner))
+        self.symbolic.append(SymbolicVariant(layouts, relations, runner, checks=checks))
         return runner
 
     def _sized(self, runner: Runner) -> bool:
@@ -301,7 +302,7 @@ class KilnProgram:
         record.phases = getattr(self, "_phases", {})
         env = current_env()
         if env is not None:  # (a program in symbolic sizes: what it decided on them)
-            relations = ", ".join(r.text() for r in env.relations)
+            relations = ", ".join([r.text() for r in env.relations] + list(env.checks))
             record.sizes = f"any sizes where {relations}" if relations else "any sizes"
             _log_dynamic.info("%s: kernels for %s", self.graph.name, record.sizes)
         else:
@@ -325,10 +326,11 @@ class SymbolicVariant:
     relations: tuple[Relation, ...]
     runner: Runner
     pinned: bool = False  # compiled for one size (its kernels could not take them)
+    checks: tuple[Check, ...] = ()  # (ShapeEnv.checks)
     holds: Callable[[dict[str, int]], bool] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "holds", relations_check(self.relations))
+        object.__setattr__(self, "holds", relations_check(self.relations, self.checks))
 
 
 def _layout_pattern(graph: Graph, inputs: Sequence[torch.Tensor]) -> tuple[object, ...]:

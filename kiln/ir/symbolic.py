@@ -22,7 +22,7 @@ import contextlib
 import itertools
 import operator
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,9 +101,8 @@ def _monomial_hint(monomial: Monomial) -> int:
     return value
 
 
-# Turns a size into a 0-dim traced tensor, for arithmetic with tensors (``x * n``): torch's
-# argument parser refuses a Sym as a Number, so the operation runs on that tensor instead.
-# Set by the frontend that traces (``kiln.frontends.proxy``).
+# A size as a 0-dim traced tensor, for arithmetic with tensors (``x * n``: torch's argument
+# parser refuses a Sym as a Number). Set by the frontend that traces (``frontends.proxy``).
 as_tensor: Callable[[Sym], Any] | None = None
 
 _OPERATORS: dict[str, Callable[[Any, Any], Any]] = {
@@ -671,21 +670,20 @@ _FLIPPED = {"==": "==", "!=": "!=", "<": ">", ">=": "<="}
 
 def pinned(values: Mapping[str, int]) -> tuple[Relation, ...]:
     """The relations that hold for exactly these values of the symbols."""
-    relations = []
-    for name, value in values.items():
-        difference = Sym.symbol(name, value) - value
-        assert isinstance(difference, Sym)
-        relations.append(Relation(difference, "=="))
-    return tuple(relations)
+    return tuple(Relation(_as_sym(Sym.symbol(n, v) - v), "==") for n, v in values.items())
 
 
-def relations_check(relations: tuple[Relation, ...]) -> Callable[[Mapping[str, int]], bool]:
-    """One function testing every relation on a binding of the symbols (Python source, so that a
-    program reused for each new size, a token's length in text generation, checks fast)."""
-    if not relations:
-        return lambda values: True
+Check = Callable[[Mapping[str, int]], bool]
+
+
+def relations_check(relations: tuple[Relation, ...], checks: Sequence[Check] = ()) -> Check:
+    """One function testing every relation on a binding of the symbols (Python source: a program
+    reused for each new size, a token's length in generation, checks fast), then ``checks``."""
     texts = [f"({r.text(lambda symbol: f'v[{symbol.name!r}]')})" for r in relations]
-    return eval(f"lambda v: {' and '.join(texts)}")  # (our own relations' text)
+    test = eval(f"lambda v: {' and '.join(texts) or 'True'}")  # (our own relations' text)
+    if not checks:
+        return test
+    return lambda values: test(values) and all(check(values) for check in checks)
 
 
 @dataclass
@@ -697,6 +695,8 @@ class ShapeEnv:
     reasons: dict[str, str] = field(default_factory=dict)  # name -> why it is symbolic
     relations: dict[Relation, None] = field(default_factory=dict)
     specializations: list[tuple[str, str]] = field(default_factory=list)  # (expr, why)
+    # Decisions only code can test on a binding (PyTorch's attention kernel), by their text
+    checks: dict[str, Check] = field(default_factory=dict)
     location: Callable[[], str] = field(default=lambda: "")
     _by_hint: dict[int, str] = field(default_factory=dict)
     memos: dict[str, dict[Any, Any]] = field(default_factory=dict, repr=False, compare=False)

@@ -12,6 +12,7 @@ kernels (``sdpa_cuda_forward``, ``sdpa_cuda_backward``, the kernel an argument).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -333,9 +334,50 @@ def _sdpa_cpu_backward_types(attrs: ExternAttrs, *operands: Any) -> Any:
     return None if found is None else tuple(found)
 
 
+@functools.cache
+def _lse_form(backend: int) -> tuple[int, int] | None:
+    """How CUDA kernel ``backend`` shapes its log-sum-exp in the installed PyTorch, from its
+    meta function at one row: ``[B, H, L]`` with L rounded up to a multiple of the first
+    number (the memory-efficient kernel's 32), then the second number of unit dims (cuDNN's
+    ``[B, H, L, 1]``). None: no meta function (a fake run types it)."""
+    q = torch.empty(1, 1, 1, 8, dtype=torch.float16, device="meta")
+    try:
+        lse = sdpa_cuda_forward(q, q, q, None, backend=backend)[1]
+    except Exception:
+        return None
+    return int(lse.shape[2]), lse.dim() - 3
+
+
+def _sdpa_cuda_forward_types(attrs: ExternAttrs, *operands: Any) -> Any:
+    """The output and log-sum-exp of :func:`sdpa_cuda_forward`, in symbolic sizes too (the
+    fit of a fake run's sizes would read the memory-efficient kernel's padded rows as L)."""
+    q, k, v = (operands[s.index] if isinstance(s, Slot) else None for s in attrs.args[:3])
+    if not all(isinstance(t, TensorType) and t.rank == 4 for t in (q, k, v)):
+        return None
+    assert isinstance(q, TensorType) and isinstance(v, TensorType)
+    form = _lse_form(attrs.kwargs.get("backend", CUDA_FLASH))
+    if form is None:
+        return None
+    (align, units), (batch, heads, length) = form, q.shape[:3]
+    rows = (length + align - 1) // align * align if align > 1 else length
+    lse = TensorType((batch, heads, rows, *(1,) * units), torch.float32, q.device)
+    return TensorType((batch, heads, length, v.shape[3]), q.dtype, q.device), lse
+
+
+def _sdpa_cuda_backward_types(attrs: ExternAttrs, *operands: Any) -> Any:
+    """The gradients of :func:`sdpa_cuda_backward`: q's, k's, v's (and the mask's) types."""
+    q, k, v, mask = (operands[s.index] if isinstance(s, Slot) else None for s in attrs.args[1:5])
+    grads = (q, k, v, mask) if attrs.kwargs.get("mask_grad") else (q, k, v)
+    if not all(isinstance(t, TensorType) for t in grads):
+        return None
+    return tuple(TensorType(t.shape, t.dtype, t.device) for t in grads)  # type: ignore[union-attr]
+
+
 # Their output types by formula: no fake run, whose first use costs about a second.
 EXTERN_FORMULAS[sdpa_cpu_forward] = _sdpa_cpu_forward_types
 EXTERN_FORMULAS[sdpa_cpu_backward] = _sdpa_cpu_backward_types
+EXTERN_FORMULAS[sdpa_cuda_forward] = _sdpa_cuda_forward_types
+EXTERN_FORMULAS[sdpa_cuda_backward] = _sdpa_cuda_backward_types
 
 
 def _sdpa_vjp(attrs: SdpaAttrs, inputs: Sequence[Any], outputs: Any, grads: Any) -> Grads:

@@ -109,3 +109,24 @@ def test_a_graph_specialized_to_a_binding() -> None:
     assert concrete.nodes[0].attrs.shape == (15,)
     assert concrete.outputs[0].type.shape == (15,)
     assert graph.inputs[0].type.shape == (a, b)  # the symbolic graph is unchanged
+
+
+def test_relations_check_tests_relations_then_checks() -> None:
+    """A program's guard: every relation (as compiled Python), then each check, the
+    decisions only code can test (PyTorch's attention kernel at the sizes)."""
+    from kiln.ir.symbolic import Relation, relations_check
+
+    below = Relation(Sym.symbol("s0", 8) - 1024, "<")  # s0 < 1024
+    seen: list[dict[str, int]] = []
+
+    def odd_s1(values: dict[str, int]) -> bool:
+        seen.append(dict(values))
+        return values["s1"] % 2 == 1
+
+    assert relations_check(())({"s0": 5})
+    assert relations_check((below,))({"s0": 1023}) and not relations_check((below,))({"s0": 1024})
+    holds = relations_check((below,), [odd_s1])
+    assert holds({"s0": 9, "s1": 5}) and not holds({"s0": 9, "s1": 4})
+    assert not holds({"s0": 2000, "s1": 5})
+    assert len(seen) == 2  # (a failed relation skips the checks)
+    assert relations_check((), [odd_s1])({"s0": 2, "s1": 7})
