@@ -142,6 +142,9 @@ class IndexPutAttrs:
 
     dims: tuple[int, ...]
     accumulate: bool = False
+    # index_copy's put: eager raises for an index outside [0, size), so it may run as
+    # ``index_copy`` (a third of ``index_put``'s host time a call: a static cache's update)
+    in_range: bool = False
 
 
 @dataclass(frozen=True)

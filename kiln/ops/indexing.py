@@ -382,6 +382,8 @@ def _index_put_impl(
 ) -> torch.Tensor:
     if attrs.accumulate and _atomic_add_pays(attrs, x, indices):
         return _index_add(attrs.dims[0], x, values, indices[0])
+    if attrs.in_range and indices[0].dtype == torch.int64:
+        return x.index_copy(attrs.dims[0], indices[0], values)
     # aten.index_put takes None for a full slice, which torch.index_put does not.
     placed = _full_indices(attrs.dims, indices)
     return torch.ops.aten.index_put(x, placed, values, attrs.accumulate)
@@ -394,6 +396,8 @@ def index_put_in_place(
     graph mutates, which nothing else reads (``Scheduler._writes_input_in_place``)."""
     if attrs.accumulate and _atomic_add_pays(attrs, x, indices):
         return _index_add(attrs.dims[0], x, values, indices[0], in_place=True)
+    if attrs.in_range and indices[0].dtype == torch.int64:  # (14 against 6 us a call, CPU)
+        return x.index_copy_(attrs.dims[0], indices[0], values)
     placed = _full_indices(attrs.dims, indices)
     return torch.ops.aten.index_put_(x, placed, values, attrs.accumulate)
 

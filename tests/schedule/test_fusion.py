@@ -333,6 +333,25 @@ def test_an_in_place_index_copy_matches_eager(fn: Callable[..., Any]) -> None:
     assert kiln.counters.fallbacks == []
 
 
+@pytest.mark.parametrize("fn", [_update_cache, _read_then_update])
+def test_an_index_copy_raises_where_eager_does(fn: Callable[..., Any]) -> None:
+    """index_copy's put runs as ``index_copy`` (``IndexPutAttrs.in_range``: eager raises for
+    an index outside ``[0, size)``), in place or not: a negative position raises as eager's
+    does (``index_put`` would wrap it and write the last row), and nothing is written."""
+    compiled = kiln.compile(fn)
+    cache, new = torch.randn(2, 3, 9, 4), torch.randn(2, 3, 1, 4)
+    mine = cache.clone()
+    position = torch.tensor([4])
+    torch.testing.assert_close(compiled(mine, position, new), fn(cache, position, new))
+    torch.testing.assert_close(mine, cache)
+    for outside in (-1, 9):
+        with pytest.raises((RuntimeError, IndexError)):
+            fn(cache.clone(), torch.tensor([outside]), new)
+        with pytest.raises((RuntimeError, IndexError)):
+            compiled(mine, torch.tensor([outside]), new)
+    torch.testing.assert_close(mine, cache)
+
+
 def test_a_value_two_kernels_read_is_recomputed_when_that_moves_no_more_data() -> None:
     # centered feeds sums over rows and over columns: two kernels. Reading one full-size
     # operand (x), recomputing it in the second kernel reads x instead of reading back a

@@ -257,7 +257,8 @@ def _along_dim(
             f"{op}(): source tensor shape {list(shape_of(source))} must match self tensor "
             f"shape {list(shape_of(input))}, excluding the specified dimension {dim}"
         )
-    return prims.index_put(input, source, index, dims=(dim,), accumulate=accumulate)
+    copy = op == "index_copy_"
+    return prims.index_put(input, source, index, dims=(dim,), accumulate=accumulate, in_range=copy)
 
 
 _ALONG_CASES = (_along_calls((4, 5), 1, (4, 3)), _along_calls((5, 2), 0, (4, 2)))
