@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -184,10 +185,16 @@ class KilnProgram:
             if variant.layouts == layouts and variant.holds(values):
                 return variant.runner
         env = ShapeEnv()
+        family = None if self.observed else programs.symbolic_key(self.graph, layouts, self.options)
         try:
-            with active_env(env):
-                runner = self._compile(inputs, rehint(self.graph, values), symbolic=True)
+            with active_env(env):  # (rehinting may ask questions too)
+                graph = rehint(self.graph, values)
+                found = programs.load_symbolic(family, values, graph) if family else None
+                env.relations.update(dict.fromkeys(found.relations if found else ()))
+                runner = self._compile(inputs, graph, symbolic=True, stored=found)
             relations, checks = tuple(env.relations), tuple(env.checks.values())
+            if family and not found and not checks and self._built:
+                programs.store_symbolic(family, relations, graph, *self._built)
         except Exception as error:
             reason = (
                 f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
@@ -224,12 +231,19 @@ class KilnProgram:
         self._stale = True
 
     def _compile(
-        self, inputs: Sequence[torch.Tensor], graph: Graph, symbolic: bool = False, note: str = ""
+        self,
+        inputs: Sequence[torch.Tensor],
+        graph: Graph,
+        symbolic: bool = False,
+        note: str = "",
+        stored: programs.Stored | None = None,
     ) -> Runner:
         """The program of ``graph`` for ``inputs``; ``symbolic``: ``graph`` keeps its symbols
         (under the active :class:`ShapeEnv`) and a failure raises instead of falling back.
-        ``note``: the sizes it serves, for ``kiln.explain`` (a symbolic one says it itself)."""
+        ``note``: the sizes it serves, for ``kiln.explain`` (a symbolic one says it itself);
+        ``stored``: a program in symbolic sizes read from the disk, with its code."""
         self._note = note
+        self._built: tuple[Program, dict[Any, Any]] | None = None
         start = time.perf_counter()
         names: list[str] = []
         self._tuned: list[TuningRecord] = []
@@ -241,10 +255,13 @@ class KilnProgram:
         try:
             devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
             start_workers(devices, self.options.codegen)
-            program, file_key, stored = self._schedule(inputs, graph, symbolic)
+            if stored is not None:
+                program, file_key, memo = stored.program, None, stored.generated
+            else:
+                program, file_key, from_disk = self._schedule(inputs, graph, symbolic)
+                memo = programs.load_generated(file_key) if from_disk and file_key else {}
             scheduled = time.perf_counter()
             tuned: list[TuningRecord] | None = [] if self.options.autotune else None
-            memo = programs.load_generated(file_key) if stored and file_key else {}
             known = len(memo)
             kernels = program.kernels()
             launchers, names = build_kernels(kernels, self.options.codegen, tuned, memo)
@@ -254,6 +271,7 @@ class KilnProgram:
             sizes = self.places if symbolic else ()
             wrapper = Wrapper(program, launchers, self._observe, self.options.cpu_matmul, sizes)
             runner = wrapper.compile()
+            self._built = (program, memo)
             self._phases = {"schedule": scheduled - start, "build": time.perf_counter() - scheduled}
         except Exception as error:
             if symbolic or self.options.strict or _draws_random_numbers(graph):

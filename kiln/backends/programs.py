@@ -16,6 +16,14 @@ a dict keyed by ``id(buffer)``, is stored as pairs of buffers. Measured on ResNe
 scheduling 74 ms, pickling 3 ms (132 KB), unpickling 6 ms. The code generated from a program
 (C++ or Triton sources, and which kernels are duplicates) is stored beside it
 (``g-<key>.kart``) and reused only with a program read from the disk.
+
+A program in symbolic sizes (one for a range of sizes) is keyed without the sizes: the graph
+with its symbols' hints left out and the inputs' layout pattern (``s-<key>.kart``). Its file
+holds up to ``SYMBOLIC_VARIANTS`` programs, each with the relations on the sizes it holds for
+(what scheduling and code generation decided) and its generated code; a process reads the
+first whose relations hold for its sizes, its symbols' hints rebound to them, so questions
+asked again decide by the sizes at hand. A program whose environment has checks (decisions
+only code can test) is not stored.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from kiln.capture.driver import artifact
 from kiln.capture.driver.cache import counters
 from kiln.config import config, logger
 from kiln.ir.graph import Graph, Node, Value
+from kiln.ir.symbolic import Relation, Symbol, relations_check
 from kiln.options import Options
 from kiln.schedule.program import Program
 
@@ -58,6 +67,73 @@ def key(graph: Graph, inputs: Sequence[Any], options: Options) -> str | None:
     return hashlib.sha256(graph_bytes + text.encode()).hexdigest()[:40]
 
 
+# Programs of one graph in symbolic sizes kept on disk (block-size buckets and other decided
+# relations each make one): the newest this many.
+SYMBOLIC_VARIANTS = 8
+
+
+def symbolic_key(graph: Graph, pattern: tuple[object, ...], options: Options) -> str | None:
+    """The file key of the programs of ``graph`` with symbols for inputs of ``pattern``
+    (their layouts as such a program depends on them), whatever the sizes; None: no key."""
+    if not config.artifact_cache:
+        return None
+    try:
+        graph_bytes = _canonical_bytes(graph)
+    except Exception as error:
+        _log.info("program of %s not cached: %s: %s", graph.name, type(error).__name__, error)
+        return None
+    text = f"symbolic\n{pattern!r}\n{options!r}\n{config!r}\n{artifact.environment()}"
+    return hashlib.sha256(graph_bytes + text.encode()).hexdigest()[:40]
+
+
+@dataclasses.dataclass
+class Stored:
+    """A program in symbolic sizes read from the disk: the relations it holds for, its code."""
+
+    program: Program
+    relations: tuple[Relation, ...]
+    generated: dict[Any, Any]
+
+
+def load_symbolic(file_key: str, values: dict[str, int], graph: Graph) -> Stored | None:
+    """The first program stored under ``file_key`` whose relations hold for ``values`` (the
+    symbols' sizes now), bound to ``graph`` and hinted by ``values``; or None."""
+    for data, meta in artifact.read_entries(_path(file_key, "s")):
+        try:
+            relations: tuple[Relation, ...] = pickle.loads(meta)
+            if not relations_check(relations)(values):
+                continue
+            program, reuses, generated = _Unpickler(io.BytesIO(data), graph, values).load()
+        except Exception as error:  # (never worth a failure: schedule instead)
+            _log.info("stored program of %s not used: %s", graph.name, error)
+            return None
+        program.reuses = {id(temp): buffer for temp, buffer in reuses}
+        counters.programs_reused += 1
+        return Stored(program, relations, generated)
+    return None
+
+
+def store_symbolic(
+    file_key: str,
+    relations: tuple[Relation, ...],
+    graph: Graph,
+    program: Program,
+    generated: dict[Any, Any],
+) -> None:
+    """Add ``program`` (in symbolic sizes, holding where ``relations`` do) to ``file_key``'s."""
+    written = {id(b): b for kernel in program.kernels() for b in kernel.writes()}
+    reuses = [(written[k], buffer) for k, buffer in program.reuses.items()]
+    buffer = io.BytesIO()
+    try:
+        _Pickler(buffer, graph).dump((dataclasses.replace(program, reuses={}), reuses, generated))
+        path = _path(file_key, "s")
+        kept = [e for e in artifact.read_entries(path) if pickle.loads(e[1]) != relations]
+        entry = (buffer.getvalue(), pickle.dumps(relations, protocol=pickle.HIGHEST_PROTOCOL))
+        artifact.write_entries(path, [*kept[-(SYMBOLIC_VARIANTS - 1) :], entry])
+    except Exception as error:  # (an unpicklable attribute, a read-only cache: runs on)
+        _log.info("program of %s not stored: %s: %s", graph.name, type(error).__name__, error)
+
+
 def _canonical_bytes(graph: Graph) -> bytes:
     """``graph`` pickled so that equal graphs give equal bytes in any process: without the
     pickle memo (whether two equal strings or tuples are one object varies between processes,
@@ -73,6 +149,8 @@ def _canonical_bytes(graph: Graph) -> bytes:
             return (kind, positions[id(obj)]) if kind and id(obj) in positions else None
 
         def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, Symbol):  # (its hint is one call's size)
+                return tuple, (("symbol", obj.name, obj.low, obj.high),)
             if not isinstance(obj, torch.Tensor):
                 return NotImplemented
             data = obj.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
@@ -96,7 +174,8 @@ def _canonical_bytes(graph: Graph) -> bytes:
 
 
 def _path(file_key: str, kind: str = "p") -> Path:
-    """``p-``: the program; ``g-``: the code generated from it."""
+    """``p-``: the program; ``g-``: the code generated from it; ``s-``: programs in symbolic
+    sizes with their relations and code."""
     return Path(config.cache_dir) / "artifacts" / f"{kind}-{file_key}.kart"
 
 
@@ -155,15 +234,21 @@ class _Pickler(pickle.Pickler):
             return ("node", self.nodes[id(obj)])
         if isinstance(obj, Value) and id(obj) in self.values:
             return ("value", self.values[id(obj)])
+        if isinstance(obj, Symbol):  # (hinted by the sizes of the process that reads it)
+            return ("symbol", obj.name, obj.low, obj.high)
         return None
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, graph: Graph) -> None:
+    def __init__(self, file: Any, graph: Graph, sizes: dict[str, int] | None = None) -> None:
         super().__init__(file)
         self.graph = graph
+        self.sizes = sizes or {}
 
     def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == "symbol":
+            _, name, low, high = pid
+            return Symbol(name, self.sizes[name], low, high)
         kind, position = pid
         if kind == "node":
             return self.graph.nodes[position]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,3 +95,48 @@ def test_another_layout_schedules_again(cache: Path) -> None:
         x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
         torch.testing.assert_close(kiln.compile(model)(x), model(x))
     assert kiln.counters.programs_reused == 0
+
+
+def test_a_program_in_symbolic_sizes_is_read_back_for_other_sizes(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program compiled for a range of sizes (``dynamic=True``) is kept with the relations
+    it holds for: a later process (``kiln.reset()``) meeting other sizes in that range reads
+    it, rehinted by its own sizes, instead of scheduling, forward and backward, and every
+    result and gradient equals eager's; sizes whose relations fail schedule anew."""
+    from kiln.backends import kiln as backend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+    reference = copy.deepcopy(model)
+
+    def step(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = module(x)
+        out.square().sum().backward()
+        return out
+
+    step(kiln.compile(model, dynamic=True), torch.randn(5, 6))
+    assert kiln.counters.programs_reused == 0
+    assert len(list(cache.glob("s-*.kart"))) == 2  # forward and backward
+    kiln.reset()
+    scheduled: list[str] = []
+    original = backend.schedule
+
+    def counting(graph: Any, *args: Any) -> Any:
+        scheduled.append(graph.name)
+        return original(graph, *args)
+
+    monkeypatch.setattr(backend, "schedule", counting)
+    compiled = kiln.compile(model, dynamic=True)
+    for batch in (7, 11, 100):  # (100: past the forward's "16*s0 <= 1024", CPU)
+        if batch == 100:
+            assert scheduled == [] and kiln.counters.programs_reused == 2, scheduled
+        model.zero_grad()
+        reference.zero_grad()
+        x = torch.randn(batch, 6)
+        torch.testing.assert_close(step(compiled, x), step(reference, x))
+        for (name, a), (_, b) in zip(
+            model.named_parameters(), reference.named_parameters(), strict=True
+        ):
+            torch.testing.assert_close(a.grad, b.grad, msg=name)
+    assert len(scheduled) == 2 and kiln.counters.programs_reused == 2, scheduled
