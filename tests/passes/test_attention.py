@@ -268,31 +268,6 @@ def test_a_learned_bias_on_the_cpu_keeps_the_general_rule() -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_flash_attention_trains_over_symbolic_lengths() -> None:
-    """On the CPU the flash kernel's choice is probed at the hints, unguarded: a causal
-    attention trained at four (batch, length) pairs compiles its passes and autodiff once,
-    every gradient matching eager's (pinned, each pair compiled again)."""
-    from kiln.backends.kiln import CompiledProgramRecord
-    from kiln.recording import recording
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sin()
-
-    kiln.reset()
-    compiled = kiln.compile(attend, dynamic=True)
-    with recording(CompiledProgramRecord) as records:
-        for batch, length in ((2, 48), (3, 40), (2, 100), (4, 33)):
-            q, k, v = (torch.randn(batch, H, length, D, requires_grad=True) for _ in range(3))
-            grad = torch.randn(batch, H, length, D)
-            expected = torch.autograd.grad(attend(q, k, v), (q, k, v), grad)
-            got = torch.autograd.grad(compiled(q, k, v), (q, k, v), grad)
-            for a, b in zip(got, expected, strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert kiln.counters.captures == 1
-    assert len(records) == 2, [r.sizes for r in records]  # one forward, one backward
-    assert {sdpa_cpu_forward, sdpa_cpu_backward} <= _extern_functions(records)
-
-
 @pytest.mark.parametrize("backend", [1, 2, 3])
 @pytest.mark.parametrize("length,keys,width", [(40, 40, 64), (33, 70, 64), (64, 5, 32)])
 def test_cuda_kernel_result_types_follow_pytorch(
@@ -369,13 +344,20 @@ def test_cuda_attention_kernel_is_checked_per_size() -> None:
         statistics._Call.kernel = original  # type: ignore[method-assign]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_attention_trains_over_symbolic_lengths() -> None:
-    """On CUDA, a causal attention trained at four (batch, length) pairs compiles its passes
-    and autodiff once (the kernel choice checked per size, not pinned), every gradient
-    matching eager's."""
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_attention_trains_over_symbolic_lengths(device: str) -> None:
+    """A causal attention trained at four (batch, length) pairs compiles its passes and
+    autodiff once, through the kernel's own forward and backward, every gradient matching
+    eager's (pinned, each pair compiled again). The kernel choice is probed at the hints: on
+    the CPU unguarded (its flash kernel takes every size), on CUDA checked per size."""
     from kiln.backends.kiln import CompiledProgramRecord
     from kiln.recording import recording
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cuda = device == "cuda"
+    dtype, width = (torch.bfloat16, 64) if cuda else (torch.float32, D)
+    rtol, atol = (2e-2, 2e-2) if cuda else (1e-4, 1e-5)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).sin()
@@ -384,20 +366,21 @@ def test_cuda_attention_trains_over_symbolic_lengths() -> None:
     compiled = kiln.compile(attend, dynamic=True)
     with recording(CompiledProgramRecord) as records:
         for batch, length in ((2, 48), (3, 40), (2, 100), (4, 33)):
+            shape = (batch, H, length, width)
             q, k, v = (
-                torch.randn(
-                    batch, H, length, 64, device="cuda", dtype=torch.bfloat16
-                ).requires_grad_(True)
-                for _ in range(3)
+                torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
             )
-            grad = torch.randn(batch, H, length, 64, device="cuda", dtype=torch.bfloat16)
+            grad = torch.randn(shape, device=device, dtype=dtype)
             expected = torch.autograd.grad(attend(q, k, v), (q, k, v), grad)
             got = torch.autograd.grad(compiled(q, k, v), (q, k, v), grad)
             for a, b in zip(got, expected, strict=True):
-                torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+                torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
     assert kiln.counters.captures == 1
     assert len(records) == 2, [r.sizes for r in records]  # one forward, one backward
-    assert {sdpa_cuda_forward, sdpa_cuda_backward} <= _extern_functions(records)
+    kernels = (
+        (sdpa_cuda_forward, sdpa_cuda_backward) if cuda else (sdpa_cpu_forward, sdpa_cpu_backward)
+    )
+    assert set(kernels) <= _extern_functions(records)
 
 
 def _extern_functions(records: Any) -> set[Any]:
