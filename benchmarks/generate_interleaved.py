@@ -111,6 +111,8 @@ def main() -> None:
             f"| {compiler} | {median:.2f} | {min(samples[compiler]):.2f} | {ratio} | "
             f"{first[compiler]:.1f} | {ids_check} (vs {compilers[0]}) |"
         )
+    for compiler in compilers:
+        print(f"# {compiler} samples: " + " ".join(f"{s:.2f}" for s in samples[compiler]))
 
 
 if __name__ == "__main__":
