@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dynamic_shapes as ds
 
 import kiln
+from kiln.backends.kiln import CompiledProgramRecord
+from kiln.recording import listen, unlisten
 
 
 def compiled_forward(compiler: str, forward: Any) -> Any:
@@ -70,8 +72,11 @@ def main() -> None:
     options["attention_mask"] = torch.ones_like(ids)
     compilers = arguments.compilers.split(",")
     models, first, outputs = {}, {}, {}
+    programs: dict[str, list[object]] = {}
     with torch.no_grad():
         for compiler in compilers:
+            programs[compiler] = []
+            listen(programs[compiler], CompiledProgramRecord)  # (Kiln's, in its two generates)
             model = ds.gpt2(settings)
             model.load_state_dict(base.state_dict())
             model.forward = compiled_forward(compiler, model.forward)
@@ -81,6 +86,7 @@ def main() -> None:
             first[compiler] = time.perf_counter() - start
             print(f"# {compiler}: first generate {first[compiler]:.1f} s", flush=True)
             model.generate(ids, **options)
+            unlisten(programs[compiler])
             models[compiler] = model
         samples: dict[str, list[float]] = {c: [] for c in compilers}
         for _ in range(arguments.rounds):
@@ -96,8 +102,11 @@ def main() -> None:
         f"{arguments.tokens} new tokens, {arguments.rounds} interleaved rounds; {name}, "
         f"torch {torch.__version__}"
     )
-    print("| compiler | ms/token (median) | min | / torch.compile | first generate s | ids |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| compiler | ms/token (median) | min | / torch.compile | first generate s | ids "
+        "| Kiln programs compiled |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for compiler in compilers:
         median = statistics.median(samples[compiler])
         torch_name = "torch-ro" if compiler.endswith("-ro") else "torch"
@@ -109,7 +118,8 @@ def main() -> None:
         ids_check = ds.same_ids(outputs[compiler], outputs[compilers[0]], ids.shape[1])
         print(
             f"| {compiler} | {median:.2f} | {min(samples[compiler]):.2f} | {ratio} | "
-            f"{first[compiler]:.1f} | {ids_check} (vs {compilers[0]}) |"
+            f"{first[compiler]:.1f} | {ids_check} (vs {compilers[0]}) | "
+            f"{len(programs[compiler]) if compiler.startswith('kiln') else '-'} |"
         )
     for compiler in compilers:
         print(f"# {compiler} samples: " + " ".join(f"{s:.2f}" for s in samples[compiler]))

@@ -20,8 +20,8 @@ then goes through, top to bottom:
    **runtime** (``kiln/runtime``: build, load, launch);
 5. **CUDA graphs** (``kiln/runtime/cudagraphs.py``), in ``reduce-overhead`` and
    ``max-autotune`` modes: each compiled graph (a training graph's forward and backward
-   alike) is recorded on its second call and replayed after; the graphs of one pipeline share
-   a memory pool.
+   alike) is recorded on its second call and replayed after, one recording per size of a
+   graph compiled for a range of sizes; the graphs of one pipeline share a memory pool.
 
 The result is the graph as optimized (what ``kiln.explain`` prints) and the callable that runs
 it: the backend's compiled graph, or a forward/backward pair inside one ``autograd.Function``.
@@ -54,7 +54,7 @@ from kiln.ir.symbolic import (
 from kiln.ir.verify import verify
 from kiln.options import Options
 from kiln.passes import optimize
-from kiln.runtime.cudagraphs import CudaGraphRunner, Family, SizeBudget
+from kiln.runtime.cudagraphs import CudaGraphRunner, Family, SizeBudget, SizedRunners
 
 _log_autodiff = logger("autodiff")
 _log_dynamic = logger("dynamic")
@@ -135,13 +135,12 @@ class Pipeline:
         return compile_split(graph, backend, self.options, lookup_backend("kiln"))
 
     def keeps_symbols(self, graph: Graph) -> bool:
-        """Whether the backend may compile ``graph`` with its symbols: the ``kiln`` backend
-        without CUDA graphs (one recording per size anyway), every symbol readable off the
-        graph's own inputs (a backward graph binds its sizes from what it is given)."""
+        """Whether the backend may compile ``graph`` with its symbols: the ``kiln`` backend,
+        every symbol readable off the graph's own inputs (a backward graph binds its sizes
+        from what it is given). Under CUDA graphs the one program gets one recording per
+        size (:class:`SizedRunners`)."""
         backend = lookup_backend(self.options.backend)
         if backend.name != "kiln" or getattr(backend, "capabilities", None) is not None:
-            return False
-        if self.options.cudagraphs:
             return False
         return used_symbols(graph) <= set(size_places(graph))
 
@@ -154,9 +153,20 @@ class Pipeline:
         *,
         internal: range = range(0),
     ) -> CompiledGraph:
-        """``compiled`` run through CUDA graphs when the mode asks for them."""
+        """``compiled`` run through CUDA graphs when the mode asks for them: one recording per
+        size of a graph with symbols in its inputs."""
         if not self.options.cudagraphs:
             return compiled
+        if current_env() is not None and (places := size_places(graph)):
+            return SizedRunners(
+                graph,
+                compiled,
+                self.family,
+                sizes=sizes,
+                places=places,
+                output_count=output_count,
+                internal=internal,
+            )
         return CudaGraphRunner(
             graph,
             compiled,

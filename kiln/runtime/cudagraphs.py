@@ -207,7 +207,7 @@ class SizeBudget:
     recorded: dict[str, int] = field(default_factory=dict)
 
     def take(self, graph: str) -> bool:
-        """Count one more recorded size of ``graph``; False past ``SIZE_LIMIT``."""
+        """Count one more size of ``graph`` with CUDA graphs; False past ``SIZE_LIMIT``."""
         count = self.recorded.get(graph, 0)
         if count >= SIZE_LIMIT:
             return False
@@ -316,14 +316,17 @@ class CudaGraphRunner:
         compiled: CompiledGraph,
         family: Family,
         *,
-        sizes: SizeBudget,
+        sizes: SizeBudget | None,
         output_count: int,
         internal: Sequence[int] = (),
+        name: str = "",
     ) -> None:
         """``output_count``: the graph's results before the new values of mutated inputs;
         ``internal``: results only Kiln reads (a forward's values saved for the backward),
         returned from the pool, not copied; ``sizes``: the recordings of the captured graph's
-        sizes (at most ``SIZE_LIMIT``)."""
+        sizes (at most ``SIZE_LIMIT``; None: :class:`SizedRunners` counted this one);
+        ``name``: how ``kiln.explain`` calls it (the graph's name)."""
+        self.budget = graph.name
         self.compiled = compiled
         self.family = family
         self.sizes = sizes
@@ -333,7 +336,7 @@ class CudaGraphRunner:
         # inputs that may be another graph's saved values (a backward's): user inputs that
         # are not parameters' views
         self.users = [i for i, kind in enumerate(self.kinds) if kind is InputKind.USER]
-        self.status = CudaGraphStatus(graph.name)
+        self.status = CudaGraphStatus(name or graph.name)
         keep_live(self.status)
         record_event(self.status)  # (kiln.explain of one call shows it warming up)
         self.warming = True  # until a call compiles nothing
@@ -433,8 +436,8 @@ class CudaGraphRunner:
                 why = family.recorder.supports(tensor)
                 if why:
                     return self._off(why, inputs)
-        if self.status.records == 0:
-            if not self.sizes.take(self.status.graph):
+        if self.status.records == 0 and self.sizes is not None:
+            if not self.sizes.take(self.budget):
                 return self._off(f"{SIZE_LIMIT} sizes of this graph already have one", inputs)
         elif replace:
             self.moves += 1
@@ -660,6 +663,68 @@ class CudaGraphRunner:
                     alias._kiln_static = True  # type: ignore[attr-defined]
                 results.append(alias)
         return results
+
+
+class SizedRunners:
+    """A program compiled for a range of sizes (symbols read off its inputs) run through CUDA
+    graphs: one :class:`CudaGraphRunner` per binding of the symbols, all running the one
+    program. The first ``SIZE_LIMIT`` bindings of the captured graph get a runner (a CUDA
+    graph once warm); later ones run the program without CUDA graphs."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        compiled: CompiledGraph,
+        family: Family,
+        *,
+        sizes: SizeBudget,
+        places: dict[str, tuple[int, int]],
+        output_count: int,
+        internal: Sequence[int] = (),
+    ) -> None:
+        """``places``: the (input, dim) of each symbol, by name."""
+        self.graph = graph
+        self.compiled = compiled
+        self.family = family
+        self.sizes = sizes
+        self.names = list(places)
+        self.places = list(places.values())
+        self.output_count = output_count
+        self.internal = internal
+        self.runners: dict[tuple[int, ...], CudaGraphRunner] = {}
+        self.overflow: CudaGraphRunner | None = None  # (the sizes past the limit)
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        key = tuple(inputs[at].shape[dim] for at, dim in self.places)
+        runner = self.runners.get(key)
+        if runner is None:
+            runner = self._runner(key)
+        return runner(inputs)
+
+    def _runner(self, key: tuple[int, ...]) -> CudaGraphRunner:
+        with self.family.lock:
+            runner = self.runners.get(key)
+            if runner is not None:
+                return runner
+            if self.sizes.take(self.graph.name):
+                label = ", ".join(f"{n}={size}" for n, size in zip(self.names, key, strict=True))
+                runner = self.runners[key] = self._make(f"{self.graph.name} at {label}")
+                return runner
+            if self.overflow is None:
+                self.overflow = self._make(f"{self.graph.name} at other sizes")
+                self.overflow._turn_off(f"{SIZE_LIMIT} sizes of this graph already have one")
+            return self.overflow
+
+    def _make(self, name: str) -> CudaGraphRunner:
+        return CudaGraphRunner(
+            self.graph,
+            self.compiled,
+            self.family,
+            sizes=None,
+            output_count=self.output_count,
+            internal=self.internal,
+            name=name,
+        )
 
 
 def _count(storage: torch.UntypedStorage) -> int:

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 import kiln
+from kiln.backends.kiln import CompiledProgramRecord
+from kiln.recording import listen, unlisten
 from kiln.runtime import cudagraphs
 from kiln.runtime.cudagraphs import CudaGraphStatus
 
@@ -371,21 +373,75 @@ def test_graphs_that_cannot_be_recorded_run_without(
     assert "CUDA graphs:" in report and reason in report
 
 
-def test_one_recording_per_size_up_to_the_limit(
+def _programs() -> list[Any]:
+    programs: list[Any] = []
+    listen(programs, CompiledProgramRecord)
+    return programs
+
+
+def _assert_symbolic(programs: list[Any], count: int, sizes: int) -> None:
+    """``count`` programs, each for a range of sizes (on CUDA, one per Triton block bucket
+    the ``sizes`` fall in: fewer than one per size)."""
+    assert all(p.sizes.startswith("any sizes where") for p in programs), programs
+    if DEVICE.type == "cpu":
+        assert len(programs) == count
+    else:
+        assert count <= len(programs) < count * sizes
+
+
+def test_one_program_and_one_recording_per_size_up_to_the_limit(
     recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(cudagraphs, "SIZE_LIMIT", 2)
     model = _mlp()
     compiled = kiln.compile(model, mode="reduce-overhead", dynamic=True)
-    with torch.no_grad():
-        for batch in (2, 3, 5, 7):
-            for _ in range(3):
-                x = randn(batch, 8)
-                torch.testing.assert_close(compiled(x), model(x))
+    programs = _programs()
+    try:
+        with torch.no_grad():
+            for batch in (2, 3, 5, 7, 2, 5):
+                for _ in range(3):
+                    x = randn(batch, 8)
+                    torch.testing.assert_close(compiled(x), model(x))
+    finally:
+        unlisten(programs)
     assert kiln.counters.captures == 1
-    states = sorted(s.state for s in _statuses())
-    assert states == ["off", "off", "recorded", "recorded"]
-    assert all("sizes" in s.reason for s in _statuses() if s.state == "off")
+    _assert_symbolic(programs, 1, 4)  # one program for every size, recorded per size
+    lines = sorted(s.line() for s in _statuses())
+    assert lines == [
+        "call at other sizes: no CUDA graph (2 sizes of this graph already have one)",
+        "call at s0=2, s1=8: CUDA graph recorded (1 recording(s), 4 replay(s))",
+        "call at s0=3, s1=8: CUDA graph recorded (1 recording(s), 2 replay(s))",
+    ]
+
+
+def test_training_over_sizes_compiles_once_and_records_per_size(
+    recorder: CountingRecorder,
+) -> None:
+    model, reference = _mlp(), _mlp()
+    reference.load_state_dict(model.state_dict())
+    compiled = kiln.compile(model, mode="reduce-overhead", dynamic=True)
+    programs = _programs()
+    try:
+        for batch in (3, 5, 3, 6, 5, 3):
+            for _ in range(2):
+                x = randn(batch, 8)
+                compiled(x).square().sum().backward()
+                reference(x).square().sum().backward()
+                for got, want in zip(_grads(model), _grads(reference), strict=True):
+                    torch.testing.assert_close(got, want)
+                model.zero_grad(set_to_none=True)
+                reference.zero_grad(set_to_none=True)
+    finally:
+        unlisten(programs)
+    assert kiln.counters.captures == 1
+    _assert_symbolic(programs, 2, 3)  # a forward and a backward, for every size
+    recorded = sorted(s.graph for s in _statuses() if s.state == "recorded")
+    assert recorded == [
+        f"call_{part} at s0={batch}, s1=8"
+        for part in ("backward", "forward")
+        for batch in (3, 5, 6)
+    ]
+    assert all(s.replays >= 1 for s in _statuses())
 
 
 def test_dropout_masks_change_between_replays(recorder: CountingRecorder) -> None:
