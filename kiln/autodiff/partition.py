@@ -12,8 +12,9 @@ may not be recomputed; ``v_out`` feeds the sink when the backward reads ``v``; a
 by the node producing ``w`` is an infinite edge ``u_out -> w_in``. The cut's edges are the
 values to save; everything the backward needs beyond them is recomputed there. The cut
 weighs bytes only, so a value it would recompute from more than ``MAX_RECOMPUTE_READS``
-saved values of its size (a residual stream summed again from every branch's output) is
-saved instead, and the cut is taken again.
+saved values of its size (a residual stream summed again from every branch's output), or
+more than ``MAX_WINDOW_READS`` elements of one (a max pool's window), is saved instead, and
+the cut is taken again.
 
 For ``gelu(x @ w + b)`` this saves ``x``, ``w``, ``b`` and ``x @ w`` and recomputes the bias
 add and gelu's elementwise chain in the backward. Nodes of a ``torch.utils.checkpoint`` region
@@ -36,6 +37,8 @@ INFINITE = 1 << 62
 _RECOMPUTABLE_TAGS = frozenset({Tag.ELEMENTWISE, Tag.MOVEMENT, Tag.CREATION, Tag.RANDOM})
 _NOT_RECOMPUTABLE = frozenset({Op.GATHER, Op.SCATTER, Op.SCATTER_ADD, Op.INDEX, Op.INDEX_PUT})
 MAX_RECOMPUTE_READS = 3  # stored full-size values one recomputed value may read
+MAX_WINDOW_READS = 4  # elements of one stored value an element's recomputation may read
+_WINDOW_STATES = 4096  # (value, movement path) pairs visited before giving up: not costly
 MAX_CUTS = 4  # rounds of cutting, then saving what recomputes from too much
 Producers = dict[Value, Node | None]  # forward values and the nodes making them
 
@@ -137,6 +140,10 @@ def _costly_recomputations(values: Producers, needed: set[Value], saved: set[Val
         if _recompute_reads(value, values, stored) > MAX_RECOMPUTE_READS:
             costly.add(value)
             stored.add(value)
+        elif _window_reads(value, values, stored):
+            root = _window_root(value, values, stored)
+            costly.add(root)
+            stored.add(root)
     return costly
 
 
@@ -153,6 +160,60 @@ def _recompute_reads(value: Value, values: Producers, stored: set[Value]) -> int
             stack += operands
             seen.update(operands)
     return reads
+
+
+def _window_reads(value: Value, values: Producers, stored: set[Value]) -> bool:
+    """Whether recomputing one element of ``value`` reads more than ``MAX_WINDOW_READS``
+    elements of one stored value: a window's maximum (max pooling decomposes into strided
+    slices of its input combined elementwise) or a stencil. Each distinct path of movement
+    nodes (slice, pad, ...) from ``value`` to a stored value reads another element of it.
+
+    A max pool's result and masks recomputed from the convolution output before it read 9
+    elements each (a 3x3 window); ResNet's backward recomputed the pool's forward in five
+    kernels on the way to its BatchNorm backward."""
+    paths: dict[Value, set[tuple[int, ...]]] = {}
+    seen: set[tuple[Value, tuple[int, ...]]] = {(value, ())}
+    stack: list[tuple[Value, tuple[int, ...]]] = [(value, ())]
+    while stack and len(seen) < _WINDOW_STATES:
+        current, path = stack.pop()
+        producer = values.get(current)
+        if current is not value and (current in stored or producer is None):
+            found = paths.setdefault(current, set())
+            found.add(path)
+            if len(found) > MAX_WINDOW_READS:
+                return True
+            continue
+        if producer is None:
+            continue
+        if Tag.MOVEMENT in op_def(producer.op).tags:
+            path = (*path, id(producer))
+        for operand in dict.fromkeys(producer.input_values()):
+            if (operand, path) not in seen:
+                seen.add((operand, path))
+                stack.append((operand, path))
+    return False
+
+
+def _window_root(value: Value, values: Producers, stored: set[Value]) -> Value:
+    """What to save for ``value``, whose recomputation reads a window: while its producer is
+    elementwise with one operand of its size that reads a window itself, that operand. A max
+    pool's gradient masks ``eq(position, j)`` save the one ``position`` they test, not nine
+    masks."""
+    while (producer := values.get(value)) is not None:
+        if Tag.ELEMENTWISE not in op_def(producer.op).tags:
+            break
+        windowed = [
+            operand
+            for operand in dict.fromkeys(producer.input_values())
+            if operand not in stored
+            and values.get(operand) is not None
+            and _numel(operand) == _numel(value)
+            and _window_reads(operand, values, stored)
+        ]
+        if len(windowed) != 1:
+            break
+        value = windowed[0]
+    return value
 
 
 def _numel(value: Value) -> int:

@@ -18,6 +18,7 @@ CPU kernels do. Adaptive pooling is in ``adaptive_pooling.py``.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from kiln.ops.translations.shape import shape_of
 from kiln.ops.translations.table import FallbackToExtern, translation
 
 IntArg = int | Sequence[int]
+MAX_OFFSET_WINDOW = 27  # elements of a window whose max pool routes gradients by offsets
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,8 @@ def max_pool(
     fill = _lowest(input.type.dtype)
     result = input
     first = input.type.rank - spatial
+    if input.type.requires_grad and math.prod(w.kernel for w in wins) <= MAX_OFFSET_WINDOW:
+        return _max_pool_by_offsets(input, first, wins, outs, fill)
     # Eager's max pool passes the gradient to the first maximum of a window in row-major order:
     # reduce the last spatial dim first, keeping the earlier element on ties (NaN wins).
     steps = list(enumerate(zip(wins, outs, strict=True)))
@@ -227,11 +231,62 @@ def max_pool(
     return result
 
 
-def _first_max(a: Value, b: Value) -> Value:
+def _max_pool_by_offsets(
+    input: Value, first: int, wins: Sequence[Window], outs: Sequence[Dim], fill: float
+) -> Value:
+    """A max pool whose gradient flows through the position of each window's maximum.
+
+    The window's elements (one strided slice of the padded input each, in row-major order)
+    are compared in turn as eager's kernel does (a later one wins when greater, or NaN), and
+    the winner's position is kept as a small integer; the result is the slice at that
+    position. Its VJP reads only the positions (int32, one per output element: what the
+    partitioner saves, ``partition.py``; the comparison prims take no int8), where the
+    separable decomposition's backward recomputed the window's comparisons from the input."""
+    padded, lasts = input, []
+    for offset, (window, out) in enumerate(zip(wins, outs, strict=True)):
+        dim = first + offset
+        last = (out - 1) * window.stride + 1  # the extent of one slice
+        span = last + window.dilation * (window.kernel - 1)
+        high = span - padded.type.shape[dim] - window.padding
+        padded = _pad_dim(padded, dim, window.padding, high, fill)
+        lasts.append(last)
+    slices = []
+    for place in itertools.product(*(range(w.kernel) for w in wins)):
+        part = padded
+        for offset, (j, window, last) in enumerate(zip(place, wins, lasts, strict=True)):
+            start = j * window.dilation
+            part = prims.slice(
+                part, dim=first + offset, start=start, stop=start + last, step=window.stride
+            )
+        slices.append(part)
+    if len(slices) == 1:
+        return slices[0]
+    best, position = slices[0], None
+    for number, part in enumerate(slices[1:], start=1):
+        take = _takes(best, part)
+        best = prims.where(take, part, best)
+        position = (
+            prims.convert(take, dtype=torch.int32)
+            if position is None
+            else prims.where(take, number, position)
+        )
+    # One term a window position, the others -0.0 (x + -0.0 is x, -0.0 included): each
+    # slice's gradient is then one select, where a chain of selects nested eight deep.
+    assert position is not None
+    terms = [prims.where(prims.eq(position, n), part, -0.0) for n, part in enumerate(slices)]
+    return functools.reduce(prims.add, terms)
+
+
+def _takes(a: Value, b: Value) -> Value:
+    """Whether ``b``, later in the window, replaces the maximum ``a`` so far."""
     take = prims.gt(b, a)
     if a.type.dtype.is_floating_point:
         take = prims.logical_or(take, prims.isnan(b))
-    return prims.where(take, b, a)
+    return take
+
+
+def _first_max(a: Value, b: Value) -> Value:
+    return prims.where(_takes(a, b), b, a)
 
 
 def _max_pool_cases(spatial: int) -> list[Case]:
