@@ -50,7 +50,7 @@ from kiln.random_state import preserved_random_state
 from kiln.recording import record as record_event
 from kiln.runtime.autotune import TuningRecord
 from kiln.runtime.triton_build import start_workers
-from kiln.schedule.layouts import input_pattern
+from kiln.schedule.layouts import Observed, input_pattern
 from kiln.schedule.loops import Kernel, format_kernel
 from kiln.schedule.program import Program
 from kiln.schedule.scheduler import schedule
@@ -129,7 +129,7 @@ class KilnProgram:
     variants: dict[tuple[object, ...], Runner] = field(default_factory=dict)
     # Extern results PyTorch laid out otherwise than the schedule assumed (the node's first
     # output name -> strides): a variant that saw one is rebuilt once, assuming what PyTorch does.
-    observed: dict[str, list[tuple[Dim, ...]]] = field(default_factory=dict)
+    observed: dict[str, list[Observed]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.user = [i for i, v in enumerate(self.graph.inputs) if v.kind is InputKind.USER]
@@ -225,9 +225,10 @@ class KilnProgram:
         )
         return runner
 
-    def _observe(self, node: Node, strides: list[tuple[int, ...]]) -> None:
+    def _observe(self, node: Node, layouts: Sequence[Observed]) -> None:
+        strides = [strides for _, strides in layouts]
         _log.info("%s returned strides %s, not the predicted ones; rebuilding once", node, strides)
-        self.observed[node.outputs[0].name] = list(strides)  # (names hold in every sized copy)
+        self.observed[node.outputs[0].name] = list(layouts)  # (names hold in every sized copy)
         self._stale = True
 
     def _compile(

@@ -46,7 +46,8 @@ from kiln.schedule.loops import Buffer, BufferKind, Kernel, kernel_symbols
 from kiln.schedule.program import ExternCall, Program, View, kernel_arguments
 
 Launcher = Callable[..., Any]
-LayoutReport = Callable[[Any, list[tuple[int, ...]]], None]  # (graph node, actual strides)
+# (graph node, each result's actual (shape, strides))
+LayoutReport = Callable[[Any, Sequence[tuple[tuple[int, ...], tuple[int, ...]]]], None]
 _serial = itertools.count()
 
 
@@ -276,7 +277,8 @@ def extern_function(
 ) -> Callable[..., list[torch.Tensor]]:
     """Runs the node's reference implementation and lays its results out as the kernels that
     read them expect: when PyTorch chose other strides than the schedule assumed, a copy, and
-    ``on_layout(node, strides)`` so the next compilation assumes what PyTorch does."""
+    ``on_layout(node, layouts)`` (each result's shape and strides) so the next compilation
+    assumes what PyTorch does."""
     attrs = call.node.attrs
     if call.node.op is Op.EXTERN:
         bound = extern_runner(attrs)
@@ -295,7 +297,7 @@ def extern_function(
         if all(_same_layout(t, *layout) for t, layout in zip(results, layouts, strict=True)):
             return list(results)
         if on_layout is not None:
-            on_layout(call.node, [tuple(t.stride()) for t in results])
+            on_layout(call.node, [(tuple(t.shape), tuple(t.stride())) for t in results])
         return [
             t if _same_layout(t, shape, strides) else _restride(t, shape, strides)
             for t, (shape, strides) in zip(results, layouts, strict=True)

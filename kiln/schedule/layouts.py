@@ -12,7 +12,7 @@ and a mismatch is learned for the next compilation (``KilnProgram.observed``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -97,21 +97,28 @@ def input_layout(
     return concrete_shape(tuple(shape)), tuple(tensor.stride())
 
 
-def observed_strides(node: Node, seen: list[tuple[Dim, ...]]) -> list[tuple[Dim, ...]]:
-    """Strides PyTorch gave ``node``'s results at run time, for the sizes of its types: a
-    result dense in some dim order has that order's strides at any size; any other keeps
-    the strides seen (its sizes then specialize)."""
+Observed = tuple[tuple[Dim, ...], tuple[Dim, ...]]  # a result's (shape, strides) on a run
+
+
+def observed_strides(
+    node: Node, seen: Sequence[Observed], predict: Callable[[], list[tuple[Dim, ...]]]
+) -> list[tuple[Dim, ...]]:
+    """Strides for ``node``'s results, given the (shape, strides) PyTorch gave them on a run:
+    a result dense in some dim order at the size seen has that order's strides at any size;
+    any other keeps the strides seen at that size alone (its sizes then specialize), and at
+    another size is predicted again (``predict``): strides seen at one length, kept at
+    another, overlapped the rows of a convolution's result."""
     result: list[tuple[Dim, ...]] = []
-    for value, strides in zip(node.outputs, seen, strict=True):
+    for number, (value, (seen_shape, strides)) in enumerate(zip(node.outputs, seen, strict=True)):
         shape = value.type.shape
         order = memory_order(strides)
-        if all(isinstance(n, int) for n in shape):
-            result.append(strides)
-        elif strides_in_order(tuple(hint(n) for n in shape), order) == tuple(strides):
+        if strides_in_order(seen_shape, order) == tuple(strides):
             result.append(strides_in_order(shape, order))
-        else:
+        elif tuple(hint(n) for n in shape) == tuple(seen_shape):
             concrete_shape(shape)
             result.append(strides)
+        else:
+            result.append(predict()[number])
     return result
 
 
@@ -136,7 +143,9 @@ def extern_strides(node: Node, operands: list[object]) -> list[tuple[Dim, ...]]:
         else substitute(o, values)
         for o in operands
     ]
-    return observed_strides(node, _extern_strides(sized_node(node, values), sized))
+    found = _extern_strides(sized_node(node, values), sized)
+    hinted = [tuple(hint(n) for n in shape_of(v)) for v in node.outputs]
+    return observed_strides(node, list(zip(hinted, found, strict=True)), lambda: found)
 
 
 def _extern_strides(node: Node, operands: list[object]) -> list[tuple[Dim, ...]]:

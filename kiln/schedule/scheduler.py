@@ -42,6 +42,7 @@ from kiln.schedule.group import Group, build_kernel
 from kiln.schedule.inlining import Inlining
 from kiln.schedule.layout_choice import LayoutChoice, channels_last_copy, copied
 from kiln.schedule.layouts import (
+    Observed,
     channels_last_strides,
     extern_strides,
     input_layout,
@@ -80,10 +81,10 @@ class Scheduler:
         self,
         graph: Graph,
         inputs: Sequence[torch.Tensor],
-        observed: dict[str, list[tuple[Dim, ...]]] | None = None,
+        observed: dict[str, list[Observed]] | None = None,
     ):
         self.graph = graph
-        self.observed = observed or {}  # node's first output name -> extern strides seen
+        self.observed = observed or {}  # node's first output name -> extern layouts seen
         self._node_order = {id(node): i for i, node in enumerate(graph.nodes)}
         self.users = graph.users()
         self.outputs = [*graph.outputs, *(new for _, new in graph.mutations)]
@@ -188,7 +189,10 @@ class Scheduler:
                 operands.append(operand)
         position = len(self.steps)
         seen = self.observed.get(node.outputs[0].name)
-        strides = observed_strides(node, seen) if seen else extern_strides(node, operands)
+        if seen:
+            strides = observed_strides(node, seen, lambda: extern_strides(node, operands))
+        else:
+            strides = extern_strides(node, operands)
         in_place = self._writes_input_in_place(node)
         if in_place:
             strides = [self.layouts[node.inputs[0]].strides]  # type: ignore[index]
@@ -392,11 +396,11 @@ class Scheduler:
 def schedule(
     graph: Graph,
     inputs: Sequence[torch.Tensor],
-    observed: dict[str, list[tuple[Dim, ...]]] | None = None,
+    observed: dict[str, list[Observed]] | None = None,
 ) -> Program:
     """The program computing ``graph`` for inputs laid out like ``inputs``. Kernels run on
     one device each (a mixed-device graph gets kernels per device, transfers are externs).
-    ``observed``: extern output strides seen at run time (by the name of the node's first
+    ``observed``: extern output shapes and strides seen at run time (by the name of the node's first
     output), where PyTorch chose another layout than the meta run predicted."""
     scheduler = Scheduler(graph, inputs, observed)
     scheduler.run()

@@ -47,9 +47,13 @@ def view_of(view: View, node: Node) -> View | None:
         kept = [st for d, st in enumerate(strides) if d not in attrs.dims]
         return View(view.buffer, out_shape, tuple(kept), view.offset)
     if op is Op.UNSQUEEZE:
-        rest = iter(strides)
-        new = [1 if d in attrs.dims else next(rest) for d in range(len(out_shape))]
-        return View(view.buffer, out_shape, tuple(new), view.offset)
+        # PyTorch's rule: a new dim's stride spans the dim it is inserted before (1 at the
+        # end). The stride of a size-1 dim addresses nothing, but an extern's choice of layout
+        # reads it: a convolution of x[:, None] with stride 1 there came back channels-last.
+        for d in sorted(attrs.dims):
+            strides.insert(d, shape[d] * strides[d] if d < len(shape) else 1)
+            shape.insert(d, 1)
+        return View(view.buffer, out_shape, tuple(strides), view.offset)
     if op is Op.RESHAPE:
         reshaped = reshape_strides(tuple(shape), tuple(strides), out_shape)
         return None if reshaped is None else View(view.buffer, out_shape, reshaped, view.offset)

@@ -363,3 +363,32 @@ def test_symbolic_input_strides_follow_its_dim_order() -> None:
         x = torch.randn(n, 4, 6).permute(0, 2, 1)  # [n, 6, 4], dense in order (0, 2, 1)
         torch.testing.assert_close(compiled(x), scaled(x))
     assert kiln.counters.captures == 1
+
+
+def test_an_extern_layout_learned_at_one_size_is_right_at_others() -> None:
+    # PyTorch's CPU convolution of a one-channel input with strides (L, 1, 1) answers
+    # channels-last, where the meta run predicts contiguous. The program learned those
+    # strides at length 160 and kept them, batch stride and all, at 240: rows of the result
+    # overlapped (wav2vec2's feature encoder, whose x[:, None] Kiln then laid out so, 2.7 off).
+    conv = nn.Conv1d(1, 16, 8, 4, bias=False)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return conv(x) * 2
+
+    def g(v: torch.Tensor) -> torch.Tensor:
+        return conv(v[:, None])  # (eager's strides for the new dim: it steers the layout)
+
+    compiled, unsqueezed = kiln.compile(f, dynamic=True), kiln.compile(g, dynamic=True)
+    programs: list[CompiledProgramRecord] = []
+    with torch.no_grad():
+        for length in (160, 240, 240, 200, 320, 161):
+            x = torch.randn(2, length, 1).transpose(1, 2)  # (strides (L, 1, 1))
+            torch.testing.assert_close(compiled(x), f(x))
+            v = torch.randn(2, length)
+            listen(programs, CompiledProgramRecord)
+            try:
+                torch.testing.assert_close(unsqueezed(v), g(v))
+            finally:
+                unlisten(programs)
+    assert kiln.counters.fallbacks == []
+    assert len(programs) == 1  # (the layout eager's strides give: never learned, never rebuilt)
