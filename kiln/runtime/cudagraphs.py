@@ -666,10 +666,9 @@ class CudaGraphRunner:
 
 
 class SizedRunners:
-    """A program compiled for a range of sizes (symbols read off its inputs) run through CUDA
-    graphs: one :class:`CudaGraphRunner` per binding of the symbols, all running the one
-    program. The first ``SIZE_LIMIT`` bindings of the captured graph get a runner (a CUDA
-    graph once warm); later ones run the program without CUDA graphs."""
+    """A program for a range of sizes run through CUDA graphs: one :class:`CudaGraphRunner`
+    per binding of its symbols (the first ``SIZE_LIMIT`` of the captured graph), all running
+    the one program; later bindings run it without CUDA graphs."""
 
     def __init__(
         self,
@@ -697,9 +696,7 @@ class SizedRunners:
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         key = tuple(inputs[at].shape[dim] for at, dim in self.places)
         runner = self.runners.get(key)
-        if runner is None:
-            runner = self._runner(key)
-        return runner(inputs)
+        return (runner or self._runner(key))(inputs)
 
     def _runner(self, key: tuple[int, ...]) -> CudaGraphRunner:
         with self.family.lock:
@@ -708,8 +705,8 @@ class SizedRunners:
                 return runner
             if self.sizes.take(self.graph.name):
                 label = ", ".join(f"{n}={size}" for n, size in zip(self.names, key, strict=True))
-                runner = self.runners[key] = self._make(f"{self.graph.name} at {label}")
-                return runner
+                self.runners[key] = self._make(f"{self.graph.name} at {label}")
+                return self.runners[key]
             if self.overflow is None:
                 self.overflow = self._make(f"{self.graph.name} at other sizes")
                 self.overflow._turn_off(f"{SIZE_LIMIT} sizes of this graph already have one")
