@@ -436,8 +436,8 @@ class CudaGraphRunner:
                 why = family.recorder.supports(tensor)
                 if why:
                     return self._off(why, inputs)
-        if self.status.records == 0 and self.sizes is not None:
-            if not self.sizes.take(self.budget):
+        if self.status.records == 0:  # (SizedRunners counted a runner of its own: no sizes)
+            if self.sizes is not None and not self.sizes.take(self.budget):
                 return self._off(f"{SIZE_LIMIT} sizes of this graph already have one", inputs)
         elif replace:
             self.moves += 1

@@ -149,10 +149,7 @@ def pool_dim(
     combine: Callable[[Value, Value], Value],
 ) -> Value:
     """Combine the ``window.kernel`` elements of each of ``out`` windows along ``dim``."""
-    size = x.type.shape[dim]
-    last = (out - 1) * window.stride + 1  # the extent of one slice
-    span = last + window.dilation * (window.kernel - 1)
-    padded = _pad_dim(x, dim, window.padding, span - size - window.padding, fill)
+    padded, last = _padded_for(x, dim, window, out, fill)
     slices = [
         prims.slice(
             padded,
@@ -164,6 +161,17 @@ def pool_dim(
         for j in range(window.kernel)
     ]
     return functools.reduce(combine, slices)
+
+
+def _padded_for(
+    x: Value, dim: int, window: Window, out: Dim, fill: bool | int | float
+) -> tuple[Value, Dim]:
+    """``x`` padded along ``dim`` to cover ``out`` windows, and the extent of one slice (the
+    window's j-th elements: ``padded[j * dilation : j * dilation + last : stride]``)."""
+    last = (out - 1) * window.stride + 1
+    span = last + window.dilation * (window.kernel - 1)
+    high = span - x.type.shape[dim] - window.padding
+    return _pad_dim(x, dim, window.padding, high, fill), last
 
 
 def _lowest(dtype: torch.dtype) -> bool | int | float:
@@ -244,11 +252,7 @@ def _max_pool_by_offsets(
     separable decomposition's backward recomputed the window's comparisons from the input."""
     padded, lasts = input, []
     for offset, (window, out) in enumerate(zip(wins, outs, strict=True)):
-        dim = first + offset
-        last = (out - 1) * window.stride + 1  # the extent of one slice
-        span = last + window.dilation * (window.kernel - 1)
-        high = span - padded.type.shape[dim] - window.padding
-        padded = _pad_dim(padded, dim, window.padding, high, fill)
+        padded, last = _padded_for(padded, first + offset, window, out, fill)
         lasts.append(last)
     slices = []
     for place in itertools.product(*(range(w.kernel) for w in wins)):
