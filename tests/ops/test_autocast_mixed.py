@@ -7,7 +7,13 @@ accepts (a T5 attention bias in float32 met bfloat16 queries this way). Each tra
 at least two floating operands runs its first samples with every other floating operand
 cast to bfloat16. Results are compared with eager's; where they differ by more than bfloat16's
 rounding, both are compared with a float64 run without autocast, and Kiln must be no further
-from it than eager is.
+from it than twice eager's distance (plus bfloat16's tolerance).
+
+Why twice: bfloat16 roundings in another order differ by a factor, not a constant. Measured on
+multi-head attention's samples over 150 seeds: Kiln's distances from float64 had a geometric
+mean of 0.6-1.0 times eager's for every gradient but the output bias's (2.5x of a tiny one),
+yet one seed in 150 put the query's gradient 1.47 from float64 against eager's 0.89 (both
+ill-conditioned), and 1.5 times failed CI once that way. A wrong translation is off by far more.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import kiln
 from kiln.ops.translations import Translation, api_name, entries
 
 TOLERANCE = 3e-2
+FACTOR = 2.0  # Kiln's distance from float64 may be this many times eager's (docstring)
 
 
 def _mixed_samples(entry: Translation) -> list[tuple[list[Any], Any]]:
@@ -137,7 +144,7 @@ def test_translation_under_autocast_with_mixed_dtypes(key: Any, samples: Any) ->
                 float64 = _program(key, leaves, spec, autocast=False)
                 reference = _run(float64, tensors, torch.float64)
             truth = (reference[0] if kind == "output" else reference[1])[index]
-            assert _distance(mine, truth) <= 1.5 * _distance(theirs, truth) + TOLERANCE, (
+            assert _distance(mine, truth) <= FACTOR * _distance(theirs, truth) + TOLERANCE, (
                 f"{kind} {index}: {_distance(mine, theirs):.3g} from eager, "
                 f"{_distance(mine, truth):.3g} from float64 (eager {_distance(theirs, truth):.3g})"
             )
