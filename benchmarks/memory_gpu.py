@@ -3,9 +3,11 @@ for eager and Kiln (the caching allocator's, as `kiln bench` measures it), and t
 at Kiln's peak with the line that allocated each (a host-program line, or the model's source).
 
     python benchmarks/memory_gpu.py --models resnet50,gpt2 [--mode infer|train] [--top 12]
+        [--compile-mode reduce-overhead] [--compiler kiln|torch]
 
 The allocator's history is recorded for one step after warm-up; its events are replayed to find
-the peak and what was live then.
+the peak and what was live then. The segments reserved after the step are summed by pool (the
+default pool, and each CUDA-graph pool), since under CUDA graphs most memory is a pool's.
 """
 
 from __future__ import annotations
@@ -60,12 +62,36 @@ def _peak(step: Callable[[], Any]) -> int:
     return int(torch.cuda.max_memory_allocated())
 
 
-def report(name: str, mode: str, top: int) -> None:
+def _compiled(model: Any, compiler: str, compile_mode: str) -> Any:
+    if compiler == "kiln":
+        return kiln.compile(model, mode=compile_mode)
+    compiled = torch.compile(model, mode=compile_mode)
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    return marked
+
+
+def _pools() -> str:
+    """Reserved MiB by pool: ``default`` and each CUDA-graph pool."""
+    sizes: dict[str, int] = {}
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        name = "default" if pool == (0, 0) else f"graph pool {pool}"
+        sizes[name] = sizes.get(name, 0) + segment["total_size"]
+    return ", ".join(f"{name} {size / MIB:.0f}" for name, size in sorted(sizes.items()))
+
+
+def report(name: str, mode: str, top: int, compiler: str, compile_mode: str) -> None:
     model, inputs, step = prepare(name, mode, torch.device("cuda"))
-    compiled = kiln.compile(model)
-    for _ in range(2):
+    compiled = _compiled(model, compiler, compile_mode)
+    for _ in range(3):
         step(model, inputs)
         step(compiled, inputs)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     eager = _peak(lambda: step(model, inputs))
     ours = _peak(lambda: step(compiled, inputs))
@@ -77,8 +103,10 @@ def report(name: str, mode: str, top: int) -> None:
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     peak, live = _live_at_peak(trace)
     print(
-        f"== {name} {mode}: peak MiB eager {eager / MIB:.0f}, kiln {ours / MIB:.0f} "
-        f"(before the step {base / MIB:.0f}); step allocations live at kiln's peak: "
+        f"== {name} {mode} {compiler} {compile_mode}: peak MiB eager {eager / MIB:.0f}, "
+        f"{compiler} {ours / MIB:.0f}, reserved after it {torch.cuda.memory_reserved() / MIB:.0f} "
+        f"({_pools()})"
+        f" (allocated before the step {base / MIB:.0f}); step allocations live at the peak: "
         f"{peak / MIB:.0f} MiB in {len(live)} blocks",
         flush=True,
     )
@@ -92,9 +120,11 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2")
     parser.add_argument("--mode", choices=["infer", "train"], default="infer")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--compiler", choices=["kiln", "torch"], default="kiln")
+    parser.add_argument("--compile-mode", default="default")
     args = parser.parse_args()
     for name in args.models.split(","):
-        report(name, args.mode, args.top)
+        report(name, args.mode, args.top, args.compiler, args.compile_mode)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # +61: reduce-overhead keeps symbols: one program for a range of sizes, a recording per size.
 # +84: max pool gradients by window positions; the partitioner saves what reads a window.
 # +11: extern layouts learned at run time keep the shape they were seen at; unsqueeze strides.
-LINE_BUDGET = 33_681
+# +10: the benchmark reports reserved memory too (CUDA-graph pools count for every compiler).
+LINE_BUDGET = 33_691
 
 
 def _module_name(path: Path) -> str:

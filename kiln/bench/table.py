@@ -25,6 +25,7 @@ HEADERS = (
     "first call s (eager / torch / kiln)",
     "warm start s (torch / kiln)",
     "peak MiB (eager / torch / kiln)",
+    "reserved MiB (eager / torch / kiln)",
     "max rel err (torch / kiln)",
     "check",
 )
@@ -75,6 +76,7 @@ def _cells(row: Row) -> list[str]:
         " / ".join(_first_call(m) for m in (eager, torch_run, kiln_run)),
         " / ".join(_first_call(get(f"{name} warm")) for name in ("torch", "kiln")),
         " / ".join(_mib(m) for m in (eager, torch_run, kiln_run)),
+        " / ".join(_mib(m, reserved=True) for m in (eager, torch_run, kiln_run)),
         " / ".join(_error(m) for m in (torch_run, kiln_run)),
         _check(row),
     ]
@@ -110,10 +112,11 @@ def _first_call(measurement: Measurement | None) -> str:
     return _number(measurement.first_call_s)
 
 
-def _mib(measurement: Measurement | None) -> str:
-    if measurement is None or measurement.peak_mib is None:
-        return "—"
-    return f"{measurement.peak_mib:.0f}"
+def _mib(measurement: Measurement | None, reserved: bool = False) -> str:
+    value = None if measurement is None else measurement.peak_mib
+    if reserved:
+        value = None if measurement is None else measurement.reserved_mib
+    return "—" if value is None else f"{value:.0f}"
 
 
 def _error(measurement: Measurement | None) -> str:

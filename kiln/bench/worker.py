@@ -86,6 +86,7 @@ class Measurement:
     median_ms: float | None = None
     samples: int = 0
     peak_mib: float | None = None
+    reserved_mib: float | None = None  # CUDA: segments reserved, CUDA-graph pools included
     max_rel_error: float | None = None
     ok: bool = True
     error: str | None = None
@@ -156,6 +157,8 @@ def _measure(job: Job, report: Report, result: Measurement) -> None:
                 times = roofline.measure(lambda: step(runner, inputs[0]), compiled)
                 result.notes += roofline.report(times, device, top=12)
     result.peak_mib = memory.peak() / 2**20
+    reserved = memory.reserved()
+    result.reserved_mib = None if reserved is None else reserved / 2**20
     if reference_run:
         report("float64 oracle")
         _save_oracle(job, model, inputs, device, result)

@@ -23,7 +23,7 @@ def test_row_cells_speedups_and_alignment() -> None:
     row = Row("tiny", "infer", 4, "a tiny model")
     row.measurements = {
         "eager": _measured("eager", 10.0, max_rel_error=0.0),
-        "torch": _measured("torch", 5.0, first_call_s=20.25),
+        "torch": _measured("torch", 5.0, first_call_s=20.25, reserved_mib=40.0),
         "torch warm": _measured("torch", None, warm_start=True, first_call_s=4.0),
         "kiln": _measured("kiln", 4.0, notes=["kiln: 1 graph(s), 0 break(s)"]),
         "kiln warm": _measured("kiln", None, warm_start=True, first_call_s=0.5),
@@ -38,6 +38,7 @@ def test_row_cells_speedups_and_alignment() -> None:
     assert cells["first call s (eager / torch / kiln)"] == "1.50 / 20.2 / 1.50"
     assert cells["warm start s (torch / kiln)"] == "4.00 / 0.50"
     assert cells["peak MiB (eager / torch / kiln)"] == "12 / 12 / 12"
+    assert cells["reserved MiB (eager / torch / kiln)"] == "— / 40 / —"
     assert cells["max rel err (torch / kiln)"] == "1.0e-06 / 1.0e-06"
     assert cells["check"] == "ok"
     assert "- tiny infer: kiln: 1 graph(s), 0 break(s)" in text
