@@ -120,7 +120,8 @@ class Pipeline:
         forward = self.replayed(
             plan.forward, forward, len(plan.forward.outputs), sizes, internal=saved
         )
-        backward = self.replayed(plan.backward, backward, len(plan.backward.outputs), sizes)
+        count = len(plan.backward.outputs)
+        backward = self.replayed(plan.backward, backward, count, sizes, lends=True)
         return TrainingGraph(graph, plan, forward, backward)
 
     def compile_graph(self, graph: Graph) -> CompiledGraph:
@@ -152,9 +153,11 @@ class Pipeline:
         sizes: SizeBudget,
         *,
         internal: range = range(0),
+        lends: bool = False,
     ) -> CompiledGraph:
         """``compiled`` run through CUDA graphs when the mode asks for them: one recording per
-        size of a graph with symbols in its inputs."""
+        size of a graph with symbols in its inputs; ``lends``: a backward (its gradients may be
+        handed out in the pool, ``runtime/cudagraphs.py``)."""
         if not self.options.cudagraphs:
             return compiled
         if current_env() is not None and (places := size_places(graph)):
@@ -166,6 +169,7 @@ class Pipeline:
                 places=places,
                 output_count=output_count,
                 internal=internal,
+                lends=lends,
             )
         return CudaGraphRunner(
             graph,
@@ -174,6 +178,7 @@ class Pipeline:
             sizes=sizes,
             output_count=output_count,
             internal=internal,
+            lends=lends,
         )
 
 

@@ -30,8 +30,13 @@ share one memory pool, so a training step's forward and backward (and the graphs
 graph break) reuse each other's temporaries. A replay rewrites its own outputs, and may
 overwrite those of graphs recorded after it (their memory may lie in its temporaries). So:
 
-- every result the user gets (an output, a gradient) is a **copy** out of the pool: holding
-  one across calls is always safe, and ``.grad`` never points into the pool;
+- every output the user gets is a **copy** out of the pool: holding one across calls is
+  always safe;
+- a backward's gradients are copies until the runner saw ``LEND_AFTER`` times its copies dead
+  when a replay that could overwrite them began (the loop drops ``.grad`` before the next
+  forward); then they are **lent**, handed out in the pool uncopied (a copy of the
+  gradients' size saved a step, in time and memory), and checked like saved values below: a
+  lent gradient still held (kept, accumulated) makes the runner copy again;
 - values a forward saves for its backward stay in the pool (the backward borrows them).
   Before each replay the runner checks, by the storages' use counts, whether autograd still
   holds saved values the replay could overwrite (two forwards before one backward): then
@@ -72,6 +77,15 @@ from kiln.ir.graph import Graph, InputKind
 from kiln.recording import keep_live, live
 from kiln.recording import record as record_event
 from kiln.recording import recording as listening
+from kiln.runtime.cudagraph_copies import (
+    buffer_like,
+    copy_batches,
+    copy_into,
+    copy_out,
+    expanded,
+    use_count,
+    view_on,
+)
 
 CompiledGraph = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
@@ -79,9 +93,9 @@ RERECORD_LIMIT = 4  # recordings of one graph (moved parameters) before it gives
 INSTANCE_LIMIT = 3  # recordings of one graph alive at once (saved values still held)
 WARM_UP_LIMIT = 4  # uncaptured calls that each compiled something before it gives up
 SIZE_LIMIT = 16  # recorded sizes of one captured graph (dynamic shapes)
+LEND_AFTER = 2  # replays that found a backward's copies dead before it lends its gradients
 
 _log = logger("cudagraphs")
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
 _step = itertools.count(2)
 _current_step = 1  # kiln.mark_step_begin() increments it
 
@@ -159,6 +173,14 @@ class Source(enum.Enum):
     SEED = "seed"  # the random seed, copied into a static device tensor
 
 
+class Lending(enum.Enum):
+    """Whether a backward hands out its gradients in the pool (module docstring)."""
+
+    WATCHING = "watching"  # copies, checked for being dead when a replay could overwrite them
+    LENDING = "lending"  # handed out in the pool
+    NEVER = "never"  # copies (not a backward, or its results outlived a replay)
+
+
 class Result(enum.Enum):
     """What one output of the recorded graph is."""
 
@@ -177,6 +199,7 @@ class CudaGraphStatus:
     records: int = 0
     replays: int = 0
     uncaptured_runs: int = 0  # calls after warm-up run without the CUDA graph
+    lent: bool = False  # a backward hands out its gradients uncopied
     notes: list[str] = field(default_factory=list)  # why calls ran without the CUDA graph
 
     def line(self) -> str:
@@ -185,6 +208,8 @@ class CudaGraphStatus:
         text = f"{self.graph}: CUDA graph {self.state}"
         if self.state == "recorded":
             text += f" ({self.records} recording(s), {self.replays} replay(s)"
+            if self.lent:
+                text += ", gradients lent"
             if self.uncaptured_runs:
                 text += f", {self.uncaptured_runs} call(s) without it: {self.notes[-1]}"
             text += ")"
@@ -286,19 +311,26 @@ class Recording:
     # outputs alone in their storage (a backward's gradients)
     batches: list[list[int]] = field(default_factory=list)
     shared: frozenset[int] = frozenset()  # storages holding several user-visible outputs
+    batched: frozenset[int] = frozenset()  # the outputs in batches
     # the replay's plan, made once: input positions by source, and per output (its number,
     # what to hand out: one of the _VIEW.. codes below, its storage or input index)
     copied: list[int] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
     plan: list[tuple[int, int, int]] = field(default_factory=list)
+    lent: list[bool] = field(default_factory=list)  # per storage: lent by the last replay
+    handed: list[torch.UntypedStorage] = field(default_factory=list)  # its copies, watched
 
     def held(self) -> bool:
-        """Whether autograd holds saved values of this recording's last replay (given out in
-        the current step)."""
+        """Whether anyone holds what this recording's last replay lent, or autograd holds
+        saved values it gave out in the current step."""
         for at, storage in enumerate(self.storages):
+            if self.lent[at]:  # (a step mark releases no gradient)
+                if use_count(storage) != self.baselines[at]:
+                    return True
+                continue
             if self.given[at] < _current_step:
                 continue  # never given out, or before the current step began: released
-            if self.baselines[at] < 0 or _count(storage) != self.baselines[at]:
+            if self.baselines[at] < 0 or use_count(storage) != self.baselines[at]:
                 return True
         return False
 
@@ -320,12 +352,14 @@ class CudaGraphRunner:
         output_count: int,
         internal: Sequence[int] = (),
         name: str = "",
+        lends: bool = False,
     ) -> None:
         """``output_count``: the graph's results before the new values of mutated inputs;
         ``internal``: results only Kiln reads (a forward's values saved for the backward),
         returned from the pool, not copied; ``sizes``: the recordings of the captured graph's
         sizes (at most ``SIZE_LIMIT``; None: :class:`SizedRunners` counted this one);
-        ``name``: how ``kiln.explain`` calls it (the graph's name)."""
+        ``name``: how ``kiln.explain`` calls it (the graph's name); ``lends``: a backward,
+        whose gradients may be lent (module docstring)."""
         self.budget = graph.name
         self.compiled = compiled
         self.family = family
@@ -346,6 +380,9 @@ class CudaGraphRunner:
         # forward recording whose values it borrows
         self.recordings: list[Recording] = []
         self.moves = 0  # recordings replaced because static inputs moved
+        counted = use_count(torch.empty(0).untyped_storage()) >= 0  # (an older PyTorch: no)
+        self.lending = Lending.WATCHING if lends and counted else Lending.NEVER
+        self.releases = 0  # replays that found the copies dead (Lending.WATCHING)
 
     # --- calls ---------------------------------------------------------------------------
 
@@ -473,8 +510,9 @@ class CudaGraphRunner:
         for position, _ in borrows:  # (holding it would keep its owner's memory held)
             static[position] = None
         recording = Recording(replay, sources, static, statics, borrows, outputs, results, storages)
-        recording.baselines = [_count(s) for s in storages]
+        recording.baselines = [use_count(s) for s in storages]
         recording.given = [0] * len(storages)
+        recording.lent = [False] * len(storages)
         recording.owner = weakref.ref(self)
         self._plan_copies(recording)
         self._plan_replay(recording)
@@ -521,6 +559,7 @@ class CudaGraphRunner:
             if at not in recording.shared and output.is_contiguous() and output.numel() > 0:
                 groups.setdefault((output.dtype, output.device), []).append(number)
         recording.batches = list(groups.values())
+        recording.batched = frozenset(n for numbers in recording.batches for n in numbers)
 
     def _static_inputs(
         self, inputs: Sequence[torch.Tensor]
@@ -545,7 +584,7 @@ class CudaGraphRunner:
                 static.append(tensor)
             else:
                 sources.append(Source.COPIED)
-                static.append(_copy_into(_buffer_like(tensor), tensor))
+                static.append(copy_into(buffer_like(tensor), tensor))
         return sources, static
 
     def _device(self, inputs: Sequence[torch.Tensor]) -> torch.device:
@@ -593,7 +632,7 @@ class CudaGraphRunner:
         for position in recording.copied:
             static, tensor = recording.static[position], inputs[position]
             assert static is not None
-            if tensor.stride() != static.stride() and (_expanded(static) or _expanded(tensor)):
+            if tensor.stride() != static.stride() and (expanded(static) or expanded(tensor)):
                 return True
         return False
 
@@ -612,11 +651,28 @@ class CudaGraphRunner:
             if static is not None and inputs[position].stride() != static.stride():
                 return f"an output is a view of input {position}, now laid out otherwise"
         for other in self.family.later_than(recording):
+            owner = other.owner()
+            if owner is not None and owner.lending is not Lending.NEVER:
+                owner._watch(other)
             if other.held():
                 owner = other.owner()
                 name = owner.status.graph if owner is not None else "another graph"
                 return f"values {name} saved for a pending backward are still held"
         return ""
+
+    def _watch(self, recording: Recording) -> None:
+        """A replay that could overwrite ``recording``'s results begins: whatever it handed out
+        must be dead by now for its gradients to be lent (or go on being lent)."""
+        alive = any(use_count(s) > 1 for s in recording.handed)  # (the list holds one)
+        if alive or (any(recording.lent) and recording.held()):
+            self.lending, self.status.lent = Lending.NEVER, False
+            _log.info("%s: gradients outlive a replay: copied from now on", self.status.graph)
+        elif recording.handed and self.lending is Lending.WATCHING:
+            self.releases += 1
+            if self.releases >= LEND_AFTER:
+                self.lending, self.status.lent = Lending.LENDING, True
+                _log.info("%s: gradients lent from now on", self.status.graph)
+        recording.handed = []
 
     def _replay(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         static = recording.static
@@ -624,7 +680,7 @@ class CudaGraphRunner:
             target, passed = static[position], inputs[position]
             assert target is not None
             if passed.data_ptr() != target.data_ptr() or passed.stride() != target.stride():
-                _copy_into(target, passed)
+                copy_into(target, passed)
         for position in recording.seeds:
             seed = static[position]
             assert seed is not None
@@ -643,20 +699,32 @@ class CudaGraphRunner:
         outputs, given = recording.outputs, recording.given
         results: list[torch.Tensor] = []
         copied: dict[int, torch.Tensor] = {}
-        copies = _copy_batches(recording)
+        lend = self.lending is Lending.LENDING
+        copies = {} if lend else copy_batches(recording.outputs, recording.batches)
+        if self.lending is Lending.WATCHING:
+            recording.handed = [
+                copies[numbers[0]].untyped_storage() for numbers in recording.batches
+            ]
+        lent = recording.lent
+        for at in range(len(lent)):
+            lent[at] = False
         for number, code, at in recording.plan:
             if code == _SAVED:
                 given[at] = step
                 saved = outputs[number].detach()
                 saved._kiln_replay = tag  # type: ignore[attr-defined]
                 results.append(saved)
+            elif code == _COPY and lend and number in recording.batched:
+                lent[at] = True
+                results.append(outputs[number].detach())  # (autograd's .grad takes it as it is)
             elif code == _COPY:
                 copy = copies.get(number)
                 if copy is None:
-                    copy = _copy_out(outputs[number], at, copied, recording)
+                    shared, storages = recording.shared, recording.storages
+                    copy = copy_out(outputs[number], at, copied, shared, storages)
                 results.append(copy)
             elif code == _VIEW:
-                results.append(_view_on(outputs[number], static[at], inputs[at]))
+                results.append(view_on(outputs[number], static[at], inputs[at]))
             else:
                 alias = outputs[number].detach()
                 if code == _PARAMETER_VIEW:  # (static in a backward too)
@@ -680,8 +748,10 @@ class SizedRunners:
         places: dict[str, tuple[int, int]],
         output_count: int,
         internal: Sequence[int] = (),
+        lends: bool = False,
     ) -> None:
-        """``places``: the (input, dim) of each symbol, by name."""
+        """``places``: the (input, dim) of each symbol, by name; the rest as
+        :class:`CudaGraphRunner`'s."""
         self.graph = graph
         self.compiled = compiled
         self.family = family
@@ -690,6 +760,7 @@ class SizedRunners:
         self.places = list(places.values())
         self.output_count = output_count
         self.internal = internal
+        self.lends = lends
         self.runners: dict[tuple[int, ...], CudaGraphRunner] = {}
         self.overflow: CudaGraphRunner | None = None  # (the sizes past the limit)
 
@@ -721,78 +792,5 @@ class SizedRunners:
             output_count=self.output_count,
             internal=self.internal,
             name=name,
+            lends=self.lends,
         )
-
-
-def _count(storage: torch.UntypedStorage) -> int:
-    if _use_count is None:  # (an older PyTorch: every result counts as held)
-        return -1
-    return int(_use_count(storage._cdata))
-
-
-def _expanded(tensor: torch.Tensor) -> bool:
-    sizes, strides = tensor.size(), tensor.stride()
-    return any(stride == 0 and size > 1 for size, stride in zip(sizes, strides, strict=True))
-
-
-def _buffer_like(tensor: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor with ``tensor``'s size and strides (the layout the compiled
-    graph was warmed up with, so recording compiles nothing new)."""
-    return torch.empty_strided(
-        tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device
-    )
-
-
-def _copy_into(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """``target.copy_(source)``, returning ``target``; an expanded layout (stride 0) copies
-    its distinct elements."""
-    into, what = target, source
-    for dim, (size, stride) in enumerate(zip(target.size(), target.stride(), strict=True)):
-        if stride == 0 and size > 1:
-            into, what = into.narrow(dim, 0, 1), what.narrow(dim, 0, 1)
-    into.copy_(what)
-    return target
-
-
-def _view_on(
-    output: torch.Tensor, static: torch.Tensor | None, given: torch.Tensor
-) -> torch.Tensor:
-    """``output``, a view of the static copy ``static``, as the same view of ``given``."""
-    assert static is not None
-    offset = output.storage_offset() - static.storage_offset() + given.storage_offset()
-    return given.as_strided(output.size(), output.stride(), offset)
-
-
-def _copy_batches(recording: Recording) -> dict[int, torch.Tensor]:
-    """Copies of the batched outputs: per dtype, one concatenation into a new buffer and
-    views of it (two calls into PyTorch however many outputs: a backward returns one
-    gradient per parameter)."""
-    copies: dict[int, torch.Tensor] = {}
-    for numbers in recording.batches:
-        sources = [recording.outputs[n] for n in numbers]
-        if len(sources) == 1:  # (flattening one tensor is a view of it, not a copy)
-            copies[numbers[0]] = sources[0].clone()
-            continue
-        flat = torch._C._nn.flatten_dense_tensors(sources)
-        copies.update(
-            zip(numbers, torch._C._nn.unflatten_dense_tensors(flat, sources), strict=True)
-        )
-    return copies
-
-
-def _copy_out(
-    output: torch.Tensor, storage: int, copied: dict[int, torch.Tensor], recording: Recording
-) -> torch.Tensor:
-    """A copy of ``output`` outside the pool; outputs sharing one storage share the copy."""
-    if storage not in recording.shared:
-        return output.clone(memory_format=torch.preserve_format)
-    whole = copied.get(storage)
-    if whole is None:
-        source = recording.storages[storage]
-        whole = torch.empty(source.nbytes(), dtype=torch.uint8, device=output.device)
-        whole.untyped_storage().copy_(source)
-        copied[storage] = whole
-    fresh = torch.empty((0,), dtype=output.dtype, device=output.device)
-    return fresh.set_(
-        whole.untyped_storage(), output.storage_offset(), output.size(), output.stride()
-    )

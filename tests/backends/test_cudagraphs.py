@@ -33,7 +33,11 @@ DEVICE = torch.device(os.environ.get("KILN_TEST_DEVICE", "cpu"))
 class EmulatedRecorder:
     """Records by running once; replays by running again into the recorded outputs. A CUDA
     recording runs nothing: tensors in ``protect`` (a model's buffers that the graph updates
-    in place) are put back as they were after the emulated recording's run."""
+    in place) are put back as they were after the emulated recording's run.
+
+    A replay also poisons (NaN) the outputs of the recordings made after it in its pool: on
+    the GPU their memory may lie in its temporaries, so a runner that replays while someone
+    holds such an output gives a wrong value here, as it may there."""
 
     def __init__(self) -> None:
         self.protect: list[torch.Tensor] = []
@@ -42,7 +46,7 @@ class EmulatedRecorder:
         return None
 
     def new_pool(self) -> Any:
-        return object()
+        return []  # (the outputs of its recordings, in order)
 
     def capture(
         self, run: Callable[[], list[torch.Tensor]], pool: Any
@@ -51,13 +55,31 @@ class EmulatedRecorder:
         outputs = run()
         for tensor, value in zip(self.protect, before, strict=True):
             tensor.data.copy_(value)
+        index = len(pool)
+        pool.append([t for t in outputs if t.untyped_storage().data_ptr() not in _read(run)])
 
         def replay() -> None:
             for static, new in zip(outputs, run(), strict=True):
                 if static.data_ptr() != new.data_ptr():
                     static.data.copy_(new)  # (a replay bumps no version counter)
+            mine = {t.untyped_storage().data_ptr() for t in outputs}
+            for later in pool[index + 1 :]:
+                for tensor in later:
+                    if (
+                        tensor.is_floating_point()
+                        and tensor.untyped_storage().data_ptr() not in mine
+                    ):
+                        tensor.data.fill_(float("nan"))
 
         return replay, outputs
+
+
+def _read(run: Callable[[], Any]) -> set[int]:
+    """The storages of the static inputs a recorded run reads (the runner's closure holds
+    them as a list): outputs there are inputs' memory (a parameter's), not the pool's."""
+    cells = [cell.cell_contents for cell in run.__closure__ or ()]
+    tensors = [t for value in cells if isinstance(value, list) for t in value]
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
 
 class CountingRecorder:
@@ -207,6 +229,82 @@ def test_training_steps_match_eager(recorder: CountingRecorder) -> None:
     assert len(forward) == 1 and len(backward) == 1
     assert forward[0].replays == 4 and backward[0].replays == 4
     assert forward[0].uncaptured_runs == 0 and backward[0].uncaptured_runs == 0
+
+
+def _pair() -> tuple[nn.Module, nn.Module, Any]:
+    """A model, an eager copy of it, and the model compiled with CUDA graphs."""
+    torch.manual_seed(0)
+    model, reference = _mlp(), _mlp()
+    reference.load_state_dict(model.state_dict())
+    return model, reference, kiln.compile(model, mode="reduce-overhead")
+
+
+def _same_grads(model: nn.Module, reference: nn.Module) -> None:
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("zero_grad_first", [True, False])
+def test_gradients_are_lent_once_the_loop_releases_them(
+    recorder: CountingRecorder, zero_grad_first: bool
+) -> None:
+    """A loop that drops its gradients before the next forward gets them uncopied (lent)
+    after ``LEND_AFTER`` checked steps; one that zeroes them after its forward (they are
+    alive while the forward replays) keeps getting copies. Both match eager at every step,
+    and neither records more than once."""
+    model, reference, compiled = _pair()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    for _ in range(8):
+        x, target = randn(5, 8), randn(5, 4)
+        for run, opt in zip((compiled, reference), optimizers, strict=True):
+            if zero_grad_first:
+                opt.zero_grad()
+            loss = nn.functional.mse_loss(run(x), target)
+            if not zero_grad_first:
+                opt.zero_grad()
+            loss.backward()
+            opt.step()
+        _same_grads(model, reference)
+    (forward,) = _statuses("_forward")
+    (backward,) = _statuses("_backward")
+    assert backward.lent is zero_grad_first
+    assert ("gradients lent" in backward.line()) is zero_grad_first
+    assert (forward.records, backward.records) == (1, 1)
+    assert forward.uncaptured_runs == backward.uncaptured_runs == 0
+    if zero_grad_first:  # .grad is the backward's pool memory: one address every step
+        first = [p.grad.data_ptr() for p in model.parameters()]  # type: ignore[union-attr]
+        optimizers[0].zero_grad()
+        nn.functional.mse_loss(compiled(randn(5, 8)), randn(5, 4)).backward()
+        assert [p.grad.data_ptr() for p in model.parameters()] == first  # type: ignore[union-attr]
+
+
+def test_lent_gradients_kept_or_accumulated_stay_right(recorder: CountingRecorder) -> None:
+    """Once gradients are lent, a loop that accumulates micro-batches into ``.grad`` and
+    keeps ``torch.autograd.grad`` results across steps still matches eager: a replay never
+    overwrites a lent gradient someone holds (on the GPU the next forward's temporaries may
+    lie there; the emulated recorder poisons them), and the backward copies again."""
+    model, reference, compiled = _pair()
+    for _ in range(6):  # lending starts (warm-up, recording, checked replays)
+        x = randn(5, 8)
+        for run, net in ((compiled, model), (reference, reference)):
+            net.zero_grad()
+            run(x).square().mean().backward()
+    (backward,) = _statuses("_backward")
+    assert backward.lent
+    for _ in range(3):  # micro-batches accumulate into the lent .grad
+        x = randn(5, 8)
+        for run in (compiled, reference):
+            run(x).square().mean().backward()
+        _same_grads(model, reference)
+    assert not backward.lent
+    kept: dict[str, list[tuple[torch.Tensor, ...]]] = {"kiln": [], "eager": []}
+    for _ in range(3):
+        x = randn(5, 8)
+        for name, run, net in (("kiln", compiled, model), ("eager", reference, reference)):
+            kept[name].append(torch.autograd.grad(run(x).sin().sum(), list(net.parameters())))
+    for mine, theirs in zip(kept["kiln"], kept["eager"], strict=True):
+        torch.testing.assert_close(mine, theirs)
+    _same_grads(model, reference)
 
 
 @pytest.mark.parametrize("marks", [False, True])

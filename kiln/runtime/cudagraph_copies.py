@@ -1,0 +1,85 @@
+"""What crosses the edge of a CUDA-graph pool (``cudagraphs.py``): inputs copied into static
+buffers, results copied out of the pool, and the use counts that say whether anyone still
+holds a tensor the runner handed out."""
+
+from __future__ import annotations
+
+import torch
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def use_count(storage: torch.UntypedStorage) -> int:
+    if _USE_COUNT is None:  # (an older PyTorch: every result counts as held)
+        return -1
+    return int(_USE_COUNT(storage._cdata))
+
+
+def expanded(tensor: torch.Tensor) -> bool:
+    sizes, strides = tensor.size(), tensor.stride()
+    return any(stride == 0 and size > 1 for size, stride in zip(sizes, strides, strict=True))
+
+
+def buffer_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor with ``tensor``'s size and strides (the layout the compiled
+    graph was warmed up with, so recording compiles nothing new)."""
+    return torch.empty_strided(
+        tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device
+    )
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``target.copy_(source)``, returning ``target``; an expanded layout (stride 0) copies
+    its distinct elements."""
+    into, what = target, source
+    for dim, (size, stride) in enumerate(zip(target.size(), target.stride(), strict=True)):
+        if stride == 0 and size > 1:
+            into, what = into.narrow(dim, 0, 1), what.narrow(dim, 0, 1)
+    into.copy_(what)
+    return target
+
+
+def view_on(output: torch.Tensor, static: torch.Tensor | None, given: torch.Tensor) -> torch.Tensor:
+    """``output``, a view of the static copy ``static``, as the same view of ``given``."""
+    assert static is not None
+    offset = output.storage_offset() - static.storage_offset() + given.storage_offset()
+    return given.as_strided(output.size(), output.stride(), offset)
+
+
+def copy_batches(outputs: list[torch.Tensor], batches: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Copies of the batched outputs: per dtype, one concatenation into a new buffer and
+    views of it (two calls into PyTorch however many outputs: a backward returns one
+    gradient per parameter)."""
+    copies: dict[int, torch.Tensor] = {}
+    for numbers in batches:
+        sources = [outputs[n] for n in numbers]
+        if len(sources) == 1:  # (flattening one tensor is a view of it, not a copy)
+            copies[numbers[0]] = sources[0].clone()
+            continue
+        flat = torch._C._nn.flatten_dense_tensors(sources)
+        copies.update(
+            zip(numbers, torch._C._nn.unflatten_dense_tensors(flat, sources), strict=True)
+        )
+    return copies
+
+
+def copy_out(
+    output: torch.Tensor,
+    storage: int,
+    copied: dict[int, torch.Tensor],
+    shared: frozenset[int],
+    storages: list[torch.UntypedStorage],
+) -> torch.Tensor:
+    """A copy of ``output`` outside the pool; outputs sharing one storage share the copy."""
+    if storage not in shared:
+        return output.clone(memory_format=torch.preserve_format)
+    whole = copied.get(storage)
+    if whole is None:
+        source = storages[storage]
+        whole = torch.empty(source.nbytes(), dtype=torch.uint8, device=output.device)
+        whole.untyped_storage().copy_(source)
+        copied[storage] = whole
+    fresh = torch.empty((0,), dtype=output.dtype, device=output.device)
+    return fresh.set_(
+        whole.untyped_storage(), output.storage_offset(), output.size(), output.stride()
+    )
