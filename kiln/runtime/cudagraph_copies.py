@@ -9,6 +9,12 @@ import torch
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def use_counts(addresses: list[int]) -> list[int]:
+    """The use counts of the storages at these C++ addresses (``storage._cdata``; kept alive
+    by the caller): one call into C++ each, without Python's storage objects."""
+    return list(map(_USE_COUNT, addresses)) if _USE_COUNT is not None else [-1] * len(addresses)
+
+
 def use_count(storage: torch.UntypedStorage) -> int:
     if _USE_COUNT is None:  # (an older PyTorch: every result counts as held)
         return -1

@@ -84,6 +84,7 @@ from kiln.runtime.cudagraph_copies import (
     copy_out,
     expanded,
     use_count,
+    use_counts,
     view_on,
 )
 
@@ -318,17 +319,17 @@ class Recording:
     seeds: list[int] = field(default_factory=list)
     plan: list[tuple[int, int, int]] = field(default_factory=list)
     lent: list[bool] = field(default_factory=list)  # per storage: lent by the last replay
+    lent_from: list[int] = field(default_factory=list)  # their storages' addresses in C++
+    lent_baselines: list[int] = field(default_factory=list)  # and their use counts
     handed: list[torch.UntypedStorage] = field(default_factory=list)  # its copies, watched
 
     def held(self) -> bool:
         """Whether anyone holds what this recording's last replay lent, or autograd holds
         saved values it gave out in the current step."""
+        if self.lent_from and use_counts(self.lent_from) != self.lent_baselines:
+            return True  # (a step mark releases no gradient)
         for at, storage in enumerate(self.storages):
-            if self.lent[at]:  # (a step mark releases no gradient)
-                if use_count(storage) != self.baselines[at]:
-                    return True
-                continue
-            if self.given[at] < _current_step:
+            if self.lent[at] or self.given[at] < _current_step:
                 continue  # never given out, or before the current step began: released
             if self.baselines[at] < 0 or use_count(storage) != self.baselines[at]:
                 return True
@@ -651,20 +652,19 @@ class CudaGraphRunner:
             if static is not None and inputs[position].stride() != static.stride():
                 return f"an output is a view of input {position}, now laid out otherwise"
         for other in self.family.later_than(recording):
-            owner = other.owner()
+            held, owner = other.held(), other.owner()
             if owner is not None and owner.lending is not Lending.NEVER:
-                owner._watch(other)
-            if other.held():
-                owner = other.owner()
+                owner._watch(other, held)
+            if held:
                 name = owner.status.graph if owner is not None else "another graph"
                 return f"values {name} saved for a pending backward are still held"
         return ""
 
-    def _watch(self, recording: Recording) -> None:
+    def _watch(self, recording: Recording, held: bool) -> None:
         """A replay that could overwrite ``recording``'s results begins: whatever it handed out
         must be dead by now for its gradients to be lent (or go on being lent)."""
         alive = any(use_count(s) > 1 for s in recording.handed)  # (the list holds one)
-        if alive or (any(recording.lent) and recording.held()):
+        if alive or (held and bool(recording.lent_from)):
             self.lending, self.status.lent = Lending.NEVER, False
             _log.info("%s: gradients outlive a replay: copied from now on", self.status.graph)
         elif recording.handed and self.lending is Lending.WATCHING:
@@ -730,6 +730,9 @@ class CudaGraphRunner:
                 if code == _PARAMETER_VIEW:  # (static in a backward too)
                     alias._kiln_static = True  # type: ignore[attr-defined]
                 results.append(alias)
+        storages = recording.storages
+        recording.lent_from = [storages[at]._cdata for at, lent_now in enumerate(lent) if lent_now]
+        recording.lent_baselines = [recording.baselines[at] for at in range(len(lent)) if lent[at]]
         return results
 
 
