@@ -1,8 +1,10 @@
-"""Writes autograd does not see: ``w.data.clamp_(-0.1, 0.1)``, ``w.detach().mul_(2)``.
+"""Writes autograd does not see: ``w.data.clamp_(-0.1, 0.1)``, ``w.detach().mul_(2)``, and any
+in-place write under ``torch.no_grad()``.
 
-In eager, an in-place write through a tensor's ``.data`` or a ``detach()`` view changes the
-values of a tensor that requires grad without entering autograd's graph: later gradients
-flow to the tensor as if it had always held the new values. Functionalized, the write makes a
+In eager, an in-place write through a tensor's ``.data`` or a ``detach()`` view (or under
+``no_grad``, where the tensor keeps requiring grad) changes the values of a tensor that
+requires grad without entering autograd's graph: later gradients flow to the tensor as if it
+had always held the new values. Functionalized, the write makes a
 new value of the tensor; :func:`untracked_write` gives it those values while its VJP passes
 the gradient straight to the old one, never through the write::
 

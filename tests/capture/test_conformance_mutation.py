@@ -254,6 +254,23 @@ def inplace_after_view_returned(x):
     return v
 
 
+def inplace_leaf_requires_grad(x):
+    x.add_(1)  # eager: "a leaf Variable that requires grad is being used in an in-place operation"
+    return x * 2
+
+
+def inplace_view_of_leaf(x):
+    x[0].mul_(3)
+    return x
+
+
+def no_grad_write_then_use(x):
+    with torch.no_grad():
+        x.mul_(2)  # autograd does not see it: x stays a leaf that requires grad
+        x[0] = 1.0
+    return (x * x).sum()
+
+
 def inplace_nonleaf_requires_grad(x):
     y = x * 2
     y.add_(1)
@@ -424,6 +441,9 @@ CASES = [
     case(
         "inplace/nonleaf_requires_grad", inplace_nonleaf_requires_grad, rand(3, requires_grad=True)
     ),
+    case("inplace/leaf_refused", inplace_leaf_requires_grad, rand(3, requires_grad=True)),
+    case("inplace/view_of_leaf_refused", inplace_view_of_leaf, rand(3, requires_grad=True)),
+    case("inplace/no_grad_write", no_grad_write_then_use, rand(3, requires_grad=True), calls=3),
     case(
         "alias/same_tensor_mutated",
         same_tensor_twice_mutate,
@@ -624,3 +644,39 @@ def test_side_effects_on_cache_hits(fn: Any, build: Any) -> None:
         assert_same(actual, expected, atol=1e-5, rtol=1e-5, path=f"call {call + 1}")
         assert_same(compiled_args, eager_args, atol=1e-5, rtol=1e-5, path=f"call {call + 1}: args")
     assert kiln.counters.cache_hits >= 3, kiln.counters
+
+
+def test_a_write_under_no_grad_keeps_the_gradient_to_the_leaf() -> None:
+    """``with torch.no_grad(): w.clamp_(...)`` then a use of ``w``: the result requires grad
+    and ``w.grad`` is eager's (the write is invisible to autograd), on every call; a graph
+    captured for a non-leaf that it writes in place is never reused for a leaf."""
+
+    def step(w, x):
+        with torch.no_grad():
+            w.clamp_(-0.5, 0.5)
+            w[0].fill_(0.25)
+        return (x * w * w).sum()
+
+    kiln.reset()
+    compiled = kiln.compile(step)
+    for _ in range(3):
+        w, x = torch.randn(5, requires_grad=True), torch.randn(5)
+        mine = w.detach().clone().requires_grad_()
+        out, expected = compiled(mine, x), step(w, x)
+        assert out.requires_grad
+        out.backward()
+        expected.backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close((mine, mine.grad), (w, w.grad))
+    assert kiln.counters.graphs == 1 and not kiln.counters.fallbacks
+
+    def write(x):
+        x.mul_(2)
+        return x.sum()
+
+    kiln.reset()
+    compiled = kiln.compile(write)
+    nonleaf = torch.randn(3, requires_grad=True) * 1
+    torch.testing.assert_close(compiled(nonleaf.detach().requires_grad_() * 1), write(nonleaf))
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        compiled(torch.randn(3, requires_grad=True))
