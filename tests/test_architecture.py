@@ -124,7 +124,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # the pool's copies in and out in a module of their own.
 # +28: in-place writes to a leaf that requires grad refused as eager refuses them (guarded on
 # is_leaf); a write under no_grad leaves the tensor requiring grad (an untracked write).
-LINE_BUDGET = 33_794
+# +10: the recompile-limit warning says what to do when a Python number keeps changing.
+LINE_BUDGET = 33_804
 
 
 def _module_name(path: Path) -> str:

@@ -350,6 +350,7 @@ def test_recompile_limit_option() -> None:
     assert len(limit) == 1
     assert "recompile_limit=2" in str(limit[0].message)
     assert "L['n'] == 1" in str(limit[0].message)
+    assert "L['n'] is a Python number" in str(limit[0].message)  # and what to do about it
     assert limit[0].filename == __file__
 
 

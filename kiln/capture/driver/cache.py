@@ -19,6 +19,7 @@ the code runs as its original function, with the reason logged and kept for ``ex
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import types
 import warnings
@@ -320,6 +321,21 @@ def _miss(
     return entry.head(fn, *values)
 
 
+_NUMBER_GUARD = re.compile(r"(.+) == -?\d[\d.e+-]*")
+
+
+def _number_hint(reason: str) -> str:
+    """What to do when the guard that keeps failing is on a Python number: Kiln compiles a
+    graph per value of an int or float it reads (only sizes become symbolic)."""
+    match = _NUMBER_GUARD.fullmatch(reason)
+    if match is None:
+        return ""
+    return (
+        f" ({match.group(1)} is a Python number: each value compiles a graph of its own; "
+        "pass it as a tensor to compile one graph for all values)"
+    )
+
+
 @dataclass
 class _Eager:
     """The frame already ran as its original code (capture failed and eager succeeded)."""
@@ -350,7 +366,7 @@ def _compile_entry(
                 warnings.warn(
                     f"kiln: {fn.__qualname__} hit the recompile limit "
                     f"(recompile_limit={compiler.options.recompile_limit}) and runs uncompiled "
-                    f"from now on; last guard failure: {reason}",
+                    f"from now on; last guard failure: {reason}{_number_hint(reason)}",
                     stacklevel=5,
                 )
             return None
