@@ -125,7 +125,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # +28: in-place writes to a leaf that requires grad refused as eager refuses them (guarded on
 # is_leaf); a write under no_grad leaves the tensor requiring grad (an untracked write).
 # +10: the recompile-limit warning says what to do when a Python number keeps changing.
-LINE_BUDGET = 33_804
+# +8: on 3.13 a break at TO_BOOL before a jump resumes per branch (as 3.11/3.12 do).
+LINE_BUDGET = 33_812
 
 
 def _module_name(path: Path) -> str:

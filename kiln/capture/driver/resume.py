@@ -7,7 +7,7 @@ broke) is rebuilt from the graph's outputs; then, depending on the instruction:
   of their own, so nested frames are still compiled -- then the resume function continues
   after the call with ``___r`` on the stack;
 * a branch on a tensor: ``if cond: return resume_at_target(...) else: return resume_next(...)``;
-* ``TO_BOOL`` (3.13): ``bool(cond)`` natively, then resume;
+* ``TO_BOOL`` (3.13): ``bool(cond)`` natively, then resume (before a jump, as a branch);
 * anything else: the original code resumes *at* the instruction, uncompiled.
 
 Resume functions are the original code with a prologue that rebuilds the stack (re-entering
@@ -78,6 +78,16 @@ def emit_break(plan: Any, rebuild: Reconstructor, fn: types.FunctionType) -> lis
         condition = stack.pop()
         cond = rebuild.value(condition)
         step = _guarded([f"___r = bool({cond})"], handler)
+        jump = frame.instructions[frame.index[inst.offset] + 1]
+        if jump.opname in ("POP_JUMP_IF_TRUE", "POP_JUMP_IF_FALSE"):
+            # ``if tensor:`` (3.13: TO_BOOL, then the jump): a resume function per branch, as
+            # on 3.11/3.12, not one resume entry per truth value
+            beyond = frame.instructions[frame.index[jump.offset] + 1].offset
+            jumped = _resume(plan, rebuild, fn, jump.argval, stack)
+            fallthrough = _resume(plan, rebuild, fn, beyond, stack)
+            test = "___r" if "TRUE" in jump.opname else "not ___r"
+            branch = [f"if {test}:", f"    return {jumped}", f"return {fallthrough}"]
+            return [*lines, *rebuild.lines, *step, *branch]
         resume = _resume(plan, rebuild, fn, after, [*stack, _RESULT])
         return [*lines, *rebuild.lines, *step, f"return {resume}"]
     if plan.kind == "operation":
