@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import kiln
+from kiln.capture.driver.cache import _number_hint
 
 FACTOR = 2
 
@@ -351,6 +352,8 @@ def test_recompile_limit_option() -> None:
     assert "recompile_limit=2" in str(limit[0].message)
     assert "L['n'] == 1" in str(limit[0].message)
     assert "L['n'] is a Python number" in str(limit[0].message)  # and what to do about it
+    assert _number_hint("len(L['xs']) == 3") == _number_hint("L['s'] == 'a'") == ""
+    assert "L['self'].scale is a Python number" in _number_hint("L['self'].scale == -2.5e-05")
     assert limit[0].filename == __file__
 
 

@@ -321,7 +321,7 @@ def _miss(
     return entry.head(fn, *values)
 
 
-_NUMBER_GUARD = re.compile(r"(.+) == -?\d[\d.e+-]*")
+_NUMBER_GUARD = re.compile(r"(?!len\()(.+) == -?\d[\d.e+-]*")  # (an Equals guard, not LengthIs)
 
 
 def _number_hint(reason: str) -> str:
