@@ -113,9 +113,9 @@ def _first_call(measurement: Measurement | None) -> str:
 
 
 def _mib(measurement: Measurement | None, reserved: bool = False) -> str:
-    value = None if measurement is None else measurement.peak_mib
-    if reserved:
-        value = None if measurement is None else measurement.reserved_mib
+    if measurement is None:
+        return "—"
+    value = measurement.reserved_mib if reserved else measurement.peak_mib
     return "—" if value is None else f"{value:.0f}"
 
 

@@ -236,13 +236,15 @@ class Session:
         return False
 
     def guard_sizes(self) -> None:
-        """Add the guard on symbolic sizes (when the capture has any), and on leafness of the
-        inputs requiring grad that the graph writes in place (eager refuses that for a leaf,
-        ``proxy._refuse_leaf_write``; a graph captured for a non-leaf must not run on a leaf):
-        call once, last."""
+        """Add the guard on symbolic sizes (when the capture has any): call once, last."""
         guard = SizeGuard.of(self.shapes)
         if guard is not None:
             self.add_guard(guard)
+
+    def guard_written_leaves(self) -> None:
+        """Guard the leafness of inputs requiring grad that the graph writes in place (eager
+        refuses that for a leaf, ``frontends/writes.py``): a graph captured for a non-leaf must
+        not run on a leaf. Call after tracing."""
         for proxy in self.input_proxies.values():
             if proxy.requires_grad and proxy._mutations:
                 source = self.sources[id(self.input_tensors[proxy._initial])]
@@ -301,7 +303,7 @@ class Session:
         proxy = ProxyTensor(value)
         proxy._input_type = type(tensor)  # type(x) answers this for the input itself
         proxy._strides = tuple(tensor.stride())  # (guarded: exactly, or the dim order)
-        proxy._leaf = tensor.is_leaf and tensor.requires_grad  # (guarded by TensorMatch)
+        proxy._leaf = tensor.is_leaf and tensor.requires_grad  # (guarded where it is written)
         if isinstance(tensor, torch.nn.Parameter):
             proxy._is_param = True  # isinstance(x, nn.Parameter) holds, as in eager
         self.input_proxies[id(tensor)] = proxy

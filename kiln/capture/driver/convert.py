@@ -210,6 +210,7 @@ def _capture_once(
                     session.graph.mutations.append((proxy._initial, proxy.current()))
             rebuild.outputs[:] = [_unaliased(session.graph, value) for value in rebuild.outputs]
             session.guard_sizes()
+            session.guard_written_leaves()
         finally:
             session.undo()
             set_user_location(None)
