@@ -12,3 +12,6 @@ KILN_COMPILE_WORKERS=threads KILN_TEST_DEVICE=cuda python -m pytest -q -n 12 tes
 KILN_TEST_DEVICE=cuda python -m pytest -q tests/backends/test_cudagraphs.py
 python benchmarks/cudagraph_failed_capture.py
 python benchmarks/cudagraph_rng_check.py
+# max-autotune: launch shapes measured on the GPU, and matmul templates against the library
+python benchmarks/autotune_check.py
+python benchmarks/matmul_templates.py

@@ -23,9 +23,10 @@ import torch
 from kiln.backends import programs
 from kiln.backends.kernels import Unavailable, build_kernels
 from kiln.backends.registry import CompiledGraph, add_backend
+from kiln.backends.templates import build_pair_choices
 from kiln.codegen.debug import dump_program
 from kiln.codegen.signatures import kernel_signature
-from kiln.codegen.wrapper import Wrapper
+from kiln.codegen.wrapper import Wrapper, extern_function
 from kiln.collector import gc_paused
 from kiln.config import config, logger
 from kiln.ir.graph import Graph, InputKind, Node
@@ -52,8 +53,9 @@ from kiln.runtime.autotune import TuningRecord
 from kiln.runtime.triton_build import start_workers
 from kiln.schedule.layouts import Observed, input_pattern
 from kiln.schedule.loops import Kernel, format_kernel
-from kiln.schedule.program import Program
+from kiln.schedule.program import ExternCall, Program
 from kiln.schedule.scheduler import schedule
+from kiln.schedule.templates import MatmulPair, matmul_pairs, replanned
 
 _log = logger("kernels")
 # A size a program in symbolic sizes serves this many times gets a program of its own, for at
@@ -244,6 +246,7 @@ class KilnProgram:
         ``note``: the sizes it serves, for ``kiln.explain`` (a symbolic one says it itself);
         ``stored``: a program in symbolic sizes read from the disk, with its code."""
         self._note = note
+        self._host = ""  # (the host program that runs, for the debug directory)
         self._built: tuple[Program, dict[Any, Any]] | None = None
         start = time.perf_counter()
         names: list[str] = []
@@ -264,14 +267,20 @@ class KilnProgram:
             scheduled = time.perf_counter()
             tuned: list[TuningRecord] | None = [] if self.options.autotune else None
             known = len(memo)
-            kernels = program.kernels()
+            pairs = self._matmul_pairs(program) if tuned is not None and not symbolic else []
+            program = replanned(program, pairs)
+            kernels = program.kernels() + [p.rest for p in pairs if p.rest is not None]
             launchers, names = build_kernels(kernels, self.options.codegen, tuned, memo)
             if file_key and len(memo) != known:
                 programs.store_generated(file_key, memo)
+            paired, operands = self._pair_choices(pairs, launchers, tuned)
             self._tuned = tuned or []
             sizes = self.places if symbolic else ()
-            wrapper = Wrapper(program, launchers, self._observe, self.options.cpu_matmul, sizes)
+            wrapper = Wrapper(
+                program, launchers, self._observe, self.options.cpu_matmul, sizes, paired, operands
+            )
             runner = wrapper.compile()
+            self._host = wrapper.text
             self._built = (program, memo)
             self._phases = {"schedule": scheduled - start, "build": time.perf_counter() - scheduled}
         except Exception as error:
@@ -296,6 +305,41 @@ class KilnProgram:
             return lambda tensors: interpret(graph, tensors)
         self._record("+".join(names), program, start)
         return _without_autocast(runner)
+
+    def _matmul_pairs(self, program: Program) -> list[MatmulPair]:
+        """max-autotune: the products whose reading kernel a template may fuse, on the devices
+        whose kernels are Triton's (``kiln/schedule/templates.py``)."""
+        devices = {"cuda"} if self.options.codegen in ("", "triton") else set()
+        if self.options.codegen == "triton":  # (CPU tensors: Triton's interpreter)
+            devices.add("cpu")
+        return matmul_pairs(program, frozenset(devices))
+
+    def _pair_choices(
+        self, pairs: list[MatmulPair], launchers: dict[str, Any], tuned: list[TuningRecord] | None
+    ) -> tuple[dict[int, Any], dict[int, Any]]:
+        """The wrapper's paired externs and their kernels' extra operands; ``launchers`` gets
+        each pair's choice in place of its kernel (``kiln/backends/templates.py``)."""
+        paired: dict[int, Any] = {}
+        operands: dict[int, Any] = {}
+        if not pairs or tuned is None:
+            return paired, operands
+
+        def extern(call: ExternCall) -> Any:
+            return extern_function(call, self._observe, self.options.cpu_matmul)
+
+        by_device: dict[torch.device, list[MatmulPair]] = {}
+        for pair in pairs:
+            by_device.setdefault(pair.result.device, []).append(pair)
+        for device, group in by_device.items():
+            choices = build_pair_choices(group, launchers, device, tuned, extern)
+            for pair in group:
+                choice = choices.get(pair.kernel.name)
+                if choice is None or id(pair.extern) not in choice.externs:
+                    continue  # (no template: an extern and a kernel, as scheduled)
+                paired[id(pair.extern)] = choice.externs[id(pair.extern)]
+                operands[id(pair.kernel)] = pair.operands
+                launchers[pair.kernel.name] = choice.launcher
+        return paired, operands
 
     def _schedule(
         self, inputs: Sequence[torch.Tensor], graph: Graph, symbolic: bool
@@ -333,7 +377,7 @@ class KilnProgram:
             for kernel in program.kernels():
                 _log.info("%s\n%s", "; ".join(kernel.fused), format_kernel(kernel))
         if program is not None and config.debug_dir:
-            dump_program(self.graph, program, str(config.debug_dir))
+            dump_program(self.graph, program, str(config.debug_dir), getattr(self, "_host", ""))
 
 
 @dataclass(frozen=True)

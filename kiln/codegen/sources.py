@@ -17,6 +17,7 @@ class Form(enum.Enum):
     POINTWISE = "pointwise"
     PERSISTENT = "persistent reduction"
     LOOPED = "looped reduction"
+    TEMPLATE = "matmul template"  # a product and its epilogue (codegen/triton_matmul.py)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class TritonSource:
     # then the grid's program count as a Python expression of them ("" when it is ``grid``).
     sizes: tuple[str, ...] = ()
     grid_text: str = ""
+    num_stages: int = 0  # software pipelining stages (0: Triton's default)
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,14 @@ class Wrapper:
         on_layout: LayoutReport | None = None,
         cpu_matmul: str = "auto",
         sizes: Sequence[tuple[str, tuple[int, int]]] = (),
+        paired: dict[int, Launcher] | None = None,
+        operands: dict[int, Sequence[View]] | None = None,
     ) -> None:
         self.program = program
+        # max-autotune's matmul templates (kiln/backends/templates.py): the function of a
+        # paired extern's step (by id), and the product's operands its kernel also takes
+        self.paired = paired or {}
+        self.operands = operands or {}
         self.sizes = sizes  # symbol -> (input, dim) it is read from, for a program with symbols
         self.on_layout = on_layout
         self.cpu_matmul = cpu_matmul  # the library of float32 CPU matmuls (Options.cpu_matmul)
@@ -211,6 +217,7 @@ class Wrapper:
         if kernel.xnumel == 0:
             return  # nothing to compute: the outputs are empty
         arguments = [self.name(b) for b in kernel_arguments(kernel)]
+        arguments += [self.view(v) for v in self.operands.get(id(kernel), ())]
         if kernel.seed() is not None:
             arguments.append(self.seeds[kernel.name])
         arguments += [symbol.name for symbol in kernel_symbols(kernel)]  # (bound above)
@@ -225,6 +232,8 @@ class Wrapper:
             symbols = [name for name, _ in self.sizes]
             self.namespace[function] = sized_extern(call, self.on_layout, self.cpu_matmul, symbols)
             operands = f"sizes, {operands}"
+        elif id(call) in self.paired:
+            self.namespace[function] = self.paired[id(call)]
         else:
             self.namespace[function] = extern_function(call, self.on_layout, self.cpu_matmul)
         results = ", ".join(self.name(b) for b in call.outputs)
@@ -235,7 +244,8 @@ class Wrapper:
         self._mark(len(self.lines) - 1, f"{call.node.op.printed_name} ({where})")
 
     def compile(self) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
-        source = _noting_errors(self.source())
+        self.text = self.source()  # (as the debug directory shows it)
+        source = _noting_errors(self.text)
         filename = f"<kiln wrapper {self.program.name} {next(_serial)}>"
         # Tracebacks and memory snapshots show the host program's lines, not just numbers.
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)

@@ -190,14 +190,28 @@ def load_tuned(
 class TunedLauncher:
     """Launches one kernel through the fastest of its candidates, measured at the first
     launch (see the module's docstring). ``fallback``, set by the backend, serves when every
-    candidate fails."""
+    candidate fails.
+
+    ``written``: the arguments a launch stores to (the first ``written``, or those positions),
+    copied for the measurements. ``timed``: what a measurement of a candidate runs, when that
+    is not what it serves (a matmul template's library candidate also runs the product there,
+    which its extern runs before the kernel once chosen). ``on_choice``: told the chosen label."""
+
+    seed_as_tensor = True  # (Triton launchers, every candidate: kiln/codegen/wrapper.py)
 
     def __init__(
-        self, candidates: list[tuple[str, Any]], written: int, choice: TuningRecord
+        self,
+        candidates: list[tuple[str, Any]],
+        written: int | frozenset[int],
+        choice: TuningRecord,
+        timed: dict[str, Launcher] | None = None,
+        on_choice: Callable[[str], None] | None = None,
     ) -> None:
         self.candidates = candidates
-        self.written = written
+        self.written = frozenset(range(written)) if isinstance(written, int) else written
         self.record = choice
+        self.timed = timed or {}
+        self.on_choice = on_choice
         self.chosen: Launcher | None = None
         self.fallback: Launcher | None = None
         self.lock = threading.Lock()
@@ -221,11 +235,11 @@ class TunedLauncher:
                 # process may measure)
                 self.record.chosen, heuristic = self.candidates[0]
                 heuristic.fallback = self.fallback
-                self.chosen = heuristic
-                return heuristic
-            copies = tuple(_copy(a) if i < self.written else a for i, a in enumerate(arguments))
+                return self._choose(heuristic)
+            copies = tuple(_copy(a) if i in self.written else a for i, a in enumerate(arguments))
+            measured = [(name, self.timed.get(name, run)) for name, run in self.candidates]
             with _on(device):
-                times = _measure_all(self.candidates, copies, seed, device)
+                times = _measure_all(measured, copies, seed, device)
             self.record.times = times
             finished = [(t, i) for i, t in enumerate(times.values()) if t is not None]
             if finished:
@@ -239,8 +253,13 @@ class TunedLauncher:
                 launcher.failed = "every autotune candidate failed"
             record(self.record)
             _log.info("%s", self.record.line())
-            self.chosen = launcher
-            return launcher
+            return self._choose(launcher)
+
+    def _choose(self, launcher: Launcher) -> Launcher:
+        if self.on_choice is not None:
+            self.on_choice(self.record.chosen)
+        self.chosen = launcher
+        return launcher
 
 
 def _measure_all(

@@ -238,6 +238,7 @@ def _job(source: TritonSource, device_index: int) -> Job:
         "sizes": len(source.sizes),
         "constexprs": source.constexprs,
         "num_warps": source.num_warps,
+        "num_stages": source.num_stages,
         "device": device_index,
     }
 
@@ -462,6 +463,8 @@ def _warm_on_device(job: Job) -> str:
         arguments.append(SEED_EXAMPLE)
     arguments += [SIZE_EXAMPLE] * job.get("sizes", 0)  # (sizes are not specialized on)
     options = {**OPTIONS, "num_warps": job["num_warps"], **job["constexprs"]}
+    if job.get("num_stages"):
+        options["num_stages"] = job["num_stages"]
     compiled = function.warmup(*arguments, grid=(1,), **options)
     # Loading the binary also builds Triton's C launcher for this signature (a gcc run of
     # about 0.2 s on a cold cache, which the first launch would do serially: 1.5 s of

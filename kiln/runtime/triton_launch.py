@@ -232,6 +232,8 @@ class TritonLauncher:
         kwargs: dict[str, Any] = dict(self.constexprs)
         if not self.source.interpret:
             kwargs.update(OPTIONS, num_warps=self.source.num_warps)
+            if self.source.num_stages:
+                kwargs["num_stages"] = self.source.num_stages
         if self.launched:
             return self.function[self.grid](*arguments, *self.sizes, **kwargs)
         try:

@@ -60,13 +60,15 @@ def step_writes(step: Step) -> list[Buffer]:
     return list(step.outputs) if isinstance(step, ExternCall) else step.writes()
 
 
-def plan_buffers(program: Program) -> None:
-    """Free each temporary after its last reader and let later kernels reuse its memory."""
+def plan_buffers(program: Program, also_reads: dict[int, list[Buffer]] | None = None) -> None:
+    """Free each temporary after its last reader and let later kernels reuse its memory.
+    ``also_reads``: buffers a step (by ``id``) reads besides its own (``templates.py``)."""
     keep = {id(view.buffer) for view in program.outputs} | {id(b) for b in program.inputs}
     last: dict[int, int] = {}
     buffers: dict[int, Buffer] = {}
+    extra = also_reads or {}
     for position, step in enumerate(program.steps):
-        for buffer in [*step_writes(step), *step_reads(step)]:
+        for buffer in [*step_writes(step), *step_reads(step), *extra.get(id(step), ())]:
             last[id(buffer)] = position
             buffers[id(buffer)] = buffer
     program.dead_after = [[] for _ in program.steps]

@@ -730,6 +730,7 @@ def test_a_kernel_triton_cannot_compile_runs_as_pytorch_ops() -> None:
         kernel_name="k0_broken",
         has_seed=False,
         num_warps=4,
+        num_stages=0,
     )
     calls: list[tuple[Any, ...]] = []
     launcher = TritonLauncher(source, Path("k0_broken.py"), Failing())  # type: ignore[arg-type]
