@@ -90,8 +90,9 @@ class TuningRecord:
     candidates: int = 0  # how many there were (a spent budget measures fewer)
 
     def line(self) -> str:
-        """``chosen (time), runner-up (time)``, the count tried and failed, and whether the
-        choice came from the cache."""
+        """``chosen (time), runner-up (time)``, then every other measured alternative
+        (``then label time, ...``, fastest first), the count tried and failed, and whether
+        the choice came from the cache (which keeps the times it measured)."""
         measured = sorted((t, label) for label, t in self.times.items() if t is not None)
         failed = sum(t is None for t in self.times.values())
         best = self.times.get(self.chosen)
@@ -99,6 +100,8 @@ class TuningRecord:
         others = [(t, label) for t, label in measured if label != self.chosen]
         if others:
             text += f", runner-up {others[0][1]} {others[0][0]:.1f} us"
+        if len(others) > 1:
+            text += "; then " + ", ".join(f"{label} {t:.1f}" for t, label in others[1:])
         tried = f"{len(self.times)} of {self.candidates}" if self.candidates else len(self.times)
         text += f" ({tried} tried" + (f", {failed} failed" if failed else "") + ")"
         return text + (" [cached]" if self.cached else "")

@@ -166,6 +166,9 @@ def test_explain_shows_each_choice(timer: FakeTimer) -> None:
     lines = [line for line in report_of(events).kernels if ": autotune " in line]
     assert len(lines) == 1
     assert f": {FASTEST} 1.0 us, runner-up " in lines[0] and "tried)" in lines[0]
+    (choice,) = [t for event in events if hasattr(event, "tuned") for t in event.tuned]
+    for label, time in choice.times.items():  # every measured alternative, with its time
+        assert f"{label} {time:.1f}" in lines[0]
 
 
 def test_the_default_mode_builds_one_source_a_kernel(

@@ -319,3 +319,16 @@ def test_a_residual_block_whose_kernel_reads_two_products(timer: FakeTimer, winn
     choices = _pairs(records)
     assert len(choices) == 3 and all(c.chosen.startswith(winner) for c in choices)
     assert all(None not in c.times.values() for c in choices)  # (no candidate failed)
+
+
+def test_a_program_in_symbolic_sizes_keeps_the_library(timer: FakeTimer) -> None:
+    """A template's tiles are chosen per size: a program compiled for a range of sizes pairs
+    nothing, and serves every size right."""
+    compiled = kiln.compile(lambda a, b: (a @ b).relu(), mode=MODE, dynamic=True, options=TRITON)
+    w = torch.randn(16, 24, dtype=torch.bfloat16)
+    with recording(CompiledProgramRecord) as records:
+        for rows in (20, 33, 7):
+            x = torch.randn(rows, 16, dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x, w), (x @ w).relu())
+    assert records and all("any sizes" in r.sizes for r in records)
+    assert _pairs(records) == []
