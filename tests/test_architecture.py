@@ -134,7 +134,9 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # library (backends/templates.py), num_stages through the launcher, the debug directory's
 # host program the one that runs.
 # +2: explain lists every measured alternative of an autotune choice.
-LINE_BUDGET = 34_512
+# +29: F.embedding's max_norm renormalizes the weight in the graph (an untracked assignment of
+# a translation), not by a graph break.
+LINE_BUDGET = 34_541
 
 
 def _module_name(path: Path) -> str:

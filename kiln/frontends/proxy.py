@@ -14,6 +14,7 @@ positions of the view, found by applying the same view to an ``iota`` of the roo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -383,8 +384,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         finally:
             assignments = finish_assignments(token)
         rebound: dict[Value, ProxyTensor] = {}
-        for target, new in assignments:
-            rebound[new] = assign(by_value[target], new, origin.api)
+        for target, new, untracked in assignments:
+            with torch.no_grad() if untracked else contextlib.nullcontext():
+                rebound[new] = assign(by_value[target], new, origin.api)
         if isinstance(result, Value) and result in rebound:
             return rebound[result]  # F.elu(x, inplace=True) returns x itself, as eager
         if entry is not None and entry.inplace:

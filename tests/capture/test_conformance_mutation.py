@@ -680,3 +680,41 @@ def test_a_write_under_no_grad_keeps_the_gradient_to_the_leaf() -> None:
     torch.testing.assert_close(compiled(nonleaf.detach().requires_grad_() * 1), write(nonleaf))
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         compiled(torch.randn(3, requires_grad=True))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0])
+def test_embedding_max_norm_renormalizes_its_weight_in_the_graph(norm_type: float) -> None:
+    """``nn.Embedding(max_norm=...)`` scales the rows it reads in place under no_grad
+    (``torch.embedding_renorm_``), once per row however often it is read: compiled into the
+    graph (no break), the weight and every gradient as eager's, over calls that read rows
+    again, under no_grad too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.5, norm_type=norm_type), nn.Linear(4, 3))
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    reference = copy.deepcopy(model)
+    compiled = kiln.compile(model)
+    with kiln.recording.recording() as events:
+        for call in range(4):
+            tokens = torch.randint(0, 10, (3, 4))  # (repeated rows)
+            if call == 3:
+                with torch.no_grad():
+                    torch.testing.assert_close(compiled(tokens), reference(tokens))
+                continue
+            compiled(tokens).relu().sum().backward()
+            reference(tokens).relu().sum().backward()
+            named = zip(model.named_parameters(), reference.parameters(), strict=True)
+            for (name, got), want in named:
+                torch.testing.assert_close(got, want, msg=name)
+                torch.testing.assert_close(got.grad, want.grad, msg=f"grad of {name}")
+            assert model[0].weight.is_leaf and model[0].weight.requires_grad
+    report = kiln.capture.driver.explain.report_of(events)
+    assert not report.breaks, report.breaks
+
+
+def test_embedding_max_norm_of_integer_rows_raises_as_eager() -> None:
+    weight, tokens = torch.arange(12).reshape(6, 2), torch.tensor([1, 2])
+    with pytest.raises(RuntimeError, match="norm\\(\\): input dtype should be either floating"):
+        torch.nn.functional.embedding(tokens, weight.clone(), max_norm=1.0)
+    with pytest.raises(RuntimeError, match="norm\\(\\): input dtype should be either floating"):
+        kiln.compile(lambda t, w: torch.nn.functional.embedding(t, w, max_norm=1.0))(tokens, weight)

@@ -328,15 +328,7 @@ PROGRAMS = [
         captures=2,
     ),
     Program("no-grad-decorated-forward", NoGradForward, train_rows),
-    Program(
-        "embedding-max-norm",
-        BoundedEmbedding,
-        tokens,
-        train=True,
-        graphs=1,  # the head; F.embedding(max_norm=) renormalises in place, natively
-        breaks=(CALL, CALL, CALL),
-        captures=6,
-    ),
+    Program("embedding-max-norm", BoundedEmbedding, tokens, train=True),  # (renorm in graph)
     Program("einsum-bilinear", Bilinear, pairs, train=True),
     Program("unet-interpolate-pad-convtranspose", TinyUNet, images, train=True),
     Program("scatter-add-index-add-gather", ScatterGather, segments, train=True),

@@ -30,8 +30,11 @@ from kiln.ops.sampling import ALL, FLOATS
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
 from kiln.ops.translations.linalg import reshape
+from kiln.ops.translations.norms import vector_norm_of
+from kiln.ops.translations.reductions import scalar_type_name
 from kiln.ops.translations.shape import shape_of
-from kiln.ops.translations.table import FallbackToExtern, translation
+from kiln.ops.translations.table import FallbackToExtern, assign_input, translation
+from kiln.ops.untracked import emit_untracked_write
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -75,12 +78,42 @@ def embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> Value:
-    if max_norm is not None or scale_grad_by_freq:
-        raise FallbackToExtern  # renormalizes rows in place / scales gradients by frequency
+    if scale_grad_by_freq:
+        raise FallbackToExtern  # scales gradients by frequency
     rows = weight.type.shape[0]
     if padding_idx is not None and not -rows <= padding_idx < rows:
         raise AssertionError("Padding_idx must be within num_embeddings")
+    if max_norm is not None:
+        weight = _renormalized(weight, input, max_norm, norm_type)
     return _without_padding_gradient(_lookup(weight, input), input, padding_idx, rows)
+
+
+def _renormalized(weight: Value, indices: Value, max_norm: float, norm_type: float) -> Value:
+    """``max_norm``: eager first scales each looked-up row whose ``norm_type``-norm exceeds
+    ``max_norm`` down to it (``max_norm / (norm + 1e-7)``), in place under ``no_grad``
+    (``torch.embedding_renorm_``): the weight keeps requiring grad and its gradient flows as
+    if it had always held the new rows. A row looked up twice is scaled once (the index_put
+    writes the same row twice)."""
+    if not weight.type.dtype.is_floating_point:
+        name = scalar_type_name(weight.type.dtype)
+        raise RuntimeError(
+            f"norm(): input dtype should be either floating point or complex. Got {name} instead."
+        )
+    with torch.no_grad():
+        flat = prims.reshape(indices, shape=(indices.type.numel(),))
+        looked = _lookup(weight, flat)
+        norms = common.broadcast_to(
+            vector_norm_of(looked, norm_type, (1,), True), looked.type.shape
+        )
+        scale = prims.div(max_norm, prims.add(norms, 1e-7))
+        scaled = prims.where(prims.gt(norms, max_norm), prims.mul(looked, scale), looked)
+        rows = common.convert(flat, torch.int64)
+        new = prims.index_put(weight, scaled, rows, dims=(0,), accumulate=False)
+    assign_input(weight, new, untracked=True)
+    if not weight.type.requires_grad:
+        return new
+    with torch.enable_grad():  # (the lookup's gradient goes to the weight, not the write)
+        return emit_untracked_write(weight, new)
 
 
 def _without_padding_gradient(

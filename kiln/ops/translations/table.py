@@ -27,29 +27,33 @@ from kiln.ir.graph import Value
 from kiln.ir.printer import public_name
 from kiln.ops.sampling import FLOATS
 
-_assignments: contextvars.ContextVar[list[tuple[Value, Value]] | None] = contextvars.ContextVar(
+Assignment = tuple[Value, Value, bool]  # (argument's value, its new value, untracked)
+_assignments: contextvars.ContextVar[list[Assignment] | None] = contextvars.ContextVar(
     "kiln_translation_assignments", default=None
 )
 
 
-def assign_input(target: Value, new: Value) -> None:
+def assign_input(target: Value, new: Value, untracked: bool = False) -> None:
     """Record that the tensor argument whose value is ``target`` is updated in place to ``new``
     (for example BatchNorm's running statistics); the frontend rebinds that tensor after the
-    translation returns. ``target`` must be one of the translation's own tensor arguments."""
+    translation returns. ``target`` must be one of the translation's own tensor arguments.
+    ``untracked``: the write is one eager makes under ``no_grad`` (``F.embedding``'s
+    ``max_norm`` renormalizing its weight): allowed on a leaf that requires grad, which keeps
+    requiring grad."""
     pending = _assignments.get()
     if pending is None:
         raise RuntimeError("assign_input is only valid inside a translation run by a frontend")
-    pending.append((target, new))
+    pending.append((target, new, untracked))
 
 
-def collect_assignments() -> contextvars.Token[list[tuple[Value, Value]] | None]:
+def collect_assignments() -> contextvars.Token[list[Assignment] | None]:
     """Start collecting ``assign_input`` calls (frontends call this around a translation)."""
     return _assignments.set([])
 
 
 def finish_assignments(
-    token: contextvars.Token[list[tuple[Value, Value]] | None],
-) -> list[tuple[Value, Value]]:
+    token: contextvars.Token[list[Assignment] | None],
+) -> list[Assignment]:
     pending = _assignments.get() or []
     _assignments.reset(token)
     return pending
