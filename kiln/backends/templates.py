@@ -194,12 +194,14 @@ def _paired_extern(
 
 
 def _identity(pair: MatmulPair) -> str:
-    """What a pair's choice depends on besides the machine."""
+    """What a pair's choice depends on besides the machine and Triton: the library's speed
+    comes with PyTorch's version (its cuBLAS and cuDNN)."""
     node = pair.extern.node
     operands = [(v.shape, v.strides, str(v.buffer.dtype)) for v in pair.operands]
     buffers = [(b.shape, b.strides, str(b.dtype)) for b in kernel_arguments(pair.kernel)]
     rest = kernel_signature(pair.rest) if pair.rest is not None else ""
     return (
+        f"torch {torch.__version__} {torch.backends.cudnn.version()}\n"
         f"matmul {node.op.name} {node.attrs!r} {operands} keeps={pair.keeps_result}\n"
         f"{kernel_signature(pair.kernel)}\n{buffers}\n{rest}"
     )
