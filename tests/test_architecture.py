@@ -137,7 +137,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # +29: F.embedding's max_norm renormalizes the weight in the graph (an untracked assignment of
 # a translation), not by a graph break.
 # +1: a matmul pair's cached choice names PyTorch's and cuDNN's versions (the library's speed).
-LINE_BUDGET = 34_542
+# +36: under max-autotune, explain says why a product has no template.
+LINE_BUDGET = 34_578
 
 
 def _module_name(path: Path) -> str:

@@ -82,6 +82,8 @@ class CompiledProgramRecord:
     cpu_matmul: str = "auto"  # the options' library of float32 CPU matmuls
     # max-autotune: each Triton kernel's choice, made at its first launch (kiln/runtime/autotune.py)
     tuned: list[TuningRecord] = field(default_factory=list)
+    # max-autotune: why a product has no template (by its extern step's id; schedule/templates.py)
+    untemplated: dict[int, str] = field(default_factory=dict)
     # A graph with symbolic sizes: which sizes the program serves ("any sizes where s0 > 8",
     # or "sizes s0=5 only (why)")
     sizes: str = ""
@@ -116,6 +118,8 @@ class CompiledProgramRecord:
                 note = f" ({step.reason})" if step.reason else ""
                 via = host_calls.library(step.node, self.cpu_matmul)
                 note += f" via {via}" if via else ""
+                if id(step) in self.untemplated:
+                    note += f" (no template: {self.untemplated[id(step)]})"
                 origin = f"  [{step.node.origin}]" if step.node.origin.api else ""
                 lines.append(f"{self.graph}: extern {step.node.op.printed_name}{note}{origin}")
         lines += [f"{self.graph}: {choice.line()}" for choice in self.tuned if choice.chosen]
@@ -247,6 +251,7 @@ class KilnProgram:
         ``stored``: a program in symbolic sizes read from the disk, with its code."""
         self._note = note
         self._host = ""  # (the host program that runs, for the debug directory)
+        self._untemplated: dict[int, str] = {}
         self._built: tuple[Program, dict[Any, Any]] | None = None
         start = time.perf_counter()
         names: list[str] = []
@@ -312,7 +317,7 @@ class KilnProgram:
         devices = {"cuda"} if self.options.codegen in ("", "triton") else set()
         if self.options.codegen == "triton":  # (CPU tensors: Triton's interpreter)
             devices.add("cpu")
-        return matmul_pairs(program, frozenset(devices))
+        return matmul_pairs(program, frozenset(devices), self._untemplated)
 
     def _pair_choices(
         self, pairs: list[MatmulPair], launchers: dict[str, Any], tuned: list[TuningRecord] | None
@@ -335,7 +340,9 @@ class KilnProgram:
             for pair in group:
                 choice = choices.get(pair.kernel.name)
                 if choice is None or id(pair.extern) not in choice.externs:
-                    continue  # (no template: an extern and a kernel, as scheduled)
+                    # (an extern and a kernel, as scheduled)
+                    self._untemplated[id(pair.extern)] = f"{pair.kernel.name} has no template form"
+                    continue
                 paired[id(pair.extern)] = choice.externs[id(pair.extern)]
                 operands[id(pair.kernel)] = pair.operands
                 launchers[pair.kernel.name] = choice.launcher
@@ -372,6 +379,7 @@ class KilnProgram:
             record.sizes = getattr(self, "_note", "")
         record.cpu_matmul = self.options.cpu_matmul
         record.tuned = self._tuned
+        record.untemplated = getattr(self, "_untemplated", {})
         record_event(record)
         if program is not None and _log.isEnabledFor(logging.INFO):
             for kernel in program.kernels():

@@ -33,7 +33,7 @@ from kiln.ir.op import Op
 from kiln.schedule.buffers import plan_buffers, step_reads, step_writes
 from kiln.schedule.index import INT32_LIMIT, var
 from kiln.schedule.loops import Buffer, Kernel, KernelKind, Load, X, kernel_symbols, walk
-from kiln.schedule.program import ExternCall, Program, View
+from kiln.schedule.program import ExternCall, Program, Step, View
 
 PRODUCTS = frozenset({Op.MM, Op.ADDMM, Op.BMM, Op.CONVOLUTION})
 DTYPES = (torch.float16, torch.bfloat16)  # float32 would be tf32 in a template: not eager's
@@ -96,70 +96,97 @@ def problem_of(call: ExternCall) -> Problem:
 
 
 def matmul_pairs(
-    program: Program, devices: frozenset[str] = frozenset({"cuda"})
+    program: Program,
+    devices: frozenset[str] = frozenset({"cuda"}),
+    refused: dict[int, str] | None = None,
 ) -> list[MatmulPair]:
-    """The pairs of ``program`` on devices of the types in ``devices``."""
+    """The pairs of ``program`` on devices of the types in ``devices``. ``refused`` receives,
+    for each other product there (by the extern step's ``id``), why it stays the library's
+    alone (``kiln.explain`` prints it)."""
     pairs = []
     steps = program.steps
     outputs = {id(v.buffer) for v in program.outputs}
     claimed: set[int] = set()  # kernels paired already (a residual may read two products)
     for position, step in enumerate(steps):
-        if not isinstance(step, ExternCall) or not _fusable_product(step, devices):
+        if not isinstance(step, ExternCall) or step.node.op not in PRODUCTS:
             continue
-        result = step.outputs[0]
-        reader = next(
-            (k for k in range(position + 1, len(steps)) if result in step_reads(steps[k])), None
-        )
-        if reader is None or not isinstance(steps[reader], Kernel):
-            continue
-        kernel = steps[reader]
-        assert isinstance(kernel, Kernel)
-        if id(kernel) in claimed or not _epilogue(kernel, result):
-            continue
-        operands = {id(o.buffer) for o in step.operands if isinstance(o, View)}
-        between = steps[position + 1 : reader]
-        if any(id(b) in operands for s in between for b in step_writes(s)):
-            continue
-        later = any(result in step_reads(s) for s in steps[reader + 1 :])
-        head = dataclasses.replace(kernel, parts=[])
-        rest = None
-        if kernel.parts:
-            first, *others = kernel.parts
-            rest = dataclasses.replace(first, name=f"{kernel.name}_rest", parts=others)
-        keeps = later or id(result) in outputs
-        pairs.append(MatmulPair(step, kernel, head, rest, keeps))
-        claimed.add(id(kernel))
+        reason = _refusal(step, devices)
+        if reason is None:
+            reason, pair = _pair_at(steps, position, claimed, outputs)
+            if pair is not None:
+                pairs.append(pair)
+                claimed.add(id(pair.kernel))
+                continue
+        if refused is not None and reason:
+            refused[id(step)] = reason
     return pairs
 
 
-def _fusable_product(call: ExternCall, devices: frozenset[str]) -> bool:
+def _pair_at(
+    steps: list[Step], position: int, claimed: set[int], outputs: set[int]
+) -> tuple[str, MatmulPair | None]:
+    step = steps[position]
+    assert isinstance(step, ExternCall)
+    result = step.outputs[0]
+    reader = next(
+        (k for k in range(position + 1, len(steps)) if result in step_reads(steps[k])), None
+    )
+    if reader is None:
+        return "no later step reads its result", None
+    kernel = steps[reader]
+    if not isinstance(kernel, Kernel):
+        return f"its first reader is another extern ({kernel.node.op.printed_name})", None
+    if id(kernel) in claimed:
+        return f"its reader {kernel.name} is paired with another product", None
+    why = _epilogue(kernel, result)
+    if why:
+        return f"its reader {kernel.name} {why}", None
+    operands = {id(o.buffer) for o in step.operands if isinstance(o, View)}
+    between = steps[position + 1 : reader]
+    if any(id(b) in operands for s in between for b in step_writes(s)):
+        return f"a step before its reader {kernel.name} writes an operand", None
+    later = any(result in step_reads(s) for s in steps[reader + 1 :])
+    head = dataclasses.replace(kernel, parts=[])
+    rest = None
+    if kernel.parts:
+        first, *others = kernel.parts
+        rest = dataclasses.replace(first, name=f"{kernel.name}_rest", parts=others)
+    keeps = later or id(result) in outputs
+    return "", MatmulPair(step, kernel, head, rest, keeps)
+
+
+def _refusal(call: ExternCall, devices: frozenset[str]) -> str | None:
+    """Why this product has no template (None: it may have one; "": not on these devices)."""
     node = call.node
-    if node.op not in PRODUCTS or len(call.outputs) != 1:
-        return False
-    (result,) = call.outputs
+    (result,) = call.outputs if len(call.outputs) == 1 else (None,)
+    if result is None or result.device.type not in devices:
+        return ""
     views = [o for o in call.operands if isinstance(o, View)]
     absent = [o for o in call.operands if not isinstance(o, View)]
     if absent != ([None] if node.op is Op.CONVOLUTION and len(views) == 2 else []):
-        return False  # (a convolution without bias has None there)
-    if result.device.type not in devices:
-        return False
+        return "a non-tensor operand"  # (a convolution without bias has None there)
     if result.dtype not in DTYPES or any(v.buffer.dtype != result.dtype for v in views):
-        return False
+        return f"{result.dtype} (templates are for float16 and bfloat16 products)"
     sizes = [*result.shape, *(n for v in views for n in (*v.shape, *v.strides, v.offset))]
-    if not all(isinstance(n, int) for n in sizes) or result.numel == 0:
-        return False  # (symbolic sizes: a template's tiles are chosen per size)
+    if not all(isinstance(n, int) for n in sizes):
+        return "symbolic sizes (a template's tiles are chosen per size)"
+    if result.numel == 0:
+        return "an empty result"
     if node.op is Op.CONVOLUTION and not _plain_convolution(call):
-        return False
+        return "not a 2-d convolution of one group or depthwise"
     product = problem_of(call)
     if min(product.m, product.n, product.k) < 1:
-        return False
+        return "an empty product"
     if max(result.numel, *(_extent(v) for v in views)) > INT32_LIMIT:
-        return False
+        return "indices past 2**31"
     if node.op is Op.CONVOLUTION:  # (channels-last: the product's rows are pixels)
         _, channels, height, width = result.shape
         dense = (height * width * channels, 1, width * channels, channels)
-        return result.offset == 0 and tuple(result.strides) == dense
-    return result.offset == 0 and tuple(result.strides) == _contiguous(result.shape)
+        dense_result = result.offset == 0 and tuple(result.strides) == dense
+        return None if dense_result else "its result is not dense channels-last"
+    if result.offset == 0 and tuple(result.strides) == _contiguous(result.shape):
+        return None
+    return "its result is not dense (a padded product's columns, or a transposed layout)"
 
 
 def _plain_convolution(call: ExternCall) -> bool:
@@ -173,18 +200,27 @@ def _plain_convolution(call: ExternCall) -> bool:
     )
 
 
-def _epilogue(kernel: Kernel, result: Buffer) -> bool:
-    """Whether ``kernel``'s own loop is pointwise over ``result``'s elements and reads it only
-    at the element it computes (its parts must not read it)."""
+def _epilogue(kernel: Kernel, result: Buffer) -> str:
+    """Why ``kernel`` cannot be ``result``'s epilogue ("" when it can): its own loop must be
+    pointwise over ``result``'s elements and read it only at the element it computes, unmasked
+    (its parts must not read it)."""
     head = dataclasses.replace(kernel, parts=[])
-    if head.kind is not KernelKind.POINTWISE or head.xnumel != result.numel:
-        return False
-    if kernel_symbols(kernel) or any(result in part.reads() for part in kernel.parts):
-        return False
+    if head.kind is not KernelKind.POINTWISE:
+        return "reduces"
+    if head.xnumel != result.numel:
+        return "runs over other positions than the product's elements"
+    if kernel_symbols(kernel):
+        return "has symbolic sizes"
+    if any(result in part.reads() for part in kernel.parts):
+        return "reads it in a combined part"
     identity = var(X, head.xnumel)
     loads = [e for e in walk([s.value for s in head.stores]) if isinstance(e, Load)]
     reads = [load for load in loads if load.buffer is result]
-    return bool(reads) and all(r.offset == identity and r.mask is None for r in reads)
+    if not reads:
+        return "reads it in a combined part"
+    if not all(r.offset == identity and r.mask is None for r in reads):
+        return "reads it at other elements than its own"
+    return ""
 
 
 def _extent(view: View) -> int:

@@ -208,22 +208,26 @@ def test_failing_templates_leave_the_library(timer: FakeTimer) -> None:
 
 def test_what_pairs(timer: FakeTimer) -> None:
     """A product pairs with a pointwise reader at its own elements only: not a reader of
-    other elements too, not a reduction, not float32 (a template's product would be tf32), not the
-    default mode."""
+    other elements too, not a reduction, not float32 (a template's product would be tf32), not
+    in the default mode; explain says why a product has no template."""
     x, w = torch.randn(20, 16, dtype=torch.bfloat16), torch.randn(16, 24, dtype=torch.bfloat16)
-    cases: list[tuple[Callable[..., Any], tuple[torch.Tensor, ...], str | None, int]] = [
-        (lambda a, b: (h := a @ b) + h.flip(1), (x, w), MODE, 0),
-        (lambda a, b: (a @ b).softmax(-1), (x, w), MODE, 0),
-        (lambda a, b: (a @ b).exp(), (x.float(), w.float()), MODE, 0),
-        (lambda a, b: (a @ b).exp(), (x, w), None, 0),
-        (lambda a, b: (a @ b).exp(), (x, w), MODE, 1),
+    cases: list[tuple[Callable[..., Any], tuple[torch.Tensor, ...], str | None, int, str]] = [
+        (lambda a, b: (h := a @ b) + h.flip(1), (x, w), MODE, 0, "at other elements"),
+        (lambda a, b: (a @ b).softmax(-1), (x, w), MODE, 0, "reduces"),
+        (lambda a, b: (a @ b).exp(), (x.float(), w.float()), MODE, 0, "torch.float32"),
+        (lambda a, b: a @ b, (x, w), MODE, 0, "no later step"),
+        (lambda a, b: (a @ b, (a @ b).exp()), (x, w), MODE, 1, ""),  # (kept: one product)
+        (lambda a, b: (a @ b).exp(), (x, w), None, 0, ""),
+        (lambda a, b: (a @ b).exp(), (x, w), MODE, 1, ""),
     ]
-    for fn, args, mode, count in cases:
+    for fn, args, mode, count, reason in cases:
         kiln.reset()
         with recording(CompiledProgramRecord) as records:
             result = kiln.compile(fn, mode=mode, options=TRITON)(*args)
         torch.testing.assert_close(result, fn(*args), atol=0.05, rtol=0.02)
         assert len(_pairs(records)) == count
+        refused = [line for line in records[-1].kernel_lines() if "no template:" in line]
+        assert [reason in line for line in refused] == ([True] if reason else []), refused
         if mode is None:  # (a pair there, left alone: the default mode does not search)
             program = records[-1].program
             assert program is not None and len(matmul_pairs(program, frozenset({"cpu"}))) == 1
