@@ -22,7 +22,7 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +168,7 @@ def _measure(job: Job, report: Report, result: Measurement) -> None:
         report("float64 oracle")
         _save_oracle(job, model, inputs, device, result)
     if job.compiler in ("kiln", "kiln-dynamic"):
-        result.notes += _kiln_notes(job.compiler)
+        result.notes += _kiln_notes(job.compiler, programs)
 
 
 def _input_set(
@@ -390,8 +390,9 @@ def _compiler_context(compiler: str) -> Iterator[None]:
         yield
 
 
-def _kiln_notes(name: str) -> list[str]:
-    """What Kiln made of the model: graphs, breaks, frames it ran uncompiled (and why)."""
+def _kiln_notes(name: str, programs: Sequence[CompiledProgramRecord] = ()) -> list[str]:
+    """What Kiln made of the model: graphs, breaks, frames it ran uncompiled (and why); of
+    ``programs`` (what it compiled), how many products max-autotune ran as templates."""
     import kiln
 
     counters = kiln.counters
@@ -402,6 +403,10 @@ def _kiln_notes(name: str) -> list[str]:
     reasons = {f"{record.function}: {record.reason.value}" for record in counters.fallbacks}
     notes += [f"uncompiled {reason}" for reason in sorted(reasons)[:3]]
     notes += [f"{name}: {line}" for line in kiln.explain().cudagraphs[:4]]  # (reduce-overhead)
+    pairs = [t for record in programs for t in record.tuned if " with " in t.kernel]
+    if pairs:
+        templates = sum(t.chosen.startswith("template") for t in pairs)
+        notes.append(f"{name}: max-autotune: {templates} of {len(pairs)} products as templates")
     return notes
 
 

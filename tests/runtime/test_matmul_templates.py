@@ -237,9 +237,13 @@ def test_explain_names_the_choice_and_its_alternative(timer: FakeTimer) -> None:
     x, w = torch.randn(20, 16, dtype=torch.bfloat16), torch.randn(16, 24, dtype=torch.bfloat16)
     with recording() as events:
         kiln.compile(lambda a, b: (a @ b).relu(), mode=MODE, options=TRITON)(x, w)
+    records = [e for e in events if isinstance(e, CompiledProgramRecord)]
     lines = [line for line in report_of(events).kernels if " with mm: " in line]
     assert len(lines) == 1
     assert ": template 32x32x16 w4 s1 1.0 us, runner-up library 5.0 us" in lines[0]
+    from kiln.bench.worker import _kiln_notes  # (the bench's summary of the same)
+
+    assert "kiln: max-autotune: 1 of 1 products as templates" in _kiln_notes("kiln", records)
 
 
 def _conv_block(
