@@ -120,12 +120,6 @@ def matmul_configs(pair: MatmulPair, interpret: bool) -> list[MatmulConfig]:
     return list(dict.fromkeys(found))
 
 
-def template_arguments(pair: MatmulPair) -> list[object]:
-    """What the template takes, in order: the epilogue's own buffers (``kernel_arguments`` of
-    ``pair.head``), then the product's operand views (bias first for ``addmm``)."""
-    return [*kernel_arguments(pair.head), *pair.operands]
-
-
 def generate_matmul(pair: MatmulPair, config: MatmulConfig, interpret: bool) -> TritonSource:
     """The Triton module of ``pair`` with ``config``'s tiles."""
     reason = unsupported_reason(pair.head)
@@ -407,9 +401,7 @@ def _strides(view: View) -> tuple[int, int]:
 
 
 def _base(view: View, batched: bool) -> str:
-    """The operand's first element of this program's batch (``batch * stride + ``), with its
-    view's offset, as text to prefix."""
-    parts = []
-    if batched and int(view.strides[0]) != 0:
-        parts.append(f"batch * {int(view.strides[0])}")
-    return "".join(f"{p} + " for p in parts)
+    """``batch * stride + ``: where this program's batch of the operand starts (its view's
+    offset is in the pointer the host passes), or "" (one batch, or a broadcast operand)."""
+    step = int(view.strides[0])
+    return f"batch * {step} + " if batched and step else ""
