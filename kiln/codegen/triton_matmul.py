@@ -33,6 +33,7 @@ from kiln.codegen.sources import Form, TritonSource
 from kiln.codegen.triton import (
     Blocks,
     UnsupportedKernel,
+    _identifier,
     _Printer,
     next_power_of_2,
     unsupported_reason,
@@ -165,7 +166,7 @@ class _MatmulPrinter(_Printer):
         problem = pair.problem
         self.kind = problem.kind
         self.m, self.n, self.k = problem.m, problem.n, problem.k
-        self.batched = problem.batch > 1 or len(pair.result.shape) == 3
+        self.batched = len(pair.result.shape) == 3  # (bmm; one program column per batch)
         self.xmask = self.m % config.block_m != 0 or self.n % config.block_n != 0
         taken = set(self.pointers.values())
         names = {
@@ -174,7 +175,7 @@ class _MatmulPrinter(_Printer):
             Op.ADDMM: ("bias_ptr", "a_ptr", "b_ptr"),
             Op.CONVOLUTION: ("x_ptr", "w_ptr", "bias_ptr")[: len(pair.operands)],
         }[pair.extern.node.op]
-        self.operand_pointers = [_fresh(name, taken) for name in names]
+        self.operand_pointers = [_identifier(name, taken) for name in names]
         self.function_name = f"{self.function_name}_mm"
 
     def _shape(self, dims: frozenset[str]) -> str:
@@ -274,10 +275,7 @@ class _MatmulPrinter(_Printer):
         else:
             emit("    a = tl.load(a_ptrs)")
             emit("    b = tl.load(b_ptrs)")
-        if self.interpret:  # (its bf16 dot multiplies the bits: the exact fp32 product)
-            emit("    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)")
-        else:
-            emit("    acc = tl.dot(a, b, acc)")
+        self.emit_dot()
         emit(f"    a_ptrs += BLOCK_K * {sak}")
         emit(f"    b_ptrs += BLOCK_K * {sbk}")
         if bias is not None:
@@ -291,7 +289,8 @@ class _MatmulPrinter(_Printer):
         rounded = tm.convert("acc", tm.compute_dtype(result.dtype), result.dtype, self.interpret)
         emit(f"acc = {rounded}  # the product as the library would store it")
         if self.kind != "mm" and len(self.pair.operands) == 3:  # (eager adds it after)
-            load = f"tl.load({self.operand_pointers[2]} + rbn * {self._bias_step()})"
+            step = int(self.pair.operands[2].strides[0])
+            load = f"tl.load({self.operand_pointers[2]} + rbn * {step})"
             added = tm.convert(
                 f"(acc + {load}.to(tl.float32)[None, :])",
                 torch.float32,
@@ -307,9 +306,6 @@ class _MatmulPrinter(_Printer):
             stored = tm.narrow("acc", tm.compute_dtype(result.dtype), result.dtype, self.interpret)
             mask = ", xmask" if self.xmask else ""
             emit(f"tl.store({self.pointers[id(result)]} + xindex, {stored}{mask})")
-
-    def _bias_step(self) -> int:
-        return int(self.pair.operands[2].strides[0])
 
     def emit_convolution(self) -> None:
         """An implicit matrix product over (window position, input channel block), or, for
@@ -357,10 +353,14 @@ class _MatmulPrinter(_Printer):
         emit(f"    a = tl.load({x_ptr} + x_row[:, None] + c[None, :] * {sxc}{a_mask})")
         weights = f"rbn[None, :] * {swo} + c[:, None] * {swi} + kh * {swh} + kw * {sww}"
         emit(f"    b = tl.load({w_ptr} + {weights}{b_mask})")
-        if self.interpret:  # (its bf16 dot multiplies the bits)
-            emit("    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)")
+        self.emit_dot()
+
+    def emit_dot(self) -> None:
+        """The loop body's ``acc += a @ b`` (16-bit operands, a float32 accumulator)."""
+        if self.interpret:  # (its bf16 dot multiplies the bits: the exact fp32 product)
+            self.emit("    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)")
         else:
-            emit("    acc = tl.dot(a, b, acc)")
+            self.emit("    acc = tl.dot(a, b, acc)")
 
     def emit_bias(self, bias: View) -> None:
         """``acc = alpha * acc + beta * bias`` (``beta == 0`` reads no bias: eager ignores
@@ -385,14 +385,6 @@ class _MatmulPrinter(_Printer):
             self.scopes[-1][id(expr)] = "acc"  # (a float32 value of the stored dtype)
             return
         super().emit_load(expr)
-
-
-def _fresh(name: str, taken: set[str]) -> str:
-    base, n = name, 1
-    while name in taken:
-        name, n = f"{base}_{n}", n + 1
-    taken.add(name)
-    return name
 
 
 def _strides(view: View) -> tuple[int, int]:
