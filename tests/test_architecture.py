@@ -142,7 +142,13 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # -4: a template helper nobody called, removed.
 # -7: the template printer names its operand pointers with codegen's _identifier and prints
 # its dot once.
-LINE_BUDGET = 34_571
+# +299: a split variance reads its values once on the GPU (Chan's update over shifted values,
+# matched down to which mean each element meets); a kernel recomputes a stored value from what
+# it loads anyway (schedule/recompute.py); per-channel factors broadcast into flat GPU kernels
+# are stored (those of graph inputs ahead of everything, in one launch); a kernel never loads
+# what a later step stores; Triton's second form for a kernel whose first fails to compile;
+# PyTorch-op fallbacks make constants on the device.
+LINE_BUDGET = 34_870
 
 
 def _module_name(path: Path) -> str:

@@ -25,6 +25,8 @@ rounded once. Max and min split the same way; arg-reductions and products are le
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kiln.ir.builder import GraphBuilder
@@ -181,52 +183,214 @@ def _holds_channels_last(value: Value) -> bool:
     return value.type.device.type == "cuda"
 
 
-def _emit(node: Node, builder: GraphBuilder) -> None:
-    source = node.inputs[0]
-    assert isinstance(source, Value)
-    dtype = source.type.dtype
+def _emit(node: Node, builder: GraphBuilder, deviations: _Deviations | None) -> None:
+    operand = node.inputs[0]
+    assert isinstance(operand, Value)
+    dtype = operand.type.dtype
     widen = node.op is Op.SUM and dtype in _LOW_PRECISION
     with builder.origin_scope(node.origin):
-        if widen:
-            source = prims.convert(source, dtype=torch.float32)
-        channels_last = _channels_last_plan(node)
-        pooling = _pooling_plan(node)
-        plan = _plan(node)
-        if pooling is not None:
-            rows, pieces = pooling
-            n, c = source.type.shape[:2]
-            rows_first = prims.permute(source, dims=(0, 2, 3, 1))
-            chunked = prims.reshape(rows_first, shape=(n, pieces, rows // pieces, c))
-            result = prims.call(node.op, prims.call(node.op, chunked, dims=(2,)), dims=(1,))
-        elif channels_last is not None:
-            rows, chunks = channels_last
-            shape = source.type.shape
-            flat = prims.reshape(prims.permute(source, dims=(0, 2, 3, 1)), shape=(rows, shape[1]))
-            result = _column_sum(node.op, flat, rows, chunks, (shape[1],))
-        elif plan is not None:
-            trailing, leading = plan
-            result = prims.call(node.op, prims.call(node.op, source, dims=trailing), dims=leading)
+        steps, inner, outer = _steps(node, _widened(operand, widen))
+        if deviations is not None and outer is not None and _chunks_columns(operand):
+            values, _, _ = _steps(node, _widened(deviations.source, widen))
+            result = _spread_sum(values, inner, outer, deviations.count)
         else:
-            columns = _column_plan(node)
-            assert columns is not None
-            rows, chunks = columns
-            kept = source.type.shape[len(node.attrs.dims) :]
-            result = _column_sum(node.op, source, rows, chunks, kept)
+            result = prims.call(node.op, steps, dims=inner)
+            if outer is not None:
+                result = prims.call(node.op, result, dims=outer)
         if widen:
             result = prims.convert(result, dtype=dtype)
     take_over(node.output, result)
 
 
-def _column_sum(
-    op: Op, source: Value, rows: Dim, chunks: int | None, kept: tuple[Dim, ...]
-) -> Value:
-    """``op`` over the leading ``rows`` of ``source`` (shape ``[..., *kept]``), in two steps
-    of ``chunks`` when given."""
+def _widened(value: Value, widen: bool) -> Value:
+    return prims.convert(value, dtype=torch.float32) if widen else value
+
+
+def _steps(node: Node, source: Value) -> tuple[Value, tuple[int, ...], tuple[int, ...] | None]:
+    """``source`` (shaped as ``node``'s operand) laid out for ``node``'s split, with the dims
+    its first step reduces and the dims the second step then reduces (None: one step)."""
+    channels_last = _channels_last_plan(node)
+    pooling = _pooling_plan(node)
+    plan = _plan(node)
+    shape = source.type.shape
+    if pooling is not None:
+        rows, pieces = pooling
+        n, c = shape[:2]
+        rows_first = prims.permute(source, dims=(0, 2, 3, 1))
+        return prims.reshape(rows_first, shape=(n, pieces, rows // pieces, c)), (2,), (1,)
+    if channels_last is not None:
+        rows, chunks = channels_last
+        flat = prims.reshape(prims.permute(source, dims=(0, 2, 3, 1)), shape=(rows, shape[1]))
+        return _column_steps(flat, rows, chunks, (shape[1],))
+    if plan is not None:
+        trailing, leading = plan
+        return source, trailing, leading
+    columns = _column_plan(node)
+    assert columns is not None
+    rows, chunks = columns
+    return _column_steps(source, rows, chunks, shape[len(node.attrs.dims) :])
+
+
+def _column_steps(
+    source: Value, rows: Dim, chunks: int | None, kept: tuple[Dim, ...]
+) -> tuple[Value, tuple[int, ...], tuple[int, ...] | None]:
+    """The leading ``rows`` of ``source`` (shape ``[..., *kept]``) as one column reduction, or
+    as ``chunks`` of rows reduced first, then across chunks."""
     if chunks is None:
-        flat = prims.reshape(source, shape=(rows, *kept))
-        return prims.call(op, flat, dims=(0,))
-    chunked = prims.reshape(source, shape=(chunks, rows // chunks, *kept))
-    return prims.call(op, prims.call(op, chunked, dims=(1,)), dims=(0,))
+        return prims.reshape(source, shape=(rows, *kept)), (0,), None
+    return prims.reshape(source, shape=(chunks, rows // chunks, *kept)), (1,), (0,)
+
+
+def _spread_sum(values: Value, inner: tuple[int, ...], outer: tuple[int, ...], count: Dim) -> Value:
+    """The sum of squared deviations of ``values`` from their mean over ``inner + outer``, in
+    two steps that read ``values`` in one kernel: each group's (``inner``) sum and squared
+    deviations from its own mean, then across groups (``outer``), adding each group's size
+    times its mean's squared deviation from the mean of all (Chan, Golub and LeVeque's
+    pairwise update). Written as two passes, the deviations' first step would read the
+    values again after the mean's second step.
+
+    The values are shifted by their first element along the reduced dims first (the sum is
+    the same): the group means then hold the spread, not the offset, so their differences
+    keep their digits however far from zero the values lie (a mean of 1000 with spread 0.01
+    lost 2e-4 of the variance unshifted, as a Welford combine does)."""
+    shape = values.type.shape
+    reduced = (*inner, *outer)
+    first = values
+    for dim in reduced:
+        first = prims.slice(first, dim=dim, start=0, stop=1)
+    values = prims.sub(values, prims.expand(first, shape=shape))
+    kept = tuple(d for d in range(len(shape)) if d not in inner)
+    group_size = _product(tuple(shape[d] for d in inner))
+    sums = prims.sum(values, dims=inner)
+    group_means = prims.div(sums, size_scalar(group_size))
+    deviation = prims.sub(values, prims.broadcast(group_means, shape=shape, dims=kept))
+    within = prims.sum(prims.mul(deviation, deviation), dims=inner)
+    groups = sums.type.shape
+    mean = prims.div(prims.sum(sums, dims=outer), size_scalar(count))
+    remaining = tuple(d for d in range(len(groups)) if d not in outer)
+    apart = prims.sub(group_means, prims.broadcast(mean, shape=groups, dims=remaining))
+    between = prims.sum(prims.mul(apart, apart), dims=outer)
+    return prims.add(prims.sum(within, dims=outer), prims.mul(between, size_scalar(group_size)))
+
+
+@dataclass(frozen=True)
+class _Deviations:
+    """A sum of ``(source - mean) ** 2`` over its dims, ``mean`` the sum of ``source`` over the
+    same dims divided by ``count``, broadcast back (``translations.reductions.moments``)."""
+
+    source: Value
+    count: Dim
+
+
+_SHAPE_ONLY = (Op.UNSQUEEZE, Op.SQUEEZE, Op.RESHAPE, Op.BROADCAST, Op.EXPAND)
+
+
+def _deviations_of(node: Node) -> _Deviations | None:
+    """What ``node`` sums the squared deviations of, if it does (a variance: BatchNorm's
+    statistics), checked down to which reduced element each mean is subtracted from."""
+    if node.op is not Op.SUM:
+        return None
+    square = node.inputs[0].node if isinstance(node.inputs[0], Value) else None
+    if square is None or square.op is not Op.MUL or square.inputs[0] is not square.inputs[1]:
+        return None
+    difference = square.inputs[0].node  # type: ignore[union-attr]
+    if difference is None or difference.op is not Op.SUB:
+        return None
+    for source, mean in (difference.inputs, difference.inputs[::-1]):
+        if isinstance(source, Value) and isinstance(mean, Value):
+            count = _mean_count(source, mean, tuple(sorted(node.attrs.dims)))
+            if count is not None and source.type.dtype not in _LOW_PRECISION:
+                return _Deviations(source, count)
+    return None
+
+
+def _mean_count(source: Value, mean: Value, dims: tuple[int, ...]) -> Dim | None:
+    """The count ``mean`` divides ``source``'s sum over ``dims`` by, when ``mean`` is that
+    quotient broadcast so that each element of ``source`` meets its own row's mean."""
+    chain: list[Node] = []
+    value = mean
+    while value.node is not None and value.node.op in _SHAPE_ONLY:
+        chain.append(value.node)
+        value = value.node.inputs[0]  # type: ignore[assignment]
+    quotient = value.node
+    if quotient is None or quotient.op is not Op.DIV or not isinstance(quotient.inputs[0], Value):
+        return None
+    total = quotient.inputs[0].node
+    if total is None or total.op is not Op.SUM or total.inputs[0] is not source:
+        return None
+    if tuple(sorted(total.attrs.dims)) != dims:
+        return None
+    shape = source.type.shape
+    count = _product(tuple(shape[d] for d in dims))
+    divisor = quotient.inputs[1]
+    if not (
+        count.same(divisor)
+        if isinstance(count, Sym)
+        else isinstance(divisor, int | float)
+        and not isinstance(divisor, bool)
+        and float(divisor) == float(count)
+    ):
+        return None
+    # Which dim of ``source`` each dim of the value stands for (None: a unit dim).
+    origin: list[int | None] = [d for d in range(len(shape)) if d not in dims]
+    for step in reversed(chain):
+        moved = _moved(step, origin)
+        if moved is None:
+            return None
+        origin = moved
+    if len(origin) != len(shape) or not all(
+        _same_size(a, b) for a, b in zip(mean.type.shape, shape, strict=True)
+    ):
+        return None
+    for dim, came_from in enumerate(origin):
+        if came_from is None and dim not in dims and not _is_one(shape[dim]):
+            return None
+        if came_from is not None and came_from != dim:
+            return None
+    return count
+
+
+def _moved(step: Node, origin: list[int | None]) -> list[int | None] | None:
+    """``origin`` (see ``_mean_count``) after a shape-only ``step``; None when a reshape
+    regroups dims. (Only unit dims grow, so the final shape check catches stretching.)"""
+    before = step.inputs[0].type.shape  # type: ignore[union-attr]
+    after = step.output.type.shape
+    moved: list[int | None] = list(origin)
+    if step.op is Op.UNSQUEEZE:
+        for dim in sorted(step.attrs.dims):
+            moved.insert(dim, None)
+    elif step.op is Op.SQUEEZE:
+        moved = [o for d, o in enumerate(origin) if d not in step.attrs.dims]
+    elif step.op is Op.BROADCAST:
+        moved = [None] * len(after)
+        for d, out in enumerate(step.attrs.dims):
+            moved[out] = origin[d]
+    elif step.op is Op.RESHAPE:  # only unit dims may come or go
+        real = [(o, size) for o, size in zip(origin, before, strict=True) if not _is_one(size)]
+        sizes = [size for size in after if not _is_one(size)]
+        if len(real) != len(sizes) or not all(
+            _same_size(size, other) for (_, size), other in zip(real, sizes, strict=True)
+        ):
+            return None
+        remaining = iter(real)
+        moved = [None if _is_one(size) else next(remaining)[0] for size in after]
+    return moved
+
+
+def _same_size(a: Dim, b: Dim) -> bool:
+    """Whether two sizes are the same without asking (no guard on a symbolic size)."""
+    if isinstance(a, Sym) or isinstance(b, Sym):
+        return isinstance(a, Sym) and a.same(b)
+    return a == b
+
+
+def _is_one(size: Dim) -> bool:
+    return not isinstance(size, Sym) and size == 1
+
+
+def size_scalar(size: Dim) -> float | Sym:
+    """A size as a float operand (a symbolic size stays symbolic)."""
+    return size if isinstance(size, Sym) else float(size)
 
 
 def _chosen(node: Node) -> bool:
@@ -236,4 +400,7 @@ def _chosen(node: Node) -> bool:
 
 def split_reductions(graph: Graph) -> Graph:
     """``graph`` with its reductions split as the module docstring says."""
-    return rewrite_nodes(graph, {node for node in graph.nodes if _chosen(node)}, _emit)
+    chosen = {node for node in graph.nodes if _chosen(node)}
+    # Matched before any rewrite: a variance's mean reads the sum its split replaces.
+    deviations = {node: _deviations_of(node) for node in chosen}
+    return rewrite_nodes(graph, chosen, lambda node, b: _emit(node, b, deviations[node]))

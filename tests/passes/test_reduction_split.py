@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,12 @@ import torch.nn.functional as F
 import kiln
 from kiln.frontends.trace import graph_inputs
 from kiln.ir import Op, interpret, verify
-from kiln.passes import reduction_split, split_reductions
+from kiln.passes import (
+    eliminate_common_subexpressions,
+    eliminate_dead_code,
+    reduction_split,
+    split_reductions,
+)
 
 
 def _reductions(graph: kiln.ir.Graph) -> list[tuple[Op, tuple[int, ...]]]:
@@ -320,3 +327,121 @@ def test_symbolic_rows_are_split_and_chunked_for_sizes_the_count_divides(
     # chunked column sums: the bias-like sum's second step over 128 chunks, a channels-last
     # BatchNorm's over 512 (8192 and 12288 rows) or 64 (4100)
     assert "(x<s2, r<128): sum" in kernels and "(x<8, r<512): sum" in kernels, kernels
+
+
+def _claim_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split as on the GPU (the rewrite is checked on the CPU)."""
+    monkeypatch.setattr(reduction_split, "_chunks_columns", lambda value: True)
+    monkeypatch.setattr(reduction_split, "_holds_channels_last", lambda value: True)
+
+
+def _full_size_means(graph: kiln.ir.Graph, numel: int) -> list[tuple[int, ...]]:
+    """The shapes of the means subtracted from full-size values (before their broadcast)."""
+    shapes = []
+    for node in graph.nodes:
+        if node.op is Op.SUB and node.output.type.numel() == numel:
+            mean = node.inputs[1]
+            while mean.node is not None and mean.node.op in (Op.BROADCAST, Op.UNSQUEEZE):
+                mean = mean.node.inputs[0]
+            shapes.append(tuple(mean.type.shape))
+    return shapes
+
+
+@pytest.mark.parametrize(
+    ("shape", "dims", "gpu", "groups"),
+    [
+        ((8, 16, 48, 48), (0, 2, 3), True, (288, 16)),  # channels-last columns in 288 chunks
+        ((16384, 24), (0,), True, (256, 24)),  # a tall column variance in 256 chunks
+        ((8, 16, 144), (0, 2), True, (8, 16)),  # per image first, then across images
+        ((8, 16, 12, 12), (0, 2, 3), False, (16,)),  # the CPU: two passes (see below)
+    ],
+)
+@pytest.mark.parametrize("correction", [0, 1])
+def test_a_variance_reads_its_values_once(
+    shape: tuple[int, ...],
+    dims: tuple[int, ...],
+    gpu: bool,
+    groups: tuple[int, ...],
+    correction: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A split variance sums each group's squared deviations from the group's own mean, next
+    to the group's sum, and adds the groups' spread around the mean of all after (Chan's
+    update): the deviations no longer wait for the mean of all, so one kernel reads the
+    values once. Far from zero (a mean of 1000, spread 0.01) it stays as exact as two passes
+    (a sum of squares minus the squared sum would lose every digit there)."""
+    if gpu:
+        _claim_gpu(monkeypatch)
+    torch.manual_seed(0)
+    x = 1000.0 + 0.01 * torch.randn(*shape)
+
+    def moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.var_mean(x, dims, correction=correction)
+
+    graph = kiln.trace(moments, x)
+    inputs = graph_inputs(graph, moments, x)
+    kept = tuple(s for d, s in enumerate(shape) if d not in dims)
+    assert _full_size_means(graph, x.numel()) == [kept]
+    split = verify(eliminate_dead_code(eliminate_common_subexpressions(split_reductions(graph))))
+    means = _full_size_means(split, x.numel())
+    # (On the CPU the C++ kernels read a row twice from cache, and a shift read through a
+    # channel cat would cost DenseNet's row segments; the GPU's second read is from memory.)
+    assert groups in means and (kept not in means or not gpu), means
+    variance, mean = interpret(split, inputs)
+    want_variance, want_mean = torch.var_mean(x.double(), dims, correction=correction)
+    torch.testing.assert_close(variance.double(), want_variance, rtol=1e-4, atol=0)
+    torch.testing.assert_close(mean.double(), want_mean, rtol=1e-6, atol=0)
+
+
+def test_batchnorm_training_with_one_read_statistics_matches_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BatchNorm in training, split as on the GPU: outputs, every gradient and the running
+    statistics match eager over calls with new inputs, one of them far from zero.
+    (288 chunks of 64 rows: the variance takes the one-read form.)"""
+    _claim_gpu(monkeypatch)
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(16, momentum=0.2)
+    reference = copy.deepcopy(bn)
+    compiled = kiln.compile(bn)
+    for offset in (0.0, 3.0, 30.0):
+        x = offset + torch.randn(8, 16, 48, 48)
+        y, want = compiled(x), reference(x)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+        grad = torch.randn_like(y)
+        y.backward(grad)
+        want.backward(grad)
+        for got, expected in zip(bn.parameters(), reference.parameters(), strict=True):
+            assert got.grad is not None and expected.grad is not None
+            # (1e-3: the scale-and-shift form loses digits far from zero, before the split too)
+            torch.testing.assert_close(got.grad, expected.grad, rtol=1e-3, atol=1e-3)
+            got.grad = expected.grad = None
+        for got, expected in zip(bn.buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_deviations_from_another_mean_are_left_as_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only a sum of squared deviations from the mean over the same dims (divided by their
+    count) takes the one-read form: around another value's mean, another dims' mean, a
+    mean over N - 1, or squares of two different values, the sum stays as written."""
+    _claim_gpu(monkeypatch)
+    x, y = torch.randn(8, 16, 48, 48), torch.randn(8, 16, 48, 48)
+    dims = (0, 2, 3)
+
+    def others(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        around_y = (x - y.mean(dims, keepdim=True)).square().sum(dims)
+        per_image = (x - x.mean((2, 3), keepdim=True)).square().sum(dims)
+        unbiased = (x - x.sum(dims, keepdim=True) / (x[:, 0].numel() - 1)).square().sum(dims)
+        centered = x - x.mean(dims, keepdim=True)
+        mixed = (centered * (y - y.mean(dims, keepdim=True))).sum(dims)
+        return around_y, per_image, unbiased, mixed
+
+    graph = kiln.trace(others, x, y)
+    sums = [n for n in graph.nodes if n.op is Op.SUM]
+    assert sums and all(reduction_split._deviations_of(n) is None for n in sums)
+    inputs = graph_inputs(graph, others, x, y)
+    split = verify(split_reductions(graph))
+    for got, want in zip(interpret(split, inputs), interpret(graph, inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-2)
