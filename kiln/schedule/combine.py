@@ -14,14 +14,14 @@ A kernel joins the one before it when:
 
 - the two are adjacent steps on the same device, and neither draws random numbers;
 - neither reads a buffer the other writes, and they write different buffers;
-- the joining kernel is pointwise and reads only graph inputs (weights, parameters): its work
-  could run anywhere before its reader, so running it a step early changes nothing but when
-  its output is allocated.
+- the joining kernel is pointwise: what it reads was written before the first of the two
+  (a ReLU recomputed for a convolution's weight gradient, from the saved input and the
+  per-channel factors, beside the BatchNorm backward before it).
 
-Such a kernel that finds no kernel just before it (it follows an extern, or starts the
-program: a BatchNorm's ``num_batches_tracked += 1`` in training) joins a later kernel's launch
-instead, when no step between them reads what it writes or writes what it reads: it then runs
-after that kernel's own programs.
+A pointwise kernel that reads only graph inputs (weights, parameters) and finds no kernel just
+before it (it follows an extern, or starts the program: a BatchNorm's ``num_batches_tracked
++= 1`` in training) joins a later kernel's launch instead, when no step between them reads
+what it writes or writes what it reads: it then runs after that kernel's own programs.
 """
 
 from __future__ import annotations
@@ -75,8 +75,6 @@ def joins(head: Kernel, kernel: Kernel) -> bool:
     if head.xnumel == 0 or kernel.xnumel == 0 or kernel.kind is not KernelKind.POINTWISE:
         return False
     if head.seed() is not None or kernel.seed() is not None:
-        return False
-    if any(b.kind is not BufferKind.INPUT for b in kernel.reads()):
         return False
     head_writes = {id(b) for b in head.writes()}
     kernel_writes = {id(b) for b in kernel.writes()}

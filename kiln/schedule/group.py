@@ -9,6 +9,7 @@ done, :func:`build_kernel` lowers every member there into one :class:`~kiln.sche
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ from kiln.schedule.index import Index
 from kiln.schedule.loops import Buffer, Kernel, R, Store, X
 from kiln.schedule.lowering import Lowering, MultiIndex, RowSpace, shape_of
 from kiln.schedule.program import View
+from kiln.schedule.recompute import recomputable
 from kiln.schedule.views import VIEW_OPS
 
 
@@ -38,6 +40,9 @@ class Group:
     # ``order``, outermost first, so stores (and loads of like-laid-out inputs) are contiguous.
     shape: tuple[Dim, ...] = ()
     order: tuple[int, ...] = ()
+    # Per-channel factors read from graph inputs, computed ahead of everything (scheduler's
+    # _place_input_factors): they recompute, rather than load, the factors they read.
+    factors: bool = False
 
     @property
     def elements(self) -> Dim:
@@ -77,10 +82,41 @@ def build_kernel(
     layouts: dict[Value, View],
     buffers: dict[Value, Buffer],
     node_order: dict[int, int],
+    ready: Callable[[Value], bool] | None = None,
 ) -> Kernel:
     """The kernel storing each member of ``group`` into its buffer, given the ``layouts`` of
     the values in memory; named after its first few ops in graph order (``node_order``: node
-    id -> position)."""
+    id -> position). ``ready``: whether a value in memory is there before the kernel runs;
+    it recomputes any other (stored by a later step than the walk had placed when it placed
+    the kernel: per-channel factors placed ahead of everything), and stored values it can
+    recompute from what it reads anyway and small ready values (``recompute.py``)."""
+    lowering, stores = _lowered(group, layouts, buffers)
+    if ready is None:
+        return _kernel(group, lowering, stores, node_order)
+    while late := {v for v in lowering.loaded if v.node is not None and not ready(v)}:
+        layouts = {v: view for v, view in layouts.items() if v not in late}
+        lowering, stores = _lowered(group, layouts, buffers)
+    recomputed = recomputable(lowering.loaded, layouts, ready, group.factors)
+    if recomputed:
+        kept = {v: view for v, view in layouts.items() if v not in recomputed}
+        lowering, stores = _lowered(group, kept, buffers)
+    return _kernel(group, lowering, stores, node_order)
+
+
+def _kernel(
+    group: Group, lowering: Lowering, stores: list[Store], node_order: dict[int, int]
+) -> Kernel:
+    nodes = sorted(lowering.nodes.values(), key=lambda n: node_order.get(id(n), len(node_order)))
+    name = f"k{group.position}_" + "_".join(_short_names(nodes))
+    fused = [f"{n.op.printed_name}  {n.origin}".rstrip() for n in nodes]
+    # An empty row reduces to the identity (a constant), leaving no loop over r.
+    rnumel = max(group.rows.rnumel, 1) if group.rows else 1
+    return Kernel(name, group.numel, rnumel, stores, fused, group.device)
+
+
+def _lowered(
+    group: Group, layouts: dict[Value, View], buffers: dict[Value, Buffer]
+) -> tuple[Lowering, list[Store]]:
     x, r = group.loop_variables()
     lowering = Lowering(layouts, set(group.members), x, r, group.rows, group.reductions)
     stores = []
@@ -90,13 +126,7 @@ def build_kernel(
         buffer = buffers[value]
         offset = ix.linear(index, buffer.strides)
         stores.append(Store(buffer, offset, lowering.load(value, index)))
-    order = node_order
-    nodes = sorted(lowering.nodes.values(), key=lambda n: order.get(id(n), len(order)))
-    name = f"k{group.position}_" + "_".join(_short_names(nodes))
-    fused = [f"{n.op.printed_name}  {n.origin}".rstrip() for n in nodes]
-    # An empty row reduces to the identity (a constant), leaving no loop over r.
-    rnumel = max(group.rows.rnumel, 1) if group.rows else 1
-    return Kernel(name, group.numel, rnumel, stores, fused, group.device)
+    return lowering, stores
 
 
 def _short_names(nodes: list[Node]) -> list[str]:

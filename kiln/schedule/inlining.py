@@ -39,6 +39,15 @@ STENCIL_LIMIT = (32, 128)
 # when that reads no more memory than storing it would (CPU, GPU): on the CPU a transcendental
 # recomputed costs about what the saved write and read do, so only cheap arithmetic goes.
 TRAFFIC_RECOMPUTE_LIMIT = (8, 128)
+# A small value broadcast into work at least ``BROADCAST_SPREAD`` times its size is stored
+# (by a kernel computing it anyway) once it costs this many ops an element (CPU, GPU; None:
+# never). A flat GPU kernel recomputes a BatchNorm's per-channel scale (a division, a
+# reciprocal square root) at every element, and ResNet-50's backward kernels were bound by
+# that arithmetic, not by memory; the C++ kernels compute per-channel work once per lane.
+BROADCAST_STORE_COST: tuple[int | None, int | None] = (None, 2)
+BROADCAST_SPREAD = 16
+# ...or once it is a division (a mean: several instructions an element in float32).
+_DIVISIONS = (Op.DIV, Op.FLOOR_DIV, Op.REMAINDER, Op.FMOD)
 COST_CAP = 1 << 12  # costs and read counts saturate here
 
 
@@ -108,6 +117,44 @@ class Inlining:
                 return True
         reads = self.reads[value]
         return reads > 1 and reads * cost > limit
+
+    def forget_costs(self) -> None:
+        """Drop the inline costs counted so far (they end at the values then in memory)."""
+        self._cost.clear()
+
+    def broadcast_costs_too_much(self, value: Value) -> bool:
+        """Whether ``value`` is small work broadcast into much larger work (a per-channel
+        factor into a flat kernel) that costs enough to compute once and load instead."""
+        least = BROADCAST_STORE_COST[value.type.device.type == "cuda"]
+        if least is None or value.node is None:
+            return False
+        cost = self.inline_cost(value)
+        if cost < least and not (cost and value.node.op in _DIVISIONS):
+            return False
+        numel = math.prod(shape_of(value))
+        if not isinstance(numel, int):
+            return False  # (symbolic sizes: comparing them would guard)
+        stack, seen = [value], {value}
+        while stack:
+            for user in self.users.get(stack.pop(), ()):
+                out = user.outputs[0] if len(user.outputs) == 1 else None
+                if out is None or out in seen:
+                    continue
+                if user.op in (Op.BROADCAST, Op.EXPAND):
+                    # Into a row kernel's reduction it is a per-row value, computed once a
+                    # row there; a stored result means elementwise work at every element.
+                    spread = math.prod(shape_of(out))
+                    into_elements = any(isinstance(s, Value) for s in self.sinks[out])
+                    if (
+                        into_elements
+                        and isinstance(spread, int)
+                        and spread >= BROADCAST_SPREAD * numel
+                    ):
+                        return True
+                elif user.op in VIEW_OPS:
+                    seen.add(out)
+                    stack.append(out)
+        return False
 
     def _full_size_operands(self, value: Value) -> int:
         """How many values in memory of ``value``'s own size its inlined expression reads

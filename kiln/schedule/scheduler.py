@@ -27,7 +27,7 @@ a kernel writes in place; ``group.py`` holds the kernels being formed and builds
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -116,7 +116,10 @@ class Scheduler:
         self._eager_results()
 
     def _walk(self) -> None:
+        self._place_input_factors()
         for node in self.graph.nodes:
+            if node.outputs and node.outputs[0] in self.layouts:
+                continue  # (placed ahead: see _place_input_factors)
             if node.op in VIEW_OPS and self._try_view(node):
                 continue
             if not in_kernels(node):
@@ -128,6 +131,8 @@ class Scheduler:
                 inlining = self.inlining
                 if value in inlining.needs_memory or inlining.costs_too_much_inlined(value):
                     self._place_pointwise(value)
+                elif inlining.broadcast_costs_too_much(value):
+                    self._place_beside(value)
                 elif self._feeds_other_rows(value):
                     self._place_as_row_epilogue(value)
 
@@ -164,6 +169,36 @@ class Scheduler:
         for group in self._groups():
             if group.rows is not None and group.rows.xnumel == numel and self._join(group, value):
                 return
+
+    def _place_input_factors(self) -> None:
+        """Store small work broadcast into large that reads graph inputs only (a backward's
+        per-channel factors of the saved BatchNorm statistics) before anything else: their
+        kernels, one per size, then share one launch, and no later kernel waits for them."""
+        inputs_only: set[Value] = set(self.graph.inputs)  # values computed from inputs alone
+        for node in self.graph.nodes:
+            if len(node.outputs) != 1 or not in_kernels(node) or node.op in REDUCE_KINDS:
+                continue
+            if not all(v in inputs_only for v in node.input_values()):
+                continue
+            value = node.output
+            inputs_only.add(value)
+            if node.op in VIEW_OPS or value in self.inlining.needs_memory:
+                continue
+            if self.inlining.broadcast_costs_too_much(value):
+                self._place_beside(value)
+                for group in self._groups():
+                    group.factors = True  # (the walk has placed nothing else yet)
+        self.inlining.forget_costs()  # (counted down to the inputs: the walk has more)
+
+    def _place_beside(self, value: Value) -> None:
+        """Store ``value`` (small work broadcast into large) from a recent kernel that can
+        compute it (the kernel finishing a BatchNorm's statistics), or from a small kernel of
+        its own that other such values then join (a backward's per-channel factors of the
+        saved statistics)."""
+        for group in self._groups():
+            if self._join(group, value, loose=group.elements <= SMALL_KERNEL_ELEMENTS):
+                return
+        self._start_kernel(value, self.layout.strides_for(value))
 
     def _try_view(self, node: Node) -> bool:
         operand = node.inputs[0]
@@ -309,7 +344,7 @@ class Scheduler:
         self.steps.append(group)
         return group
 
-    def _join(self, group: Group, value: Value, require: bool = False) -> bool:
+    def _join(self, group: Group, value: Value, require: bool = False, loose: bool = False) -> bool:
         if len(group.members) >= MAX_MEMBERS or group.device != value.type.device:
             return False
         x, r = group.loop_variables()
@@ -329,7 +364,7 @@ class Scheduler:
             return False
         # Nothing shared: fusing saves no memory traffic, only a launch, which matters for
         # small kernels (a cross-entropy's final sum and count over its rows).
-        small = is_reduction and group.elements <= SMALL_KERNEL_ELEMENTS
+        small = loose or (is_reduction and group.elements <= SMALL_KERNEL_ELEMENTS)
         if not require and group.members and not lowering.touched & group.touched and not small:
             return False
         group.members.append(value)
@@ -379,9 +414,22 @@ class Scheduler:
 
     # -- the program --------------------------------------------------------------------------
 
+    def _ready(self, step: Group | ExternCall) -> Callable[[Value], bool]:
+        """Whether a value in memory holds its value when ``step`` runs: a graph input no
+        kernel writes in place, or the result of an earlier step."""
+        mutated = {target for target, _ in self.graph.mutations}
+        position = step.position if isinstance(step, Group) else len(self.steps)
+
+        def ready(value: Value) -> bool:
+            if value.node is None:
+                return value not in mutated
+            return self.producer.get(value, position) < position
+
+        return ready
+
     def program(self) -> Program:
         built: list[Step] = [
-            build_kernel(step, self.layouts, self.buffers, self._node_order)
+            build_kernel(step, self.layouts, self.buffers, self._node_order, self._ready(step))
             if isinstance(step, Group)
             else step
             for step in self.steps

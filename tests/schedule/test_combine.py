@@ -20,7 +20,7 @@ from kiln.frontends.trace import graph_inputs
 from kiln.options import Options
 from kiln.passes import optimize
 from kiln.recording import listen, unlisten
-from kiln.schedule.loops import BufferKind, format_kernel
+from kiln.schedule.loops import BufferKind, Load, format_kernel, walk
 from kiln.schedule.program import Program
 from kiln.schedule.scheduler import schedule
 
@@ -149,8 +149,10 @@ def test_an_input_only_kernel_after_an_extern_joins_a_later_launch(
     shapes = [(40, 30), (30, 20), (50, 60)]
     program, graph = program_of(cast_after_matmul, *(torch.randn(s) for s in shapes))
     (kernel,) = program.kernels()
-    (part,) = kernel.parts
-    assert all(b.kind is BufferKind.INPUT for b in part.reads())
+    (part,) = kernel.parts  # (either may lead: the epilogue reads only what ran before both)
+    reads = [[e.buffer for e in walk([s.value for s in k.stores]) if isinstance(e, Load)]
+             for k in (kernel, part)]  # fmt: skip
+    assert any(all(b.kind is BufferKind.INPUT for b in own) for own in reads)
     matches_eager(cast_after_matmul, graph, shapes, codegen, monkeypatch)
     program, graph = program_of(feeds_the_matmul, *(torch.randn(s) for s in shapes))
     first = program.steps[0]
