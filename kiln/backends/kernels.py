@@ -28,7 +28,7 @@ from kiln.config import logger
 from kiln.errors import BackendError
 from kiln.runtime.autotune import TuningJob, TuningRecord, load_tuned
 from kiln.runtime.cpp_build import cpp_compiler_available, load_kernels
-from kiln.runtime.triton_build import load_triton_kernels, triton_available
+from kiln.runtime.triton_build import build_triton_kernels, load_triton_kernels, triton_available
 from kiln.schedule.evaluate import evaluate_kernel
 from kiln.schedule.loops import Kernel, kernel_symbols
 from kiln.schedule.program import kernel_arguments
@@ -142,15 +142,34 @@ def _triton(
     elif supported:
         sources = [_triton_source(k, interpret, memo) for k in supported]
         launchers = load_triton_kernels(sources, device)
-    for kernel in supported:  # (a kernel Triton fails to compile for the GPU: PyTorch ops)
+    for kernel in supported:  # (a kernel Triton fails to compile for the GPU: another way)
         launcher = launchers.get(kernel.name)
         if hasattr(launcher, "fallback") and kernel not in sized:
-            launcher.fallback = _evaluator([kernel], device)[kernel.name]  # type: ignore[union-attr]
+            launcher.fallback = SecondForm(kernel, device)  # type: ignore[union-attr]
     others = [k for k in unique if k.name not in launchers]
     for kernel in others:  # a dtype Triton cannot load: PyTorch ops run the kernel
         _log.info("%s runs as PyTorch ops: %s", kernel.name, unsupported_reason(kernel))
     launchers.update(_evaluator(others, device))
     return {name: launchers[original] for name, original in same_as.items()}
+
+
+class SecondForm:
+    """How a kernel runs when Triton fails to compile it for the GPU (a compiler bug must cost
+    speed, never the program): in Triton's second form (reductions reshaped:
+    ``triton_math.kept``), and as PyTorch ops if that fails too."""
+
+    description = "in another Triton form (else as PyTorch ops)"
+
+    def __init__(self, kernel: Kernel, device: torch.device) -> None:
+        self.kernel, self.device = kernel, device
+        self.launcher: Any = None
+
+    def __call__(self, *arguments: Any) -> None:
+        if self.launcher is None:
+            source = generate_triton(self.kernel, interpret=False, reshaped=True)
+            (self.launcher,) = build_triton_kernels([source], self.device)
+            self.launcher.fallback = _evaluator([self.kernel], self.device)[self.kernel.name]
+        self.launcher(*arguments)
 
 
 def _triton_source(kernel: Kernel, interpret: bool, memo: Memo | None) -> Any:

@@ -173,11 +173,12 @@ def unsupported_reason(kernel: Kernel) -> str | None:
 
 
 def generate_triton(
-    kernel: Kernel, interpret: bool, *, blocks: Blocks | None = None
+    kernel: Kernel, interpret: bool, *, blocks: Blocks | None = None, reshaped: bool = False
 ) -> TritonSource:
     """The Triton module of ``kernel``. ``interpret`` emits only what ``TRITON_INTERPRET=1``
     runs (no libdevice); ``blocks`` overrides :func:`choose_blocks` (tests use it to force
-    tails and loops)."""
+    tails and loops); ``reshaped``: the second form, for a kernel whose first one Triton
+    failed to compile (``triton_math.kept``)."""
     reason = unsupported_reason(kernel)
     if reason is not None:
         raise UnsupportedKernel(f"kernel {kernel.name}: {reason}")
@@ -188,7 +189,7 @@ def generate_triton(
         raise ValueError(f"kernel {kernel.name} reduces: a pointwise form cannot run it")
     sizes = kernel_symbols(kernel)
     with printing_sizes(_size_name if sizes else None):
-        printer = _Printer(kernel, blocks, interpret, sizes=sizes)
+        printer = _Printer(kernel, blocks, interpret, sizes=sizes, reshaped=reshaped)
         source = printer.module_source()
         programs = printer.programs + sum(p.programs for p in printer.parts)
         grid_text = str(programs) if isinstance(programs, Sym) else ""
@@ -257,6 +258,7 @@ class _Printer:
     program: str = "tl.program_id(0)"  # a part's program number is its function's argument
     parts: list[_Printer] = field(default_factory=list)  # kiln/schedule/combine.py
     sizes: tuple[Symbol, ...] = ()  # the symbolic sizes it takes as arguments, after pointers
+    reshaped: bool = False  # reductions made [XBLOCK, 1] by tl.reshape (triton_math.kept)
 
     def __post_init__(self) -> None:
         kernel = self.kernel
@@ -282,7 +284,9 @@ class _Printer:
         self.function_name = _identifier(kernel.name, set(tm.helper_names()) | taken)
         for part in kernel.parts:
             blocks = choose_blocks(part, self.interpret)
-            printer = _Printer(part, blocks, self.interpret, sizes=self.sizes)
+            printer = _Printer(
+                part, blocks, self.interpret, sizes=self.sizes, reshaped=self.reshaped
+            )
             printer.pointers = {id(b): self.pointers[id(b)] for b in kernel_arguments(part)}
             printer.function_name = _identifier(f"{self.function_name}_{part.name}", taken)
             self.parts.append(printer)
@@ -712,7 +716,7 @@ class _Printer:
         self, reduce: Reduce, dtype: torch.dtype, lanes: str, indices: str, valid: str | None
     ) -> None:
         is_float = dtype.is_floating_point
-        text = tm.reduce_lanes(reduce.kind, lanes, is_float, self.interpret)
+        text = tm.reduce_lanes(reduce.kind, lanes, is_float, self.interpret, self.reshaped)
         if reduce.kind in tm.ARG_KINDS:
             extreme = self.fresh()
             self.emit(f"{extreme} = {text}")

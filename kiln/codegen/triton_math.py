@@ -299,23 +299,34 @@ def reduce_identity(kind: ReduceKind, dtype: torch.dtype) -> str:
     return str(info.min if kind in _HIGH else info.max)
 
 
-def reduce_lanes(kind: ReduceKind, lanes: str, is_float: bool, interpret: bool) -> str:
+def reduce_lanes(
+    kind: ReduceKind, lanes: str, is_float: bool, interpret: bool, reshaped: bool = False
+) -> str:
     """``lanes`` reduced along r: sum, product, or the NaN-propagating max/min (also the
     extreme an argmax/argmin looks for). ``tl.max`` ignores NaN on the GPU (maxnum) and in the
     interpreter (nanmax), so floats use a combine function with ``tl.maximum(...,
     propagate_nan=ALL)``; the interpreter runs combine functions per element in Python, so
-    there a NaN count decides instead."""
+    there a NaN count decides instead. ``reshaped``: the result made ``[XBLOCK, 1]`` by
+    ``tl.reshape`` rather than ``[:, None]`` (see :func:`kept`)."""
     if kind is ReduceKind.SUM:
-        return f"tl.sum({lanes}, 1)[:, None]"
+        return kept(f"tl.sum({lanes}, 1)", reshaped)
     if kind is ReduceKind.PROD:
-        return f"tl.reduce({lanes}, 1, _kiln_multiply)[:, None]"
+        return kept(f"tl.reduce({lanes}, 1, _kiln_multiply)", reshaped)
     name = "max" if kind in _HIGH else "min"
     if not is_float:
-        return f"tl.{name}({lanes}, 1)[:, None]"
+        return kept(f"tl.{name}({lanes}, 1)", reshaped)
     if not interpret:
-        return f"tl.reduce({lanes}, 1, _kiln_{name}imum)[:, None]"
+        return kept(f"tl.reduce({lanes}, 1, _kiln_{name}imum)", reshaped)
     nan = f"tl.max(({lanes} != {lanes}).to(tl.int8), 1)[:, None] > 0"
     return f'tl.where({nan}, float("nan"), tl.{name}({lanes}, 1)[:, None])'
+
+
+def kept(reduced: str, reshaped: bool) -> str:
+    """A row's reduced ``[XBLOCK]`` value as ``[XBLOCK, 1]``. Triton 3.6's layout pass
+    (``TritonGPURemoveLayoutConversions``) failed on a BatchNorm backward's looped kernel with
+    ``[:, None]`` and compiled it with ``tl.reshape``: the form a kernel is compiled in again
+    when its first form fails (``kiln/backends/kernels.py``)."""
+    return f"tl.reshape({reduced}, [XBLOCK, 1])" if reshaped else f"{reduced}[:, None]"
 
 
 def first_index(

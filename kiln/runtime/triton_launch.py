@@ -199,7 +199,8 @@ class TritonLauncher:
             if self.fallback is None or self.source.interpret or self.launched:
                 raise
             self.failed = str(error).splitlines()[0]
-            warnings.warn(f"kiln: {self.failed}; it runs as PyTorch ops instead", stacklevel=2)
+            how = getattr(self.fallback, "description", "as PyTorch ops")
+            warnings.warn(f"kiln: {self.failed}; it runs {how} instead", stacklevel=2)
             self._call(arguments, None)
             return
         if self.fast_ok and compiled is not None and hasattr(compiled, "__getitem__"):

@@ -88,7 +88,7 @@ def _index(
             term = torch.remainder(_index(atom.operand, env, positions), int(atom.divisor))
         total = total + term * int(coef)
     if not isinstance(total, torch.Tensor):
-        total = torch.tensor(total)
+        total = torch.full((), total, dtype=torch.int64, device=positions[X].device)
     return total.to(torch.int64)
 
 
@@ -99,8 +99,8 @@ def _value(
     storage: dict[int, torch.Tensor],
     device: torch.device,
 ) -> torch.Tensor:
-    if isinstance(expr, Const):
-        return torch.tensor(expr.value, dtype=expr.dtype, device=device)
+    if isinstance(expr, Const):  # (made on the device: a copy would break a CUDA graph's capture)
+        return torch.full((), expr.value, dtype=expr.dtype, device=device)
     if isinstance(expr, IndexValue):
         return _index(expr.index, env, positions).to(device)
     if isinstance(expr, Load):
@@ -143,9 +143,8 @@ def _load(
     mask = env[id(expr.mask)]
     offset, mask = torch.broadcast_tensors(offset, mask)
     safe = torch.where(mask, offset, torch.zeros_like(offset))
-    values = flat[safe] if flat.numel() else torch.zeros(safe.shape, dtype=flat.dtype)
-    other = torch.tensor(expr.other, dtype=flat.dtype)
-    return torch.where(mask, values, other)
+    values = flat[safe] if flat.numel() else flat.new_zeros(safe.shape)
+    return torch.where(mask, values, flat.new_full((), expr.other))
 
 
 def _reduce(kind: ReduceKind, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -743,3 +743,83 @@ def test_a_kernel_triton_cannot_compile_runs_as_pytorch_ops() -> None:
     bare = TritonLauncher(source, Path("k0_broken.py"), Failing())  # type: ignore[arg-type]
     with pytest.raises(BackendError, match="PassManager"):
         bare(x, y)
+
+
+@pytest.mark.parametrize("looped", [False, True])
+def test_the_second_form_reshapes_reductions_and_computes_the_same(looped: bool) -> None:
+    """The form a kernel is compiled in again when Triton's layout pass fails on its first
+    (Triton 3.6 on a BatchNorm backward): every row result ``[XBLOCK, 1]`` by ``tl.reshape``,
+    the same values (layer norm, persistent and looped, in the interpreter)."""
+    from kiln.codegen.sources import Form
+    from kiln.codegen.triton import Blocks
+    from kiln.schedule.program import kernel_arguments
+
+    kernel = _layer_norm_kernel(6, 40, F32)
+    blocks = Blocks(Form.LOOPED, 2, 16, 4) if looped else None
+    tensors = {"a": torch.randn(6, 40), "w": torch.randn(40), "b": torch.randn(40)}
+    expected = dict(tensors, **outputs(kernel))
+    run(kernel, expected, blocks=blocks)
+    source = generate_triton(kernel, interpret=True, blocks=blocks, reshaped=True)
+    assert "tl.reshape(tl.sum(" in source.source and "1)[:, None]" not in source.source
+    got = dict(tensors, **outputs(kernel))
+    launch = triton_build.build_triton(source)
+    launch(*[got[b.name] for b in kernel_arguments(kernel)])
+    for name in ("y", "mean", "rstd"):
+        torch.testing.assert_close(got[name], expected[name])
+
+
+def test_a_kernel_whose_first_form_fails_runs_in_its_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``SecondForm``: the launcher's fallback generates the kernel reshaped, once, launches it
+    on every later call, and gives that launcher PyTorch ops as its own fallback."""
+    from kiln.backends import kernels
+
+    built: list[Any] = []
+
+    class Recording:
+        fallback: Any = None
+
+        def __init__(self, source: Any) -> None:
+            self.source, self.calls = source, []
+
+        def __call__(self, *arguments: Any) -> None:
+            self.calls.append(arguments)
+
+    def build(sources: list[Any], device: torch.device) -> list[Any]:
+        built.extend(Recording(s) for s in sources)
+        return built[-len(sources) :]
+
+    monkeypatch.setattr(kernels, "build_triton_kernels", build)
+    kernel = _layer_norm_kernel(6, 40, F32)
+    second = kernels.SecondForm(kernel, torch.device("cpu"))
+    a, b = torch.randn(2), torch.randn(2)
+    second(a, b)
+    second(b, a)
+    (launcher,) = built
+    assert "tl.reshape(" in launcher.source.source and not launcher.source.interpret
+    assert launcher.calls == [(a, b), (b, a)] and launcher.fallback is not None
+
+
+def test_pytorch_ops_run_a_kernel_without_copying_from_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The PyTorch-ops fallback makes its constants on the kernel's device: a host tensor
+    copied in would break a CUDA graph's capture (ResNet-50's backward recorded none)."""
+    from kiln.schedule import evaluate
+    from kiln.schedule.program import kernel_arguments
+
+    kernel = _layer_norm_kernel(6, 40, F32)
+    tensors = {"a": torch.randn(6, 40), "w": torch.randn(40), "b": torch.randn(40)}
+    expected = dict(tensors, **outputs(kernel))
+    run(kernel, expected)
+    got = dict(tensors, **outputs(kernel))
+
+    def no_host_tensors(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise AssertionError("torch.tensor: a host value copied to the device")
+
+    monkeypatch.setattr(torch, "tensor", no_host_tensors)
+    evaluate.evaluate_kernel(kernel, [got[b.name] for b in kernel_arguments(kernel)])
+    monkeypatch.undo()
+    for name in ("y", "mean", "rstd"):
+        torch.testing.assert_close(got[name], expected[name])
