@@ -1,6 +1,7 @@
 """One compiled model's training or inference step time, for A/B runs of two Kiln trees in
 alternating processes (``PYTHONPATH=<tree>``): the first call, the median of several timed
-rounds, peak memory and Kiln's launch count, on one line.
+rounds, peak memory and Kiln's launch count, on one line. ``--compiler torch`` times
+torch.compile the same way; ``--compile-mode`` is either's ``mode=``.
 
     for tree in base new base new; do
         PYTHONPATH=$tree python benchmarks/step_time.py --model vit_b_16 --mode train --tag $tree
@@ -28,6 +29,8 @@ def main() -> None:
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--mode", default="train", choices=["infer", "train"])
     parser.add_argument("--tag", default="")
+    parser.add_argument("--compiler", default="kiln", choices=["kiln", "torch"])
+    parser.add_argument("--compile-mode", default="default")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args()
@@ -35,7 +38,8 @@ def main() -> None:
     records: list = []
     listen(records, CompiledProgramRecord)
     start = time.perf_counter()
-    compiled = kiln.compile(model)
+    compile_fn = kiln.compile if args.compiler == "kiln" else torch.compile
+    compiled = compile_fn(model, mode=args.compile_mode)
     step(compiled, inputs)
     torch.cuda.synchronize()
     first = time.perf_counter() - start
@@ -63,7 +67,8 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated() / 2**20
     kernels = sum(len(r.program.kernels()) for r in records if r.program)
     print(
-        f"{args.tag:8s} {args.model:16s} {args.mode} step {statistics.median(rounds):7.2f} ms "
+        f"{args.tag:8s} {args.model:16s} {args.mode} {args.compile_mode} "
+        f"step {statistics.median(rounds):7.2f} ms "
         f"(min {min(rounds):.2f}, max {max(rounds):.2f}) first {first:6.2f} s "
         f"peak {peak:7.0f} MiB kernels {kernels} full gcs {len(collections)} "
         f"({sum(collections):.0f} ms) in {args.rounds * args.steps} steps",
