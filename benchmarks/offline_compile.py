@@ -22,6 +22,7 @@ import importlib.util
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,8 +54,9 @@ def claim_the_gpu() -> None:
     reduction_split._chunks_columns = lambda value: True
     reduction_split._holds_channels_last = lambda value: True
     for name in ("STENCIL_LIMIT", "TRAFFIC_RECOMPUTE_LIMIT", "BROADCAST_STORE_COST"):
-        gpu = getattr(inlining, name)[1]
-        setattr(inlining, name, (gpu, gpu))
+        if hasattr(inlining, name):  # (older trees lack some)
+            gpu = getattr(inlining, name)[1]
+            setattr(inlining, name, (gpu, gpu))
 
 
 def compile_for_hopper(source: object, directory: Path) -> str | None:
@@ -121,7 +123,8 @@ def main() -> None:
     for record in records:
         for kernel in record.program.kernels() if record.program else []:
             total += 1
-            source = generate_triton(kernel, interpret=False, reshaped=args.reshaped)
+            second: dict[str, Any] = {"reshaped": True} if args.reshaped else {}  # (older trees)
+            source = generate_triton(kernel, interpret=False, **second)
             error = compile_for_hopper(source, directory)
             if error is not None:
                 failed += 1

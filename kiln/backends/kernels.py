@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -142,10 +143,22 @@ def _triton(
     elif supported:
         sources = [_triton_source(k, interpret, memo) for k in supported]
         launchers = load_triton_kernels(sources, device)
+    failing = []
     for kernel in supported:  # (a kernel Triton fails to compile for the GPU: another way)
         launcher = launchers.get(kernel.name)
         if hasattr(launcher, "fallback") and kernel not in sized:
             launcher.fallback = SecondForm(kernel, device)  # type: ignore[union-attr]
+            if getattr(launcher, "precompile_error", None):
+                failing.append(kernel)
+    if failing:  # their second forms compile in parallel now, not one by one at launch
+        second = [generate_triton(k, interpret=False, reshaped=True) for k in failing]
+        for kernel, built in zip(failing, build_triton_kernels(second, device), strict=True):
+            first = launchers[kernel.name]
+            error = str(first.precompile_error).strip().splitlines()  # type: ignore[attr-defined]
+            first.failed = f"Triton kernel {kernel.name} failed to compile: {error[-1][:200]}"  # type: ignore[attr-defined]
+            first.fallback.prepare(built)  # type: ignore[attr-defined]
+            how = SecondForm.description
+            warnings.warn(f"kiln: {first.failed}; it runs {how} instead", stacklevel=2)  # type: ignore[attr-defined]
     others = [k for k in unique if k.name not in launchers]
     for kernel in others:  # a dtype Triton cannot load: PyTorch ops run the kernel
         _log.info("%s runs as PyTorch ops: %s", kernel.name, unsupported_reason(kernel))
@@ -164,11 +177,18 @@ class SecondForm:
         self.kernel, self.device = kernel, device
         self.launcher: Any = None
 
+    def prepare(self, launcher: Any = None) -> None:
+        """Build the second form's launcher (or take ``launcher``, built already), with
+        PyTorch ops as its own fallback."""
+        if launcher is None:
+            source = generate_triton(self.kernel, interpret=False, reshaped=True)
+            (launcher,) = build_triton_kernels([source], self.device)
+        launcher.fallback = _evaluator([self.kernel], self.device)[self.kernel.name]
+        self.launcher = launcher
+
     def __call__(self, *arguments: Any) -> None:
         if self.launcher is None:
-            source = generate_triton(self.kernel, interpret=False, reshaped=True)
-            (self.launcher,) = build_triton_kernels([source], self.device)
-            self.launcher.fallback = _evaluator([self.kernel], self.device)[self.kernel.name]
+            self.prepare()
         self.launcher(*arguments)
 
 

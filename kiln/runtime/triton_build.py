@@ -178,7 +178,9 @@ def build_triton_kernels(
     if not all(source.interpret for source in sources):
         _join_parent_warm_up("gluon")
     launchers = [build_triton(s) for s in sources]
-    precompile(sources, [device])
+    failed = precompile(sources, [device])
+    for launcher in launchers:  # (kiln/backends/kernels.py compiles their second form now)
+        launcher.precompile_error = failed.get(str(launcher.path))
     return launchers
 
 
@@ -186,18 +188,22 @@ def build_triton_kernels(
 # parallel compilation
 
 
-def precompile(sources: Sequence[TritonSource], example_devices: Sequence[torch.device]) -> None:
+def precompile(
+    sources: Sequence[TritonSource], example_devices: Sequence[torch.device]
+) -> dict[str, str]:
     """Compile the kernels of a program in parallel before their first launch, filling
     Triton's on-disk cache (the launch then loads the binary). ``example_devices`` are the
     devices the kernels run on (one per source, or one for all). A no-op under the
     interpreter or without a usable GPU; a failure here only loses the parallelism (the first
-    launch compiles and reports errors)."""
+    launch compiles and reports errors). Returns the error of each module path that failed
+    to compile."""
     compiled = [(i, s) for i, s in enumerate(sources) if not s.interpret]
     devices = [torch.device(d) for d in example_devices]
+    failed: dict[str, str] = {}
     if not compiled or not devices or any(d.type != "cuda" for d in devices):
-        return
+        return failed
     if triton_available(devices[0]) is not None:
-        return
+        return failed
     jobs = []
     for i, source in compiled:
         device = devices[i] if len(devices) == len(sources) else devices[0]
@@ -222,8 +228,13 @@ def precompile(sources: Sequence[TritonSource], example_devices: Sequence[torch.
         )
         for error in filter(None, errors):
             _log.info("precompile: %s", error)
+        paths = [str(job["path"]) for job in jobs]
+        for error in filter(None, errors):
+            if "specialization" not in error:  # (no GPU hook: not the kernel's fault)
+                failed.update((p, error) for p in paths if p in error)
     except Exception as error:  # the kernels compile at their first launch
         _log.info("precompile failed, kernels compile on first launch: %s", error)
+    return failed
 
 
 Job = dict[str, Any]

@@ -55,6 +55,7 @@ class SizedLauncher:
 
     def __init__(self, source: TritonSource, path: Path, function: Any) -> None:
         self.source, self.path, self.function = source, path, function
+        self.precompile_error: str | None = None  # (sized kernels have no second form)
         self.count = len(source.sizes)
         text = source.grid_text or str(source.grid[0])
         self.grid_code = compile(text, f"<grid of {source.kernel_name}>", "eval")
@@ -137,6 +138,7 @@ class TritonLauncher:
         # a compiler bug must cost speed, never the program.
         self.fallback: Callable[..., None] | None = None
         self.failed: str | None = None  # why the fallback runs instead
+        self.precompile_error: str | None = None  # how precompiling it failed
         self.compiled: Any = None  # the all-aligned specialization's binary, once launched
         self.__name__ = source.kernel_name
 

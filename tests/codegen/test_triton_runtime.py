@@ -823,3 +823,43 @@ def test_pytorch_ops_run_a_kernel_without_copying_from_the_host(
     monkeypatch.undo()
     for name in ("y", "mean", "rstd"):
         torch.testing.assert_close(got[name], expected[name])
+
+
+def test_a_kernel_that_failed_to_precompile_starts_in_its_second_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel whose first form failed in the compile workers gets its second form compiled
+    with the rest, before the first launch (not a failing compile, then another, one by one
+    at launch: MobileNet-V3 has 24 such kernels under Triton 3.6), with a warning naming it;
+    a kernel that precompiled runs as it is."""
+    from kiln.backends import kernels
+
+    class Fake:
+        def __init__(self, source: Any, error: str | None = None) -> None:
+            self.source, self.precompile_error = source, error
+            self.fallback: Any = None
+            self.failed: str | None = None
+
+    broken = _layer_norm_kernel(6, 40, F32)
+    fine = _softmax_kernel(4, 16, F32)
+
+    def load(sources: list[Any], device: torch.device) -> dict[str, Any]:
+        error = "k.py: RuntimeError: PassManager::run failed"
+        return {
+            s.kernel_name: Fake(s, error if s.kernel_name == broken.name else None) for s in sources
+        }
+
+    seconds: list[Any] = []
+
+    def build(sources: list[Any], device: torch.device) -> list[Any]:
+        seconds.extend(Fake(s) for s in sources)
+        return seconds[-len(sources) :]
+
+    monkeypatch.setattr(kernels, "load_triton_kernels", load)
+    monkeypatch.setattr(kernels, "build_triton_kernels", build)
+    with pytest.warns(UserWarning, match="layer_norm_0 failed to compile: .*PassManager"):
+        launchers = kernels._triton([broken, fine], torch.device("cpu"))
+    (second,) = seconds
+    assert "tl.reshape(" in second.source.source and second.fallback is not None
+    assert launchers[broken.name].failed and launchers[broken.name].fallback.launcher is second
+    assert launchers[fine.name].failed is None and launchers[fine.name].fallback.launcher is None
