@@ -148,7 +148,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # are stored (those of graph inputs ahead of everything, in one launch); a kernel never loads
 # what a later step stores; Triton's second form for a kernel whose first fails to compile;
 # PyTorch-op fallbacks make constants on the device.
-LINE_BUDGET = 34_870
+# +19: a kernel that failed to precompile gets its second form compiled before its launch.
+LINE_BUDGET = 34_889
 
 
 def _module_name(path: Path) -> str:
