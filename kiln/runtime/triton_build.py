@@ -229,9 +229,8 @@ def precompile(
         for error in filter(None, errors):
             _log.info("precompile: %s", error)
         paths = [str(job["path"]) for job in jobs]
-        for error in filter(None, errors):
-            if "specialization" not in error:  # (no GPU hook: not the kernel's fault)
-                failed.update((p, error) for p in paths if p in error)
+        for error in filter(compiler_failed, errors):
+            failed.update((p, error) for p in paths if p in error)
     except Exception as error:  # the kernels compile at their first launch
         _log.info("precompile failed, kernels compile on first launch: %s", error)
     return failed
@@ -395,8 +394,21 @@ def _compile_in_pool(jobs: list[Job]) -> list[str]:
     return errors
 
 
+# What Triton's compiler says when it cannot compile a module (not a worker or driver fault).
+COMPILER_FAILURES = ("PassManager::run failed", "CompilationError", "ptxas")
+
+
+def compiler_failed(error: str) -> bool:
+    """Whether a compile ``error`` is the compiler's failing on the kernel itself."""
+    return bool(error) and any(marker in error for marker in COMPILER_FAILURES)
+
+
 def _loaded(job: Job, worker_error: str) -> str:
-    """Load a kernel a worker compiled (compiling it here when the worker could not)."""
+    """Load a kernel a worker compiled (compiling it here when the worker could not). When
+    the compiler itself failed in the worker, it would fail here again: the error is the
+    kernel's (its second form compiles next: kiln/backends/kernels.py)."""
+    if compiler_failed(worker_error):
+        return worker_error  # (it names the module's path)
     return "; ".join(filter(None, [worker_error, _warm_kernel(job)]))
 
 

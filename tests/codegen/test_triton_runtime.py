@@ -863,3 +863,19 @@ def test_a_kernel_that_failed_to_precompile_starts_in_its_second_form(
     assert "tl.reshape(" in second.source.source and second.fallback is not None
     assert launchers[broken.name].failed and launchers[broken.name].fallback.launcher is second
     assert launchers[fine.name].failed is None and launchers[fine.name].fallback.launcher is None
+
+
+def test_a_kernel_the_compiler_failed_on_in_a_worker_is_not_compiled_again_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's compiler failure would repeat in this process (serially, about 0.2 s a
+    kernel): it is reported as the kernel's, and precompile names its path; a worker that
+    died still has its kernel compiled here."""
+    compiled: list[Any] = []
+    monkeypatch.setattr(triton_build, "_warm_kernel", lambda job: compiled.append(job) or "")
+    job = {"path": "/cache/k7.py"}
+    error = "/cache/k7.py: RuntimeError: PassManager::run failed"
+    assert triton_build._loaded(job, error) == error and not compiled
+    assert triton_build.compiler_failed(error)
+    assert triton_build._loaded(job, "the compile worker exited") == "the compile worker exited"
+    assert compiled == [job] and not triton_build.compiler_failed("the compile worker exited")
