@@ -150,7 +150,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # PyTorch-op fallbacks make constants on the device.
 # +19: a kernel that failed to precompile gets its second form compiled before its launch.
 # +4: a compiler failure in a compile worker is not compiled again in-process.
-LINE_BUDGET = 34_893
+# +5: the second forms' start in a helper of its own.
+LINE_BUDGET = 34_898
 
 
 def _module_name(path: Path) -> str:

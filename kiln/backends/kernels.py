@@ -150,20 +150,30 @@ def _triton(
             launcher.fallback = SecondForm(kernel, device)  # type: ignore[union-attr]
             if getattr(launcher, "precompile_error", None):
                 failing.append(kernel)
-    if failing:  # their second forms compile in parallel now, not one by one at launch
-        second = [generate_triton(k, interpret=False, reshaped=True) for k in failing]
-        for kernel, built in zip(failing, build_triton_kernels(second, device), strict=True):
-            first = launchers[kernel.name]
-            error = str(first.precompile_error).strip().splitlines()  # type: ignore[attr-defined]
-            first.failed = f"Triton kernel {kernel.name} failed to compile: {error[-1][:200]}"  # type: ignore[attr-defined]
-            first.fallback.prepare(built)  # type: ignore[attr-defined]
-            how = SecondForm.description
-            warnings.warn(f"kiln: {first.failed}; it runs {how} instead", stacklevel=2)  # type: ignore[attr-defined]
+    if failing:
+        _start_in_second_form(failing, launchers, device)
     others = [k for k in unique if k.name not in launchers]
     for kernel in others:  # a dtype Triton cannot load: PyTorch ops run the kernel
         _log.info("%s runs as PyTorch ops: %s", kernel.name, unsupported_reason(kernel))
     launchers.update(_evaluator(others, device))
     return {name: launchers[original] for name, original in same_as.items()}
+
+
+def _start_in_second_form(
+    failing: list[Kernel], launchers: dict[str, Any], device: torch.device
+) -> None:
+    """The kernels whose first form failed to precompile run in their second from the first
+    launch: the second forms compile together now, not one by one at launch, after the
+    first form failed again in-process."""
+    second = [generate_triton(k, interpret=False, reshaped=True) for k in failing]
+    for kernel, built in zip(failing, build_triton_kernels(second, device), strict=True):
+        first = launchers[kernel.name]
+        error = str(first.precompile_error).strip().splitlines()
+        first.failed = f"Triton kernel {kernel.name} failed to compile: {error[-1][:200]}"
+        first.fallback.prepare(built)
+        warnings.warn(
+            f"kiln: {first.failed}; it runs {SecondForm.description} instead", stacklevel=3
+        )
 
 
 class SecondForm:
