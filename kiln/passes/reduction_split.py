@@ -33,7 +33,9 @@ from kiln.ir.builder import GraphBuilder
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.op import Op
 from kiln.ir.symbolic import Dim, Sym
+from kiln.ir.types import same_shape, same_size
 from kiln.ops import prims
+from kiln.ops.translations.common import size_scalar
 from kiln.passes.rewriting import rewrite_nodes, take_over
 
 SPLIT_OPS = (Op.SUM, Op.AMAX, Op.AMIN)
@@ -338,9 +340,7 @@ def _mean_count(source: Value, mean: Value, dims: tuple[int, ...]) -> Dim | None
         if moved is None:
             return None
         origin = moved
-    if len(origin) != len(shape) or not all(
-        _same_size(a, b) for a, b in zip(mean.type.shape, shape, strict=True)
-    ):
+    if len(origin) != len(shape) or not same_shape(mean.type.shape, shape):
         return None
     for dim, came_from in enumerate(origin):
         if came_from is None and dim not in dims and not _is_one(shape[dim]):
@@ -369,7 +369,7 @@ def _moved(step: Node, origin: list[int | None]) -> list[int | None] | None:
         real = [(o, size) for o, size in zip(origin, before, strict=True) if not _is_one(size)]
         sizes = [size for size in after if not _is_one(size)]
         if len(real) != len(sizes) or not all(
-            _same_size(size, other) for (_, size), other in zip(real, sizes, strict=True)
+            same_size(size, other) for (_, size), other in zip(real, sizes, strict=True)
         ):
             return None
         remaining = iter(real)
@@ -377,20 +377,8 @@ def _moved(step: Node, origin: list[int | None]) -> list[int | None] | None:
     return moved
 
 
-def _same_size(a: Dim, b: Dim) -> bool:
-    """Whether two sizes are the same without asking (no guard on a symbolic size)."""
-    if isinstance(a, Sym) or isinstance(b, Sym):
-        return isinstance(a, Sym) and a.same(b)
-    return a == b
-
-
 def _is_one(size: Dim) -> bool:
     return not isinstance(size, Sym) and size == 1
-
-
-def size_scalar(size: Dim) -> float | Sym:
-    """A size as a float operand (a symbolic size stays symbolic)."""
-    return size if isinstance(size, Sym) else float(size)
 
 
 def _chosen(node: Node) -> bool:

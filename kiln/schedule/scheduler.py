@@ -414,11 +414,11 @@ class Scheduler:
 
     # -- the program --------------------------------------------------------------------------
 
-    def _ready(self, step: Group | ExternCall) -> Callable[[Value], bool]:
+    def _ready(self, step: Group, mutated: set[Value]) -> Callable[[Value], bool]:
         """Whether a value in memory holds its value when ``step`` runs: a graph input no
-        kernel writes in place, or the result of an earlier step."""
-        mutated = {target for target, _ in self.graph.mutations}
-        position = step.position if isinstance(step, Group) else len(self.steps)
+        kernel writes in place (``mutated``: those some step writes), or the result of an
+        earlier step."""
+        position = step.position
 
         def ready(value: Value) -> bool:
             if value.node is None:
@@ -428,8 +428,11 @@ class Scheduler:
         return ready
 
     def program(self) -> Program:
+        mutated = {target for target, _ in self.graph.mutations}
         built: list[Step] = [
-            build_kernel(step, self.layouts, self.buffers, self._node_order, self._ready(step))
+            build_kernel(
+                step, self.layouts, self.buffers, self._node_order, self._ready(step, mutated)
+            )
             if isinstance(step, Group)
             else step
             for step in self.steps
