@@ -152,7 +152,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # +4: a compiler failure in a compile worker is not compiled again in-process.
 # +5: the second forms' start in a helper of its own.
 # -4: reduction_split uses the IR's own same_size/same_shape and translations' size_scalar.
-LINE_BUDGET = 34_894
+# +7: a split variance's groups sum values and squares shifted by their own first value.
+LINE_BUDGET = 34_901
 
 
 def _module_name(path: Path) -> str:
