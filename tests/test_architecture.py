@@ -153,7 +153,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # +5: the second forms' start in a helper of its own.
 # -4: reduction_split uses the IR's own same_size/same_shape and translations' size_scalar.
 # +7: a split variance's groups sum values and squares shifted by their own first value.
-LINE_BUDGET = 34_901
+# +2: an index's magnitude counts a quotient at its operand's value bound.
+LINE_BUDGET = 34_903
 
 
 def _module_name(path: Path) -> str:
