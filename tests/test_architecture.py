@@ -154,7 +154,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # -4: reduction_split uses the IR's own same_size/same_shape and translations' size_scalar.
 # +7: a split variance's groups sum values and squares shifted by their own first value.
 # +2: an index's magnitude counts a quotient at its operand's value bound.
-LINE_BUDGET = 34_903
+# +5: the layout walk passes over values broadcast in memory.
+LINE_BUDGET = 34_908
 
 
 def _module_name(path: Path) -> str:

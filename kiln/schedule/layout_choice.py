@@ -78,7 +78,9 @@ class LayoutChoice:
         elementwise work reads (depth-first, operands in order). ``resized``: the first value of
         the same rank, none of its dims broadcast, read through pads and the views that keep
         the dims in order (a max pool's strided slices of its padded input; its backward's
-        interleaving ``unsqueeze``, ``pad``, ``reshape``)."""
+        interleaving ``unsqueeze``, ``pad``, ``reshape``). Values broadcast in memory are passed
+        over: a BatchNorm's stored scale, broadcast, made its ReLU over channels-last input
+        write NCHW, walking the input across its channels (1.09 ms against 0.21 on an H200)."""
         stack, seen = [value], {value}
         while stack:
             current = stack.pop()
@@ -92,6 +94,8 @@ class LayoutChoice:
                 if operand in seen or not (alike or (resized and operand not in self.layouts)):
                     continue
                 seen.add(operand)
+                if operand in self.layouts and _broadcast(self.layouts[operand]):
+                    continue  # a small value broadcast (a stored per-channel factor): no order
                 if operand in self.layouts:
                     return self.layouts[operand]
                 stack.append(operand)
@@ -131,6 +135,12 @@ class LayoutChoice:
             and view.strides == ix.contiguous_strides(shape)
             and self.wants_channels_last(operand)
         )
+
+
+def _broadcast(view: View) -> bool:
+    """Whether ``view`` repeats its elements along a dim (a zero stride, size above one)."""
+    pairs = zip(view.strides, view.shape, strict=True)
+    return any(st == 0 and not (isinstance(size, int) and size == 1) for st, size in pairs)
 
 
 # Views whose dims stay in their order (sizes split, joined, added or dropped), so a source read
