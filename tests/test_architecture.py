@@ -155,7 +155,9 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # +7: a split variance's groups sum values and squares shifted by their own first value.
 # +2: an index's magnitude counts a quotient at its operand's value bound.
 # +5: the layout walk passes over values broadcast in memory.
-LINE_BUDGET = 34_908
+# +7: a broadcast graph input still ends the layout walk; inlining's kept sinks and
+# recompute's order are the same every run.
+LINE_BUDGET = 34_915
 
 
 def _module_name(path: Path) -> str:

@@ -18,6 +18,7 @@ from kiln.ops.attrs import ConvertAttrs
 from kiln.ops.externs import convolution_backward
 from kiln.schedule import index as ix
 from kiln.schedule.layouts import channels_last_strides, memory_order, strides_in_order
+from kiln.schedule.loops import BufferKind
 from kiln.schedule.lowering import REDUCE_KINDS, in_kernels, shape_of
 from kiln.schedule.program import View
 from kiln.schedule.views import VIEW_OPS
@@ -78,9 +79,12 @@ class LayoutChoice:
         elementwise work reads (depth-first, operands in order). ``resized``: the first value of
         the same rank, none of its dims broadcast, read through pads and the views that keep
         the dims in order (a max pool's strided slices of its padded input; its backward's
-        interleaving ``unsqueeze``, ``pad``, ``reshape``). Values broadcast in memory are passed
-        over: a BatchNorm's stored scale, broadcast, made its ReLU over channels-last input
-        write NCHW, walking the input across its channels (1.09 ms against 0.21 on an H200)."""
+        interleaving ``unsqueeze``, ``pad``, ``reshape``). A stored factor broadcast is passed
+        over, as its inlined expression was before it was stored: a BatchNorm's scale made its
+        ReLU over channels-last input write NCHW, walking the input across its channels (1.09
+        ms against 0.21 on an H200). A graph input broadcast (a LayerNorm's bias) still ends
+        the walk with no order, so the result is contiguous: ViT's LayerNorm output, following
+        the residual stream's sequence-first order instead, needed a copy before each MLP."""
         stack, seen = [value], {value}
         while stack:
             current = stack.pop()
@@ -94,8 +98,8 @@ class LayoutChoice:
                 if operand in seen or not (alike or (resized and operand not in self.layouts)):
                     continue
                 seen.add(operand)
-                if operand in self.layouts and _broadcast(self.layouts[operand]):
-                    continue  # a small value broadcast (a stored per-channel factor): no order
+                if operand in self.layouts and _stored_factor(self.layouts[operand]):
+                    continue  # (a factor the program stored: the walk goes on as if inlined)
                 if operand in self.layouts:
                     return self.layouts[operand]
                 stack.append(operand)
@@ -137,10 +141,12 @@ class LayoutChoice:
         )
 
 
-def _broadcast(view: View) -> bool:
-    """Whether ``view`` repeats its elements along a dim (a zero stride, size above one)."""
+def _stored_factor(view: View) -> bool:
+    """Whether ``view`` repeats a value the program computed along a dim (a zero stride, size
+    above one): a small value broadcast into large work, stored (``inlining``)."""
     pairs = zip(view.strides, view.shape, strict=True)
-    return any(st == 0 and not (isinstance(size, int) and size == 1) for st, size in pairs)
+    repeats = any(st == 0 and not (isinstance(size, int) and size == 1) for st, size in pairs)
+    return repeats and view.buffer.kind is BufferKind.TEMP
 
 
 # Views whose dims stay in their order (sizes split, joined, added or dropped), so a source read
