@@ -215,10 +215,20 @@ def read_sites(
                 sinks[value], routes[value] = frozenset({value}), here
                 continue
             ends, found = _sites_through_users(users.get(value, ()), sinks, routes)
-            sinks[value] = frozenset(list(ends)[:2])
+            sinks[value] = frozenset(sorted(ends, key=_sink_order)[:2])
             routes[value] = frozenset(found) if found else here
     reads = {value: min(len(found), COST_CAP) for value, found in routes.items()}
     return sinks, reads
+
+
+def _sink_order(sink: object) -> tuple[int, str]:
+    """Stored values first (``broadcast_costs_too_much`` asks whether one is among the two
+    kept), then nodes, each by name: the same two every run (picked from a set, they had
+    varied between processes, and so had the factors stored and the kernels of a backward)."""
+    if isinstance(sink, Value):
+        return 0, sink.name
+    outputs = getattr(sink, "outputs", ())
+    return 1, outputs[0].name if outputs else ""
 
 
 def _sites_through_users(

@@ -48,7 +48,7 @@ def recomputable(
     of its layouts. ``factors``: a kernel of per-channel factors read from graph inputs,
     which recomputes the factors it reads from inputs of any size (``SMALL_VALUE``)."""
     dropped: set[Value] = set()
-    for value in loaded:
+    for value in sorted(loaded, key=lambda v: (len(v.name), v.name)):  # (the same every run)
         if value.node is None or value in dropped:
             continue
         inner = _stored_inside(value, loaded - {value}, layouts, ready, factors)
