@@ -453,6 +453,7 @@ def schedule(
     one device each (a mixed-device graph gets kernels per device, transfers are externs).
     ``observed``: extern output shapes and strides seen at run time (by the name of the node's first
     output), where PyTorch chose another layout than the meta run predicted."""
-    scheduler = Scheduler(graph, inputs, observed)
-    scheduler.run()
-    return scheduler.program()
+    with ix.memo_scope():
+        scheduler = Scheduler(graph, inputs, observed)
+        scheduler.run()
+        return scheduler.program()

@@ -203,3 +203,27 @@ def test_kernel_source_is_the_same_on_every_compile() -> None:
         sources.add(generate_cpp(records[-1].program.kernels()))
     kiln.reset()
     assert len(sources) == 1
+
+
+def test_a_memo_scope_reuses_static_results_and_ends_with_the_scope() -> None:
+    """Inside :func:`memo_scope` a division asked again (an equal index, built afresh) is
+    answered from the memo; outside, or after the scope, it is computed anew. Results are
+    the same either way."""
+    x = ix.var("x", 4096)
+
+    def quotient() -> Index:
+        return ix.floordiv(ix.mod(ix.floordiv(x, 64), 112) + 1, 2)
+
+    assert quotient() is not quotient()  # (no scope: computed each time)
+    with ix.memo_scope():
+        first = quotient()
+        assert quotient() is first
+        with ix.memo_scope():  # (an inner scope keeps its own memo)
+            inner = quotient()
+            assert inner is not first and inner == first
+        assert quotient() is first
+    after = quotient()
+    assert after is not first and after == first
+    for position in (0, 63, 64, 4095):
+        expected = ((position // 64) % 112 + 1) // 2
+        assert evaluate(after, {"x": position}) == expected
