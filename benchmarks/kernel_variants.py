@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,29 +39,20 @@ from kiln.schedule.program import kernel_arguments
 
 def _recorded_calls(case: Any) -> list[tuple[Kernel, tuple[Any, ...]]]:
     """Each kernel of one compiled call of ``case`` with the tensors it was launched on."""
-    records: list[Any] = []
-    arguments: dict[str, tuple[Any, ...]] = {}
-    original = TritonLauncher.__call__
-
-    def recording(self: TritonLauncher, *args: Any, seed: Any = None) -> None:
-        arguments.setdefault(self.source.kernel_name, args)
-        original(self, *args, seed=seed)
-
-    listen(records, CompiledProgramRecord)
-    TritonLauncher.__call__ = recording  # type: ignore[method-assign]
-    try:
-        kiln.compile(case.fn)(*case.args)
-        torch.cuda.synchronize()
-    finally:
-        TritonLauncher.__call__ = original  # type: ignore[method-assign]
-        unlisten(records)
-    kernels = [s for r in records for s in r.program.steps if isinstance(s, Kernel)]
-    return [(k, arguments[k.name]) for k in kernels if k.name in arguments]
+    return _recorded(lambda: kiln.compile(case.fn)(*case.args))
 
 
 def _recorded_step(model: str, mode: str) -> list[tuple[Kernel, tuple[Any, ...]]]:
     """Each kernel of a suite model's first compiled step (default mode) with the tensors it
-    was launched on (held here, so no later kernel reuses their memory)."""
+    was launched on. A tensor's values may be a later kernel's, where the program reused its
+    memory: the sweep compares variants with the default build on the same tensors, and
+    leaves out kernels that gather, whose addresses depend on values."""
+    module, inputs, step = prepare(model, mode, torch.device("cuda"))
+    return _recorded(lambda: step(kiln.compile(module), inputs))
+
+
+def _recorded(run: Callable[[], object]) -> list[tuple[Kernel, tuple[Any, ...]]]:
+    """Each kernel the programs ``run()`` compiles, with the tensors of its first launch."""
     records: list[Any] = []
     arguments: dict[str, tuple[Any, ...]] = {}
     original = TritonLauncher.__call__
@@ -69,11 +61,10 @@ def _recorded_step(model: str, mode: str) -> list[tuple[Kernel, tuple[Any, ...]]
         arguments.setdefault(self.source.kernel_name, args)
         original(self, *args, seed=seed)
 
-    module, inputs, step = prepare(model, mode, torch.device("cuda"))
     listen(records, CompiledProgramRecord)
     TritonLauncher.__call__ = recording  # type: ignore[method-assign]
     try:
-        step(kiln.compile(module), inputs)
+        run()
         torch.cuda.synchronize()
     finally:
         TritonLauncher.__call__ = original  # type: ignore[method-assign]
