@@ -309,25 +309,29 @@ def _deviations_of(node: Node) -> _Deviations | None:
         return None
     for source, mean in (difference.inputs, difference.inputs[::-1]):
         if isinstance(source, Value) and isinstance(mean, Value):
-            count = _mean_count(source, mean, tuple(sorted(node.attrs.dims)))
+            count = mean_count(source, mean, tuple(sorted(node.attrs.dims)))
             if count is not None and source.type.dtype not in _LOW_PRECISION:
                 return _Deviations(source, count)
     return None
 
 
-def _mean_count(source: Value, mean: Value, dims: tuple[int, ...]) -> Dim | None:
+def mean_count(source: Value, mean: Value, dims: tuple[int, ...]) -> Dim | None:
     """The count ``mean`` divides ``source``'s sum over ``dims`` by, when ``mean`` is that
     quotient broadcast so that each element of ``source`` meets its own row's mean."""
-    chain: list[Node] = []
+    chain: list[Node] = []  # the shape-only steps on either side of the division
+    quotient: Node | None = None
     value = mean
-    while value.node is not None and value.node.op in _SHAPE_ONLY:
-        chain.append(value.node)
-        value = value.node.inputs[0]  # type: ignore[assignment]
-    quotient = value.node
-    if quotient is None or quotient.op is not Op.DIV or not isinstance(quotient.inputs[0], Value):
-        return None
-    total = quotient.inputs[0].node
-    if total is None or total.op is not Op.SUM or total.inputs[0] is not source:
+    while value.node is not None:
+        step = value.node
+        if step.op is Op.DIV and quotient is None and isinstance(step.inputs[0], Value):
+            quotient = step
+        elif step.op in _SHAPE_ONLY:
+            chain.append(step)
+        else:
+            break
+        value = step.inputs[0]  # type: ignore[assignment]
+    total = value.node
+    if quotient is None or total is None or total.op is not Op.SUM or total.inputs[0] is not source:
         return None
     if tuple(sorted(total.attrs.dims)) != dims:
         return None
@@ -360,7 +364,7 @@ def _mean_count(source: Value, mean: Value, dims: tuple[int, ...]) -> Dim | None
 
 
 def _moved(step: Node, origin: list[int | None]) -> list[int | None] | None:
-    """``origin`` (see ``_mean_count``) after a shape-only ``step``; None when a reshape
+    """``origin`` (see ``mean_count``) after a shape-only ``step``; None when a reshape
     regroups dims. (Only unit dims grow, so the final shape check catches stretching.)"""
     before = step.inputs[0].type.shape  # type: ignore[union-attr]
     after = step.output.type.shape

@@ -511,3 +511,77 @@ def test_a_residual_stream_is_not_summed_again_from_every_branch() -> None:
         for a, parameter in zip(got, model.parameters(), strict=True):
             torch.testing.assert_close(a, parameter.grad, rtol=2e-2, atol=2e-2)
     assert _recompute_reads(_training_graph(compiled._kiln_call).plan) <= 3
+
+
+def _own_variance(x: torch.Tensor) -> torch.Tensor:
+    return ((x - x.mean(1, keepdim=True)) ** 2).mean(1).sqrt()
+
+
+def _part_of_the_dims(x: torch.Tensor) -> torch.Tensor:
+    deviation = x - x.mean((0, 1), keepdim=True)
+    return (deviation * deviation).sum(1).sin()  # summed over a part of the mean's dims
+
+
+# Each case, with the reductions its backward needs: eager's closed forms' (batch norm: the
+# sums of g and g*x per channel; layer and group norm: those per row, then the weight's and
+# the bias's gradients), or, summed over a part of the mean's dims, the mean's own gradient.
+_VARIANCES: dict[str, tuple[Callable[[], Any], tuple[int, ...], int]] = {
+    "batch_norm": (
+        lambda: torch.nn.Sequential(torch.nn.BatchNorm2d(4), torch.nn.ReLU()),
+        (3, 4, 5, 5),
+        2,
+    ),
+    "layer_norm": (lambda: torch.nn.LayerNorm(8), (3, 5, 8), 4),
+    "group_norm": (lambda: torch.nn.GroupNorm(2, 4), (3, 4, 5), 4),
+    "var": (lambda: lambda x: x.var(1).sin(), (6, 7), 0),
+    "own variance": (lambda: _own_variance, (6, 7), 0),
+    "part of the dims": (lambda: _part_of_the_dims, (6, 7, 3), 1),
+}
+
+
+def _chained_sums(graph: Any) -> int:
+    """How many of ``graph``'s sums read another sum's result (through any nodes)."""
+    after_sum: set[Any] = set()
+    chained = 0
+    for node in graph.nodes:
+        reads = any(v in after_sum for v in node.input_values())
+        chained += node.op is Op.SUM and reads
+        if reads or node.op is Op.SUM:
+            after_sum.update(node.outputs)
+    return chained
+
+
+@pytest.mark.parametrize("name", list(_VARIANCES))
+def test_a_variance_sends_its_own_mean_no_gradient(name: str) -> None:
+    """``sum((x - mean(x))**2)`` sends the mean ``-2 g * sum(x - mean(x))``, zero in exact
+    arithmetic; eager's closed-form backwards (batch norm, layer norm, var) leave it out, and so
+    does the joint graph: the backward has their reductions, none waiting for another. Summed
+    over only a part of the mean's dims, the term is not zero and stays. Every gradient matches
+    eager's on fresh values, and a double backward still differentiates the full expression."""
+    make, shape, reductions = _VARIANCES[name]
+    torch.manual_seed(0)
+    fn = make()
+    compiled = kiln.compile(fn, options={"strict": True})
+    parameters = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    for _ in range(2):
+        x = torch.randn(*shape) * 3 + 5
+        results = []
+        for f in (compiled, fn):
+            for p in parameters:
+                p.grad = None
+            results.append([*_grads(f, x.requires_grad_()), *(p.grad for p in parameters)])
+        for got, want in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    backward = _training_graph(compiled._kiln_call if parameters else compiled).plan.backward
+    assert sum(node.op is Op.SUM for node in backward.nodes) == reductions, backward
+    assert _chained_sums(backward) == 0, backward
+    x = torch.randn(*shape, requires_grad=True)
+    mine = x.detach().clone().requires_grad_()
+    grads = [
+        torch.autograd.grad(f(v).sum(), v, create_graph=True)[0]
+        for f, v in ((fn, x), (compiled, mine))
+    ]
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-4)
+    (grads[0] ** 2).sum().backward()
+    (grads[1] ** 2).sum().backward()
+    torch.testing.assert_close(mine.grad, x.grad, rtol=1e-4, atol=1e-4)
