@@ -20,8 +20,10 @@ from kiln.autodiff.partition import Partition
 from kiln.ir.graph import Graph, InputKind
 from kiln.ir.interpreter import interpret
 from kiln.ir.op import Tag, op_def
+from kiln.ir.types import dense
 
 CompiledGraph = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+ZERO_COTANGENT_LIMIT = 1 << 20  # elements of an unused output's zero cotangent kept
 
 
 def needs_autodiff(graph: Graph) -> bool:
@@ -46,6 +48,10 @@ class TrainingGraph:
         # autograd. Activations are held weakly (parameters and buffers live in modules).
         self.activations = [i for i, v in enumerate(graph.inputs) if v.kind is InputKind.USER]
         self.random = any(Tag.RANDOM in op_def(n.op).tags for n in self.plan.forward.nodes)
+        self.zeros: dict[int, torch.Tensor] = {}  # kept zero cotangents, by position
+        self.kept_layouts: dict[int, _Layout] = {}  # the layouts of the outputs they were for
+        self.unchecked: set[int] = set()  # kept ones no backward result was checked against
+        self.passed_on: set[int] = set()  # positions whose cotangent is a result: never kept
 
     @property
     def saved_names(self) -> list[str]:
@@ -57,6 +63,41 @@ class TrainingGraph:
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(_Function.apply(self, *inputs))
+
+    def zero_cotangent(self, position: int, layout: _Layout) -> torch.Tensor:
+        """The cotangent of a differentiable output nothing used: zeros, as autograd would
+        make them, marked ``_kiln_zero`` (a CUDA-graph replay whose buffer holds zeros
+        already copies nothing). Kept for the next step up to ``ZERO_COTANGENT_LIMIT``."""
+        kept = self.zeros.get(position)
+        if kept is not None and self.kept_layouts[position] == layout:
+            return kept
+        size, stride, dtype, device = layout
+        if not dense(torch.empty_strided(size, stride, device="meta")):  # (as zeros_like)
+            stride = torch.empty(size, device="meta").stride()
+        zero = torch.empty_strided(size, stride, dtype=dtype, device=device).zero_()
+        zero._kiln_zero = True  # type: ignore[attr-defined]
+        if zero.numel() <= ZERO_COTANGENT_LIMIT and position not in self.passed_on:
+            self.zeros[position], self.kept_layouts[position] = zero, layout
+            self.unchecked.add(position)
+        return zero
+
+    def check_zeros(self, results: Sequence[torch.Tensor | None]) -> None:
+        """Stop keeping the zero cotangents the backward handed on as a gradient (the gradient
+        of ``x + y`` is the sum's cotangent): whoever gets one may write into it."""
+        kept = {self.zeros[k].untyped_storage().data_ptr(): k for k in self.unchecked}
+        for result in results:
+            if result is not None and result.untyped_storage().data_ptr() in kept:
+                position = kept[result.untyped_storage().data_ptr()]
+                self.passed_on.add(position)
+                del self.zeros[position]
+        self.unchecked.clear()
+
+
+_Layout = tuple[torch.Size, tuple[int, ...], torch.dtype, torch.device]
+
+
+def _layout(tensor: torch.Tensor) -> _Layout:
+    return tensor.size(), tensor.stride(), tensor.dtype, tensor.device
 
 
 class _Function(torch.autograd.Function):
@@ -70,6 +111,8 @@ class _Function(torch.autograd.Function):
         saved += results[count : count + saved_count]
         ctx.save_for_backward(*saved)
         ctx.owner = owner
+        ctx.set_materialize_grads(False)  # (unused outputs' cotangents: owner.zero_cotangent)
+        ctx.layouts = [_layout(results[i]) for i in owner.differentiable]
         held: list[Any] = list(inputs)
         for position in owner.activations:
             held[position] = weakref.ref(inputs[position])
@@ -86,8 +129,13 @@ class _Function(torch.autograd.Function):
         owner: TrainingGraph = ctx.owner
         if torch.is_grad_enabled():
             return (None, *_differentiable_backward(ctx, owner, grads))
-        cotangents = [grads[i] for i in owner.differentiable]
+        cotangents = [
+            grads[i] if grads[i] is not None else owner.zero_cotangent(k, ctx.layouts[k])
+            for k, i in enumerate(owner.differentiable)
+        ]
         results = owner.backward([*ctx.saved_tensors, *cotangents])
+        if owner.unchecked:
+            owner.check_zeros(results)
         input_grads: list[torch.Tensor | None] = [None] * owner.input_count
         for position, grad in zip(owner.plan.grad_inputs, results, strict=True):
             input_grads[position] = grad

@@ -92,6 +92,18 @@ def carries_gradient(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+def dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill one range of its storage, each once: contiguous in
+    some order of its dims (a transposed attention key, say)."""
+    expected = 1
+    dims = zip(tensor.size(), tensor.stride(), strict=True)
+    for stride, size in sorted((stride, size) for size, stride in dims if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 Scalar = bool | int | float
 
 

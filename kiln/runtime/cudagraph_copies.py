@@ -53,19 +53,22 @@ def view_on(output: torch.Tensor, static: torch.Tensor | None, given: torch.Tens
 
 
 def copy_batches(outputs: list[torch.Tensor], batches: list[list[int]]) -> dict[int, torch.Tensor]:
-    """Copies of the batched outputs: per dtype, one concatenation into a new buffer and
-    views of it (two calls into PyTorch however many outputs: a backward returns one
-    gradient per parameter)."""
+    """Copies of the batched (``dense``) outputs: per dtype, one concatenation of their
+    storage ranges into a new buffer and views of it, in their own strides (two calls into
+    PyTorch however many outputs: a backward returns one gradient per parameter, a decoder
+    its attention keys and values)."""
     copies: dict[int, torch.Tensor] = {}
     for numbers in batches:
         sources = [outputs[n] for n in numbers]
         if len(sources) == 1:  # (flattening one tensor is a view of it, not a copy)
-            copies[numbers[0]] = sources[0].clone()
+            copies[numbers[0]] = sources[0].clone(memory_format=torch.preserve_format)
             continue
-        flat = torch._C._nn.flatten_dense_tensors(sources)
-        copies.update(
-            zip(numbers, torch._C._nn.unflatten_dense_tensors(flat, sources), strict=True)
-        )
+        ranges = [t if t.is_contiguous() else t.as_strided((t.numel(),), (1,)) for t in sources]
+        flat = torch._C._nn.flatten_dense_tensors(ranges)
+        pieces = torch._C._nn.unflatten_dense_tensors(flat, ranges)
+        for number, source, piece in zip(numbers, sources, pieces, strict=True):
+            same = source.is_contiguous()
+            copies[number] = piece if same else piece.as_strided(source.size(), source.stride())
     return copies
 
 

@@ -74,6 +74,7 @@ import torch
 
 from kiln.config import logger
 from kiln.ir.graph import Graph, InputKind
+from kiln.ir.types import dense
 from kiln.recording import keep_live, live
 from kiln.recording import record as record_event
 from kiln.recording import recording as listening
@@ -316,6 +317,7 @@ class Recording:
     # the replay's plan, made once: input positions by source, and per output (its number,
     # what to hand out: one of the _VIEW.. codes below, its storage or input index)
     copied: list[int] = field(default_factory=list)
+    zeroed: set[int] = field(default_factory=set)  # copied inputs whose buffers hold zeros
     seeds: list[int] = field(default_factory=list)
     plan: list[tuple[int, int, int]] = field(default_factory=list)
     lent: list[bool] = field(default_factory=list)  # per storage: lent by the last replay
@@ -517,6 +519,8 @@ class CudaGraphRunner:
         recording.owner = weakref.ref(self)
         self._plan_copies(recording)
         self._plan_replay(recording)
+        copied = recording.copied
+        recording.zeroed = {i for i in copied if getattr(inputs[i], "_kiln_zero", False)}
         family.add(recording)
         self.recordings.append(recording)
         self.status.state = "recorded"
@@ -557,7 +561,7 @@ class CudaGraphRunner:
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for number, at in visible:
             output = recording.outputs[number]
-            if at not in recording.shared and output.is_contiguous() and output.numel() > 0:
+            if at not in recording.shared and dense(output) and output.numel() > 0:
                 groups.setdefault((output.dtype, output.device), []).append(number)
         recording.batches = list(groups.values())
         recording.batched = frozenset(n for numbers in recording.batches for n in numbers)
@@ -680,6 +684,12 @@ class CudaGraphRunner:
             target, passed = static[position], inputs[position]
             assert target is not None
             if passed.data_ptr() != target.data_ptr() or passed.stride() != target.stride():
+                if getattr(passed, "_kiln_zero", False):  # (an unused output's cotangent)
+                    if position in recording.zeroed:
+                        continue
+                    recording.zeroed.add(position)
+                else:
+                    recording.zeroed.discard(position)
                 copy_into(target, passed)
         for position in recording.seeds:
             seed = static[position]

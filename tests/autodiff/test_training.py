@@ -585,3 +585,34 @@ def test_a_variance_sends_its_own_mean_no_gradient(name: str) -> None:
     (grads[0] ** 2).sum().backward()
     (grads[1] ** 2).sum().backward()
     torch.testing.assert_close(mine.grad, x.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_an_unused_outputs_zero_cotangent_handed_on_as_a_gradient_is_not_kept() -> None:
+    """An output nothing used gets zeros as its cotangent, kept for the next step unless the
+    backward hands that cotangent on as a gradient (``x + y``'s, for ``y``): whoever gets it
+    (a hook) may write into it, so it is made afresh each step. An unused output's zeros that
+    no gradient aliases are kept. (``y`` gets zeros where eager gives it no gradient: the
+    compiled graph is one autograd node.)"""
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x + y, (x * 2).sin(), x.exp()
+
+    compiled = kiln.compile(f, options={"strict": True})
+    grads: list[list[torch.Tensor]] = [[], []]
+    seen: list[torch.Tensor] = []
+    values = torch.randn(2, 4)
+    for fn, found in zip((compiled, f), grads, strict=True):
+        x, y = (v.clone().requires_grad_() for v in values)
+        if fn is compiled:
+            y.register_hook(seen.append)
+        for step in range(4):
+            total, other, _ = fn(x, y)
+            ((total**2).sum() if step == 2 else (other**2).sum()).backward()
+            found += [x.grad.clone(), y.grad.clone() if y.grad is not None else torch.zeros(4)]
+            x.grad = y.grad = None
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)
+    graph = _training_graph(compiled)
+    assert graph.passed_on == {0} and sorted(graph.zeros) == [1, 2]
+    zeros = [g for g in seen if not g.any()]
+    assert len({g.untyped_storage().data_ptr() for g in zeros}) == len(zeros) == 3

@@ -400,6 +400,82 @@ def test_outputs_sharing_memory_stay_views_of_one_copy(recorder: CountingRecorde
     assert _statuses()[0].replays == 3
 
 
+def test_transposed_outputs_are_copied_together_in_their_own_layout(
+    recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decoder's attention keys and values come out transposed (dense, not contiguous):
+    they are copied out of the pool in one batch with the contiguous result, each in eager's
+    strides, and a later replay changes none of them."""
+    weight = randn(8, 32)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        heads = (x @ weight).view(2, 5, 4, 8).transpose(1, 2)
+        return heads * 2, heads + 1, x.sum(0)
+
+    singles: list[torch.Tensor] = []
+    copy_out = cudagraphs.copy_out
+    monkeypatch.setattr(
+        cudagraphs,
+        "copy_out",
+        lambda output, *rest: singles.append(output) or copy_out(output, *rest),
+    )
+    compiled = kiln.compile(f, mode="reduce-overhead")
+    held = []
+    for _ in range(5):
+        x = randn(2, 5, 8)
+        got, want = compiled(x), f(x)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+            assert a.stride() == b.stride()
+        held.append((got, want))
+    for got, want in held:  # (a later replay rewrote the pool, not these)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    assert singles == [] and _statuses()[0].replays == 3
+
+
+def test_an_unused_outputs_zero_cotangent_is_not_copied_again(
+    recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training graph's output the loss does not use gets a zero cotangent (autograd's
+    materialized zeros, made and kept by the graph): once its static buffer holds zeros, a
+    replay copies nothing for it. Used in one step, it is copied; unused again, zeroed again."""
+    torch.manual_seed(0)
+    model, reference = _mlp(), _mlp()
+    reference.load_state_dict(model.state_dict())
+
+    class TwoOutputs(nn.Module):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = self.net(x)
+            return hidden.sin(), hidden * 3
+
+    zeros: list[torch.Tensor] = []
+    copy_into = cudagraphs.copy_into
+
+    def counted(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        if getattr(source, "_kiln_zero", False):
+            zeros.append(source)
+        return copy_into(target, source)
+
+    monkeypatch.setattr(cudagraphs, "copy_into", counted)
+    compiled = kiln.compile(TwoOutputs(model), mode="reduce-overhead")
+    eager = TwoOutputs(reference)
+    for step in range(8):
+        x = randn(5, 8)
+        for net, run in ((model, compiled), (reference, eager)):
+            net.zero_grad()
+            first, second = run(x)
+            (first.sum() + (second * second).sum() if step == 5 else first.sum()).backward()
+        _same_grads(model, reference)
+    (backward,) = _statuses("_backward")
+    assert backward.records == 1 and backward.uncaptured_runs == 0
+    assert len(zeros) == 2  # the first replay's, and the one after the step that used it
+
+
 def test_batch_norm_training_updates_running_statistics_once_a_call(
     recorder: CountingRecorder,
 ) -> None:
