@@ -163,7 +163,9 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # is found past shape-only steps on either side of its division.
 # +57: unused outputs' zero cotangents made, kept and not copied again by a CUDA-graph
 # replay; dense transposed results copied out in one batch (GPT-2's 53 copies a step: 5).
-LINE_BUDGET = 35_059
+# +20: a differentiated frozen BatchNorm is centred, (x - mean) * scale + bias (the weight's
+# gradient no longer cancels when the mean dwarfs the spread).
+LINE_BUDGET = 35_079
 
 
 def _module_name(path: Path) -> str:
