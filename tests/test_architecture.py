@@ -165,7 +165,9 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # replay; dense transposed results copied out in one batch (GPT-2's 53 copies a step: 5).
 # +20: a differentiated frozen BatchNorm is centred, (x - mean) * scale + bias (the weight's
 # gradient no longer cancels when the mean dwarfs the spread).
-LINE_BUDGET = 35_079
+# +5: the CUDA-graph runner's copy batches planned in cudagraph_copies.plan_batches (the runner
+# module back under 800 lines).
+LINE_BUDGET = 35_084
 
 
 def _module_name(path: Path) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ir.types import dense
+
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -50,6 +52,24 @@ def view_on(output: torch.Tensor, static: torch.Tensor | None, given: torch.Tens
     assert static is not None
     offset = output.storage_offset() - static.storage_offset() + given.storage_offset()
     return given.as_strided(output.size(), output.stride(), offset)
+
+
+def plan_batches(
+    outputs: list[torch.Tensor], visible: list[tuple[int, int]]
+) -> tuple[frozenset[int], list[list[int]]]:
+    """For the user-visible pool outputs (``(number, storage)``): the storages several of them
+    share, and per dtype and device the numbers of the ``dense`` ones alone in theirs, which
+    :func:`copy_batches` copies together."""
+    users: dict[int, int] = {}
+    for _, at in visible:
+        users[at] = users.get(at, 0) + 1
+    shared = frozenset(at for at, count in users.items() if count > 1)
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for number, at in visible:
+        output = outputs[number]
+        if at not in shared and dense(output) and output.numel() > 0:
+            groups.setdefault((output.dtype, output.device), []).append(number)
+    return shared, list(groups.values())
 
 
 def copy_batches(outputs: list[torch.Tensor], batches: list[list[int]]) -> dict[int, torch.Tensor]:

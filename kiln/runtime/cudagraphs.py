@@ -74,7 +74,6 @@ import torch
 
 from kiln.config import logger
 from kiln.ir.graph import Graph, InputKind
-from kiln.ir.types import dense
 from kiln.recording import keep_live, live
 from kiln.recording import record as record_event
 from kiln.recording import recording as listening
@@ -84,6 +83,7 @@ from kiln.runtime.cudagraph_copies import (
     copy_into,
     copy_out,
     expanded,
+    plan_batches,
     use_count,
     use_counts,
     view_on,
@@ -554,16 +554,7 @@ class CudaGraphRunner:
             for number, (kind, at) in enumerate(recording.results)
             if kind is Result.POOL and number not in self.internal
         ]
-        users: dict[int, int] = {}
-        for _, at in visible:
-            users[at] = users.get(at, 0) + 1
-        recording.shared = frozenset(at for at, count in users.items() if count > 1)
-        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        for number, at in visible:
-            output = recording.outputs[number]
-            if at not in recording.shared and dense(output) and output.numel() > 0:
-                groups.setdefault((output.dtype, output.device), []).append(number)
-        recording.batches = list(groups.values())
+        recording.shared, recording.batches = plan_batches(recording.outputs, visible)
         recording.batched = frozenset(n for numbers in recording.batches for n in numbers)
 
     def _static_inputs(
