@@ -86,8 +86,8 @@ def copy_batches(outputs: list[torch.Tensor], batches: list[list[int]]) -> dict[
         ranges = [t if t.is_contiguous() else t.as_strided((t.numel(),), (1,)) for t in sources]
         flat = torch._C._nn.flatten_dense_tensors(ranges)
         pieces = torch._C._nn.unflatten_dense_tensors(flat, ranges)
-        for number, source, piece in zip(numbers, sources, pieces, strict=True):
-            same = source.is_contiguous()
+        for number, source, span, piece in zip(numbers, sources, ranges, pieces, strict=True):
+            same = span is source  # (contiguous: the piece has its shape already)
             copies[number] = piece if same else piece.as_strided(source.size(), source.stride())
     return copies
 

@@ -337,14 +337,19 @@ def _batch_normalizers(
     return rounded(mean), rounded(inverse)
 
 
+def _scale(inverse: Value, weight: Value | None) -> Value:
+    """Per channel ``inverse * weight``: what multiplies a centred (or raw) input."""
+    if weight is None:
+        return inverse
+    return prims.mul(inverse, common.convert(weight, inverse.type.dtype))
+
+
 def _scale_shift(
     mean: Value, inverse: Value, weight: Value | None, bias: Value | None
 ) -> tuple[Value, Value]:
     """Per channel ``scale = inverse * weight`` and ``shift = bias - mean * scale``, so that
     ``x * scale + shift`` normalizes; eager's kernels apply batch norm in this form."""
-    scale = inverse
-    if weight is not None:
-        scale = prims.mul(scale, common.convert(weight, inverse.type.dtype))
+    scale = _scale(inverse, weight)
     shift = prims.neg(prims.mul(mean, scale))
     if bias is not None:
         shift = prims.add(shift, common.convert(bias, inverse.type.dtype))
@@ -422,9 +427,7 @@ def _centred(
     the gap is 8-9x, and the centred form undid the C++ folding of a channel ``cat`` under
     BatchNorm (``tests/codegen/test_cpp_segments.py``)."""
     shape = wide.type.shape
-    scale = inverse
-    if weight is not None:
-        scale = prims.mul(scale, common.convert(weight, inverse.type.dtype))
+    scale = _scale(inverse, weight)
     centred = prims.sub(wide, prims.broadcast(mean, shape=shape, dims=(1,)))
     result = prims.mul(centred, prims.broadcast(scale, shape=shape, dims=(1,)))
     if bias is not None:
