@@ -167,7 +167,9 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # gradient no longer cancels when the mean dwarfs the spread).
 # +5: the CUDA-graph runner's copy batches planned in cudagraph_copies.plan_batches (the runner
 # module back under 800 lines).
-LINE_BUDGET = 35_084
+# +9: a graph input broadcast per channel (a BatchNorm's bias) no longer decides the dim order
+# a kernel walks (a differentiated frozen BatchNorm's ReLU walked channels-last data as NCHW).
+LINE_BUDGET = 35_093
 
 
 def _module_name(path: Path) -> str:

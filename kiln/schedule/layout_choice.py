@@ -82,9 +82,10 @@ class LayoutChoice:
         interleaving ``unsqueeze``, ``pad``, ``reshape``). A stored factor broadcast is passed
         over, as its inlined expression was before it was stored: a BatchNorm's scale made its
         ReLU over channels-last input write NCHW, walking the input across its channels (1.09
-        ms against 0.21 on an H200). A graph input broadcast (a LayerNorm's bias) still ends
-        the walk with no order, so the result is contiguous: ViT's LayerNorm output, following
-        the residual stream's sequence-first order instead, needed a copy before each MLP."""
+        ms against 0.21 on an H200); so is a graph input broadcast per channel (a BatchNorm's
+        bias). One dense in the trailing dims (a LayerNorm's bias) still ends the walk with no
+        order, so the result is contiguous: ViT's LayerNorm output, following the residual
+        stream's sequence-first order instead, needed a copy before each MLP."""
         stack, seen = [value], {value}
         while stack:
             current = stack.pop()
@@ -98,8 +99,8 @@ class LayoutChoice:
                 if operand in seen or not (alike or (resized and operand not in self.layouts)):
                     continue
                 seen.add(operand)
-                if operand in self.layouts and _stored_factor(self.layouts[operand]):
-                    continue  # (a factor the program stored: the walk goes on as if inlined)
+                if operand in self.layouts and _orderless(self.layouts[operand]):
+                    continue  # (a stored factor, a per-channel one: the walk goes on)
                 if operand in self.layouts:
                     return self.layouts[operand]
                 stack.append(operand)
@@ -139,6 +140,21 @@ class LayoutChoice:
             and view.strides == ix.contiguous_strides(shape)
             and self.wants_channels_last(operand)
         )
+
+
+def _orderless(view: View) -> bool:
+    """Whether a broadcast ``view`` tells nothing of a result's dim order: a factor the program
+    stored, or a graph input broadcast over trailing dims (a BatchNorm's per-channel bias: it
+    ended the walk, so the centred BatchNorm's ReLU over channels-last input walked NCHW). A
+    graph input dense in the trailing dims (a LayerNorm's bias) agrees with contiguous."""
+    if _stored_factor(view):
+        return True
+    kept = [d for d, (st, n) in enumerate(zip(view.strides, view.shape, strict=True)) if st != 0]
+    broadcast = len(kept) < len(view.shape) and any(
+        st == 0 and not (isinstance(n, int) and n == 1)
+        for st, n in zip(view.strides, view.shape, strict=True)
+    )
+    return broadcast and bool(kept) and kept != list(range(kept[0], len(view.shape)))
 
 
 def _stored_factor(view: View) -> bool:

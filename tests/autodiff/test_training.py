@@ -618,15 +618,30 @@ def test_an_unused_outputs_zero_cotangent_handed_on_as_a_gradient_is_not_kept() 
     assert len({g.untyped_storage().data_ptr() for g in zeros}) == len(zeros) == 3
 
 
-def test_frozen_batch_norm_gradients_stay_accurate_when_the_mean_dwarfs_the_spread() -> None:
-    """A BatchNorm with frozen statistics (fine-tuning) whose input's mean is 1000 times its
-    spread: in the form ``x * scale + shift`` the weight's gradient sums ``g * x`` and
-    subtracts ``mean * sum(g)``, which cancels (2500x farther from float64 than eager's).
-    Differentiated, the normalization is centred first, as eager's backward is: every
-    gradient is within 4x of eager's distance. (With batch statistics the gap is still
-    8-9x: ``normalization._centred``.)"""
+@pytest.mark.parametrize(
+    "training",
+    [
+        pytest.param(False, id="frozen"),
+        pytest.param(
+            True,
+            id="batch statistics",
+            marks=pytest.mark.xfail(
+                strict=True, reason="kept uncentred (ResNet-50's step): normalization._centred"
+            ),
+        ),
+    ],
+)
+def test_batch_norm_gradients_stay_accurate_when_the_mean_dwarfs_the_spread(
+    training: bool,
+) -> None:
+    """A BatchNorm whose input's mean is 1000 times its spread, with frozen statistics
+    (fine-tuning) or batch statistics: in the form ``x * scale + shift`` the weight's gradient
+    sums ``g * x`` and subtracts ``mean * sum(g)``, which cancels (2500x farther from float64
+    than eager's frozen, 8-9x with batch statistics). Differentiated, the normalization is
+    centred first, as eager's backward is: every gradient is within 4x of eager's distance.
+    With batch statistics it is not yet (8-9x; centred, 3.2x: ``normalization._centred``)."""
     torch.manual_seed(0)
-    norm = torch.nn.BatchNorm2d(8).eval()
+    norm = torch.nn.BatchNorm2d(8).train(training)
     norm.running_mean.fill_(100.0)
     norm.running_var.fill_(0.01)
     x = torch.randn(8, 8, 16, 16) * 0.1 + 100.0

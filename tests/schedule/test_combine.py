@@ -171,14 +171,17 @@ def test_batchnorm_counters_join_a_launch_in_training() -> None:
         compiled = kiln.compile(model)
         for _ in range(3):
             x = torch.randn(2, 3, 10, 10)
-            compiled(x).sum().backward()
-            eager(x).sum().backward()
+            g = torch.randn(2, 8, 8, 8)  # (a plain sum's exact weight gradients are zero)
+            (compiled(x) * g).sum().backward()
+            (eager(x) * g).sum().backward()
     finally:
         unlisten(records)
     for (name, mine), (_, theirs) in zip(
         model.named_parameters(), eager.named_parameters(), strict=True
     ):
-        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5, msg=name)
+        # (the convolution's bias has an exact gradient of zero under BatchNorm: eager's and
+        # Kiln's are both about 1e-5 of rounding)
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-4, msg=name)
     forward = records[0].program
     assert not any(k.name.endswith("_add") and not k.parts for k in forward.kernels())
     for (name, mine), (_, theirs) in zip(

@@ -240,3 +240,42 @@ def test_a_stored_factor_broadcast_does_not_set_the_walk_order(
         got, want = compiled(x), bn_relu(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert got.stride() == want.stride()
+
+
+def test_a_per_channel_input_broadcast_does_not_set_the_walk_order() -> None:
+    """``relu((x - m) * s + b)`` over channels-last ``x`` with per-channel graph inputs ``m``,
+    ``s`` and ``b`` (a centred BatchNorm's form): the kernel walks ``x`` in its memory order.
+    The bias, broadcast over every dim but the channels, had ended the order search with no
+    order, so the kernel walked NCHW and read and wrote channels-last data across its
+    channels. A bias dense in the trailing dims (a LayerNorm's) still leaves the result
+    contiguous."""
+    from kiln.schedule.index import Var
+    from kiln.schedule.loops import Load, walk
+    from tests.schedule.test_fusion import scheduled
+
+    m, s, b = torch.randn(8), torch.rand(8) + 0.5, torch.randn(8)
+
+    def centred(x: torch.Tensor) -> torch.Tensor:
+        per_channel = [v[:, None, None] for v in (m, s, b)]
+        return torch.relu((x - per_channel[0]) * per_channel[1] + per_channel[2])
+
+    x = torch.randn(4, 8, 6, 6).to(memory_format=CHANNELS_LAST)
+    (kernel,) = scheduled(centred, x).kernels()
+    loads = [e for e in walk([s.value for s in kernel.stores]) if isinstance(e, Load)]
+    full = [e.offset for e in loads if e.buffer.numel == x.numel()]
+    offsets = [*full, *(store.offset for store in kernel.stores)]
+    assert full and all(len(o.terms) == 1 and not o.const for o in offsets), offsets
+    assert all(isinstance(a, Var) and c == 1 for o in offsets for a, c in o.terms), offsets
+    got, want = kiln.compile(centred)(x), centred(x)
+    torch.testing.assert_close(got, want)
+    assert got.stride() == want.stride()
+
+    w, c = torch.rand(8) + 0.5, torch.randn(8)
+
+    def layer_norm_like(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(0, 1) * w + c  # (a sequence-first stream, a trailing bias)
+
+    t = torch.randn(5, 3, 8)
+    (kernel,) = scheduled(layer_norm_like, t).kernels()
+    (store,) = kernel.stores
+    assert store.buffer.strides == (40, 8, 1)  # (contiguous; the stream's order: 8, 24, 1)

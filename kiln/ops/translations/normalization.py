@@ -424,8 +424,9 @@ def _centred(
     sums ``g * x - mean * g`` for the weight: when the mean is large against the spread that
     difference cancels (a frozen BatchNorm at mean/spread 1000: the weight's gradient 2500x
     farther from float64 than eager's). Batch statistics keep the other form for now: there
-    the gap is 8-9x, and the centred form undid the C++ folding of a channel ``cat`` under
-    BatchNorm (``tests/codegen/test_cpp_segments.py``)."""
+    the gap is 8-9x, 3.2x centred, but centred ResNet-50's reduce-overhead training step took
+    11.32 ms against 11.08 on an H200 (its stem's max-pool kernel stored one more pooled-size
+    tensor for the backward; the rest of the cost is not found yet)."""
     shape = wide.type.shape
     scale = _scale(inverse, weight)
     centred = prims.sub(wide, prims.broadcast(mean, shape=shape, dims=(1,)))
