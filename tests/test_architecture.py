@@ -169,7 +169,9 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # module back under 800 lines).
 # +9: a graph input broadcast per channel (a BatchNorm's bias) no longer decides the dim order
 # a kernel walks (a differentiated frozen BatchNorm's ReLU walked channels-last data as NCHW).
-LINE_BUDGET = 35_093
+# +5: an index_put scatters in place into a temporary only it reads (an embedding's gradient
+# into its zeros), whose memory no later temporary takes over while the result lives.
+LINE_BUDGET = 35_098
 
 
 def _module_name(path: Path) -> str:

@@ -393,7 +393,7 @@ def index_put_in_place(
     attrs: IndexPutAttrs, x: torch.Tensor, values: torch.Tensor, *indices: torch.Tensor
 ) -> torch.Tensor:
     """``x[indices] = values`` (``+=``) into ``x`` itself, returning ``x``: a graph input the
-    graph mutates, which nothing else reads (``Scheduler._writes_input_in_place``)."""
+    graph mutates or a temporary, which nothing else reads (``Scheduler._writes_in_place``)."""
     if attrs.accumulate and _atomic_add_pays(attrs, x, indices):
         return _index_add(attrs.dims[0], x, values, indices[0], in_place=True)
     if attrs.in_range and indices[0].dtype == torch.int64:  # (14 against 6 us a call, CPU)

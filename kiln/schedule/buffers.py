@@ -79,6 +79,8 @@ def plan_buffers(program: Program, also_reads: dict[int, list[Buffer]] | None = 
     pool: dict[tuple[object, ...], list[Buffer]] = {}
     for position, step in enumerate(program.steps):
         taken: set[int] = set()  # (died here, its memory now another buffer's)
+        if isinstance(step, ExternCall) and step.in_place:  # (its memory is the result's)
+            taken |= {id(o.buffer) for o in step.operands[:1] if isinstance(o, View)}
         if isinstance(step, Kernel):
             for buffer in step.writes():
                 if buffer.kind is not BufferKind.TEMP:

@@ -56,8 +56,9 @@ class ExternCall:
     operands: tuple[Operand, ...]
     outputs: tuple[Buffer, ...]
     reason: str = ""  # why a non-extern op runs here (the codegen does not handle it)
-    # An index_put into the graph input it mutates, in place (no copy of the input, no
-    # write-back): its result is operand 0 itself (Scheduler._writes_input_in_place).
+    # An index_put into the graph input it mutates or a temporary only it reads, in place (no
+    # copy of the operand, no write-back): its result is operand 0 itself
+    # (Scheduler._writes_in_place).
     in_place: bool = False
 
 
