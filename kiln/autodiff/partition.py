@@ -196,21 +196,24 @@ def _window_reads(value: Value, values: Producers, stored: set[Value]) -> bool:
 
 def _window_root(value: Value, values: Producers, stored: set[Value]) -> Value:
     """What to save for ``value``, whose recomputation reads a window: while its producer is
-    elementwise with one operand of its size that reads a window itself, that operand. A max
-    pool's gradient masks ``eq(position, j)`` save the one ``position`` they test, not nine
-    masks."""
+    elementwise with one operand of its size that reads a window itself, and no other operand
+    of its size, that operand. A max pool's gradient masks ``eq(position, j)`` save the one
+    ``position`` they test, not nine masks; a pooled value summed over window positions,
+    ``partial + where(position == 8, x8, 0)``, is saved whole (saving ``partial`` stored a
+    second pooled-size tensor and recomputed the last terms in the backward)."""
     while (producer := values.get(value)) is not None:
         if Tag.ELEMENTWISE not in op_def(producer.op).tags:
             break
+        operands = [o for o in dict.fromkeys(producer.input_values()) if _numel(o) >= _numel(value)]
         windowed = [
             operand
-            for operand in dict.fromkeys(producer.input_values())
+            for operand in operands
             if operand not in stored
             and values.get(operand) is not None
             and _numel(operand) == _numel(value)
             and _window_reads(operand, values, stored)
         ]
-        if len(windowed) != 1:
+        if len(windowed) != 1 or len(operands) != 1:
             break
         value = windowed[0]
     return value

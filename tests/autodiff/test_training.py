@@ -15,6 +15,7 @@ import kiln
 from kiln.autodiff.runtime import TrainingGraph
 from kiln.capture.driver.convert import GraphRunner
 from kiln.ir import Op
+from kiln.ir.graph import Graph
 from kiln.ir.op import Tag, op_def
 
 
@@ -54,6 +55,19 @@ def test_linear_gelu_gradients_and_minimal_saved_set() -> None:
     assert producer.op.name in ("MM", "ADDMM"), producer.op
 
 
+def _stem_backward(stem: Callable[..., torch.Tensor]) -> Graph:
+    """``stem(x, w, v)`` compiled: its gradients checked against eager's on two fresh inputs
+    (2x3x13x11, a 3x3 convolution of 4 channels, a 1x1 one of 5); its backward graph."""
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    v = torch.randn(5, 4, 1, 1, requires_grad=True)
+    compiled = kiln.compile(stem, options={"strict": True})
+    for _ in range(2):
+        x = torch.randn(2, 3, 13, 11)
+        for got, want in zip(_grads(compiled, x, w, v), _grads(stem, x, w, v), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    return _training_graph(compiled).plan.backward
+
+
 @pytest.mark.parametrize("padding", [0, 1])
 def test_max_pool_saves_window_positions_and_never_recomputes_its_comparisons(
     padding: int,
@@ -67,16 +81,7 @@ def test_max_pool_saves_window_positions_and_never_recomputes_its_comparisons(
         y = F.relu(F.batch_norm(F.conv2d(x, w), None, None, training=True))
         return F.conv2d(F.max_pool2d(y, 3, 2, padding), v)
 
-    x = torch.randn(2, 3, 13, 11)
-    w = torch.randn(4, 3, 3, 3, requires_grad=True)
-    v = torch.randn(5, 4, 1, 1, requires_grad=True)
-    compiled = kiln.compile(stem, options={"strict": True})
-    for _ in range(2):
-        x = torch.randn(2, 3, 13, 11)
-        for got, want in zip(_grads(compiled, x, w, v), _grads(stem, x, w, v), strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    graph = _training_graph(compiled)
-    backward = graph.plan.backward
+    backward = _stem_backward(stem)
     pooled = (2, 4, 5 + padding, 4 + padding)
     saved = {value.name: value.type for value in backward.inputs}
     positions = [t for t in saved.values() if t.dtype == torch.int32]
@@ -84,6 +89,25 @@ def test_max_pool_saves_window_positions_and_never_recomputes_its_comparisons(
     assert any(t.dtype == torch.float32 and tuple(t.shape) == pooled for t in saved.values())
     compares = {Op.GT, Op.ISNAN}
     assert not [n for n in backward.nodes if n.op in compares], backward
+
+
+def test_a_frozen_batch_norm_max_pool_saves_its_whole_pooled_value() -> None:
+    """A fine-tuned stem over a frozen BatchNorm (centred when differentiated): the pooled
+    value is a sum over window positions, ``partial + where(position == 8, x8, 0)``. The
+    partitioner's window rule saved the partial sum, so the forward stored a second
+    pooled-size tensor and the backward sliced the convolution output again for the last
+    terms. It saves the pooled value whole, and the backward reads no window."""
+    mean, var = torch.randn(4), torch.rand(4) + 0.5
+    scale, shift = torch.rand(4, requires_grad=True), torch.randn(4, requires_grad=True)
+
+    def stem(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        y = F.relu(F.batch_norm(F.conv2d(x, w), mean, var, scale, shift, training=False))
+        return F.conv2d(F.max_pool2d(y, 3, 2, 1), v)
+
+    backward = _stem_backward(stem)
+    pooled = [v for v in backward.inputs if tuple(v.type.shape) == (2, 4, 6, 5)]
+    assert sorted(str(v.type.dtype) for v in pooled) == ["torch.float32", "torch.int32"]
+    assert not [n for n in backward.nodes if n.op is Op.SLICE], backward
 
 
 def test_gradient_accumulation_retain_graph_and_no_grad() -> None:
