@@ -118,7 +118,7 @@ class Pipeline:
         forward, backward = self.compile_graph(plan.forward), self.compile_graph(plan.backward)
         saved = range(len(graph.outputs), len(plan.forward.outputs))
         forward = self.replayed(
-            plan.forward, forward, len(plan.forward.outputs), sizes, internal=saved
+            plan.forward, forward, len(plan.forward.outputs), sizes, internal=saved, lends=True
         )
         count = len(plan.backward.outputs)
         backward = self.replayed(plan.backward, backward, count, sizes, lends=True)
@@ -156,8 +156,9 @@ class Pipeline:
         lends: bool = False,
     ) -> CompiledGraph:
         """``compiled`` run through CUDA graphs when the mode asks for them: one recording per
-        size of a graph with symbols in its inputs; ``lends``: a backward (its gradients may be
-        handed out in the pool, ``runtime/cudagraphs.py``)."""
+        size of a graph with symbols in its inputs; ``lends``: a training graph (its results, a
+        forward's outputs or a backward's gradients, may be handed out in the pool,
+        ``runtime/cudagraphs.py``)."""
         if not self.options.cudagraphs:
             return compiled
         if current_env() is not None and (places := size_places(graph)):

@@ -32,11 +32,11 @@ overwrite those of graphs recorded after it (their memory may lie in its tempora
 
 - every output the user gets is a **copy** out of the pool: holding one across calls is
   always safe;
-- a backward's gradients are copies until the runner saw ``LEND_AFTER`` times its copies dead
-  when a replay that could overwrite them began (the loop drops ``.grad`` before the next
-  forward); then they are **lent**, handed out in the pool uncopied (a copy of the
-  gradients' size saved a step, in time and memory), and checked like saved values below: a
-  lent gradient still held (kept, accumulated) makes the runner copy again;
+- a training graph's results (a backward's gradients, a forward's outputs) are copies until
+  the runner saw ``LEND_AFTER`` times its copies dead when a replay that could overwrite them
+  began (the loop drops ``.grad`` and the loss before the next step); then they are **lent**,
+  handed out in the pool uncopied (a copy a step saved, in time and memory), and checked like
+  saved values below: a lent result still held (kept, accumulated) makes the runner copy;
 - values a forward saves for its backward stay in the pool (the backward borrows them).
   Before each replay the runner checks, by the storages' use counts, whether autograd still
   holds saved values the replay could overwrite (two forwards before one backward): then
@@ -95,7 +95,7 @@ RERECORD_LIMIT = 4  # recordings of one graph (moved parameters) before it gives
 INSTANCE_LIMIT = 3  # recordings of one graph alive at once (saved values still held)
 WARM_UP_LIMIT = 4  # uncaptured calls that each compiled something before it gives up
 SIZE_LIMIT = 16  # recorded sizes of one captured graph (dynamic shapes)
-LEND_AFTER = 2  # replays that found a backward's copies dead before it lends its gradients
+LEND_AFTER = 2  # replays that found a training graph's copies dead before it lends results
 
 _log = logger("cudagraphs")
 _step = itertools.count(2)
@@ -176,11 +176,11 @@ class Source(enum.Enum):
 
 
 class Lending(enum.Enum):
-    """Whether a backward hands out its gradients in the pool (module docstring)."""
+    """Whether a training graph hands out its results in the pool (module docstring)."""
 
     WATCHING = "watching"  # copies, checked for being dead when a replay could overwrite them
     LENDING = "lending"  # handed out in the pool
-    NEVER = "never"  # copies (not a backward, or its results outlived a replay)
+    NEVER = "never"  # copies (not a training graph, or its results outlived a replay)
 
 
 class Result(enum.Enum):
@@ -201,7 +201,7 @@ class CudaGraphStatus:
     records: int = 0
     replays: int = 0
     uncaptured_runs: int = 0  # calls after warm-up run without the CUDA graph
-    lent: bool = False  # a backward hands out its gradients uncopied
+    lent: bool = False  # a training graph hands out its results uncopied
     notes: list[str] = field(default_factory=list)  # why calls ran without the CUDA graph
 
     def line(self) -> str:
@@ -211,7 +211,7 @@ class CudaGraphStatus:
         if self.state == "recorded":
             text += f" ({self.records} recording(s), {self.replays} replay(s)"
             if self.lent:
-                text += ", gradients lent"
+                text += ", results lent"
             if self.uncaptured_runs:
                 text += f", {self.uncaptured_runs} call(s) without it: {self.notes[-1]}"
             text += ")"
@@ -361,8 +361,8 @@ class CudaGraphRunner:
         ``internal``: results only Kiln reads (a forward's values saved for the backward),
         returned from the pool, not copied; ``sizes``: the recordings of the captured graph's
         sizes (at most ``SIZE_LIMIT``; None: :class:`SizedRunners` counted this one);
-        ``name``: how ``kiln.explain`` calls it (the graph's name); ``lends``: a backward,
-        whose gradients may be lent (module docstring)."""
+        ``name``: how ``kiln.explain`` calls it (the graph's name); ``lends``: a training
+        graph, whose results may be lent (module docstring)."""
         self.budget = graph.name
         self.compiled = compiled
         self.family = family
@@ -657,16 +657,16 @@ class CudaGraphRunner:
 
     def _watch(self, recording: Recording, held: bool) -> None:
         """A replay that could overwrite ``recording``'s results begins: whatever it handed out
-        must be dead by now for its gradients to be lent (or go on being lent)."""
+        must be dead by now for its results to be lent (or go on being lent)."""
         alive = any(use_count(s) > 1 for s in recording.handed)  # (the list holds one)
         if alive or (held and bool(recording.lent_from)):
             self.lending, self.status.lent = Lending.NEVER, False
-            _log.info("%s: gradients outlive a replay: copied from now on", self.status.graph)
+            _log.info("%s: results outlive a replay: copied from now on", self.status.graph)
         elif recording.handed and self.lending is Lending.WATCHING:
             self.releases += 1
             if self.releases >= LEND_AFTER:
                 self.lending, self.status.lent = Lending.LENDING, True
-                _log.info("%s: gradients lent from now on", self.status.graph)
+                _log.info("%s: results lent from now on", self.status.graph)
         recording.handed = []
 
     def _replay(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

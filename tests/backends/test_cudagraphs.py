@@ -268,7 +268,7 @@ def test_gradients_are_lent_once_the_loop_releases_them(
     (forward,) = _statuses("_forward")
     (backward,) = _statuses("_backward")
     assert backward.lent is zero_grad_first
-    assert ("gradients lent" in backward.line()) is zero_grad_first
+    assert ("results lent" in backward.line()) is zero_grad_first
     assert (forward.records, backward.records) == (1, 1)
     assert forward.uncaptured_runs == backward.uncaptured_runs == 0
     if zero_grad_first:  # .grad is the backward's pool memory: one address every step
@@ -305,6 +305,37 @@ def test_lent_gradients_kept_or_accumulated_stay_right(recorder: CountingRecorde
     for mine, theirs in zip(kept["kiln"], kept["eager"], strict=True):
         torch.testing.assert_close(mine, theirs)
     _same_grads(model, reference)
+
+
+def test_forward_outputs_are_lent_and_kept_ones_stay_right(recorder: CountingRecorder) -> None:
+    """A training loop that drops its outputs (and loss) before the next step gets the
+    forward's outputs uncopied (lent) after ``LEND_AFTER`` checked steps, as the backward's
+    gradients. When the loop starts keeping its outputs across steps, no replay overwrites a
+    kept one (the emulated recorder poisons what a replay may overwrite) and the forward
+    copies again; every output and gradient matches eager's."""
+    model, reference, compiled = _pair()
+    for _ in range(6):
+        x = randn(5, 8)
+        for run, net in ((compiled, model), (reference, reference)):
+            net.zero_grad()
+            run(x).square().mean().backward()
+        _same_grads(model, reference)
+    (forward,) = _statuses("_forward")
+    assert forward.lent and "results lent" in forward.line()
+    kept: dict[str, list[torch.Tensor]] = {"kiln": [], "eager": []}
+    for _ in range(4):
+        x = randn(5, 8)
+        for name, run, net in (("kiln", compiled, model), ("eager", reference, reference)):
+            net.zero_grad()
+            out = run(x)
+            out.square().mean().backward()
+            kept[name].append(out.detach())
+        _same_grads(model, reference)
+    for mine, theirs in zip(kept["kiln"], kept["eager"], strict=True):
+        torch.testing.assert_close(mine, theirs)
+    assert not forward.lent
+    assert forward.records == 2  # (the replay that found a kept output took a new instance)
+    assert forward.uncaptured_runs == 0
 
 
 @pytest.mark.parametrize("marks", [False, True])
