@@ -100,7 +100,7 @@ class LayoutChoice:
                     continue
                 seen.add(operand)
                 if operand in self.layouts and _orderless(self.layouts[operand]):
-                    continue  # (a stored factor, a per-channel one: the walk goes on)
+                    continue  # (a stored factor, a per-channel input: the walk goes on)
                 if operand in self.layouts:
                     return self.layouts[operand]
                 stack.append(operand)
@@ -143,26 +143,18 @@ class LayoutChoice:
 
 
 def _orderless(view: View) -> bool:
-    """Whether a broadcast ``view`` tells nothing of a result's dim order: a factor the program
-    stored, or a graph input broadcast over trailing dims (a BatchNorm's per-channel bias: it
-    ended the walk, so the centred BatchNorm's ReLU over channels-last input walked NCHW). A
-    graph input dense in the trailing dims (a LayerNorm's bias) agrees with contiguous."""
-    if _stored_factor(view):
+    """Whether ``view``, a broadcast (a zero stride, size above one), tells nothing of a
+    result's dim order: a small value the program computed and stored (``inlining``), or a
+    graph input whose dense dims are not the trailing ones (a BatchNorm's per-channel bias:
+    it ended the walk, so the centred BatchNorm's ReLU over channels-last input walked NCHW).
+    A graph input dense in the trailing dims (a LayerNorm's bias) agrees with contiguous."""
+    pairs = list(zip(view.strides, view.shape, strict=True))
+    if not any(st == 0 and not (isinstance(size, int) and size == 1) for st, size in pairs):
+        return False
+    if view.buffer.kind is BufferKind.TEMP:
         return True
-    kept = [d for d, (st, n) in enumerate(zip(view.strides, view.shape, strict=True)) if st != 0]
-    broadcast = len(kept) < len(view.shape) and any(
-        st == 0 and not (isinstance(n, int) and n == 1)
-        for st, n in zip(view.strides, view.shape, strict=True)
-    )
-    return broadcast and bool(kept) and kept != list(range(kept[0], len(view.shape)))
-
-
-def _stored_factor(view: View) -> bool:
-    """Whether ``view`` repeats a value the program computed along a dim (a zero stride, size
-    above one): a small value broadcast into large work, stored (``inlining``)."""
-    pairs = zip(view.strides, view.shape, strict=True)
-    repeats = any(st == 0 and not (isinstance(size, int) and size == 1) for st, size in pairs)
-    return repeats and view.buffer.kind is BufferKind.TEMP
+    kept = [d for d, (st, _) in enumerate(pairs) if st != 0]
+    return bool(kept) and kept != list(range(kept[0], len(pairs)))
 
 
 # Views whose dims stay in their order (sizes split, joined, added or dropped), so a source read
