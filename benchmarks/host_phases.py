@@ -8,8 +8,10 @@ Each step is timed on the host (no synchronization inside the timed steps): the 
 call, the eager loss, ``loss.backward()``. For Kiln it also splits the call into the guard
 and head (everything before the autograd Function), the Function's forward and its CUDA-graph
 runner, and the backward into the Function's backward and its runner; the backward runs on
-autograd's device thread, so its phases are summed over that thread's calls. Medians over
-``--steps`` steps, in microseconds, then the wall time per step of back-to-back steps.
+autograd's device thread, so its phases are summed over that thread's calls. Printed: the
+wall time per step of back-to-back steps (before any timer), then medians over ``--steps``
+steps, in microseconds, with each step synchronized and back to back, then the calls that
+wait for the GPU.
 """
 
 from __future__ import annotations
@@ -73,11 +75,11 @@ def main() -> None:
     if device.type == "cuda":
         _timed(torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay (both)")
     model, first, _ = prepare(args.model, "train", device)
-    spec = MODELS[args.model]
-    sets = [first] + [
-        _input_set(spec.build(spec.batch).make_input, index, device)
-        for index in range(1, args.input_sets)
-    ]
+    sets = [first]
+    if args.input_sets > 1:
+        spec = MODELS[args.model]
+        make = spec.build(spec.batch).make_input
+        sets += [_input_set(make, index, device) for index in range(1, args.input_sets)]
     turn = [0]
     params = list(model.parameters())
     if args.compiler == "kiln":
@@ -146,25 +148,24 @@ def _synchronizing_calls(step: Callable[[], None]) -> None:
     """The calls that wait for the GPU in three back-to-back steps (PyTorch's sync debug
     mode), each with the innermost frames of its Python stack."""
     seen: dict[str, int] = {}
-    original = warnings.showwarning
 
     def show(message: Any, *args: Any, **kwargs: Any) -> None:
+        if str(message).startswith("Synchronization debug mode is a prototype"):
+            return  # (the mode's own notice, not a call that waits)
         frames = traceback.extract_stack()[-9:-2]
         where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[::-1])
         key = f"{str(message)[:60]} at {where}"
         seen[key] = seen.get(key, 0) + 1
 
-    warnings.showwarning = show
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():  # (restores showwarning too)
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             for _ in range(3):
                 step()
+        finally:
             torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = original
     print(f"   synchronizing calls in 3 steps: {sum(seen.values())}")
     for key, count in seen.items():
         print(f"     x{count} {key}")
