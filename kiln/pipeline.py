@@ -118,10 +118,9 @@ class Pipeline:
         forward, backward = self.compile_graph(plan.forward), self.compile_graph(plan.backward)
         saved = range(len(graph.outputs), len(plan.forward.outputs))
         forward = self.replayed(
-            plan.forward, forward, len(plan.forward.outputs), sizes, internal=saved, lends=True
+            plan.forward, forward, len(plan.forward.outputs), sizes, internal=saved
         )
-        count = len(plan.backward.outputs)
-        backward = self.replayed(plan.backward, backward, count, sizes, lends=True)
+        backward = self.replayed(plan.backward, backward, len(plan.backward.outputs), sizes)
         return TrainingGraph(graph, plan, forward, backward)
 
     def compile_graph(self, graph: Graph) -> CompiledGraph:
@@ -153,12 +152,9 @@ class Pipeline:
         sizes: SizeBudget,
         *,
         internal: range = range(0),
-        lends: bool = False,
     ) -> CompiledGraph:
         """``compiled`` run through CUDA graphs when the mode asks for them: one recording per
-        size of a graph with symbols in its inputs; ``lends``: a training graph (its results, a
-        forward's outputs or a backward's gradients, may be handed out in the pool,
-        ``runtime/cudagraphs.py``)."""
+        size of a graph with symbols in its inputs; ``internal``: a forward's saved values."""
         if not self.options.cudagraphs:
             return compiled
         if current_env() is not None and (places := size_places(graph)):
@@ -170,7 +166,6 @@ class Pipeline:
                 places=places,
                 output_count=output_count,
                 internal=internal,
-                lends=lends,
             )
         return CudaGraphRunner(
             graph,
@@ -179,7 +174,6 @@ class Pipeline:
             sizes=sizes,
             output_count=output_count,
             internal=internal,
-            lends=lends,
         )
 
 

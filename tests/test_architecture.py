@@ -173,7 +173,9 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # into its zeros), whose memory no later temporary takes over while the result lives.
 # +1: the partitioner's window rule saves a pooled sum whole, not its partial sum.
 # -5: layout_choice._orderless tests a broadcast once (its stored-factor twin folded in).
-LINE_BUDGET = 35_094
+# +10: every CUDA-graph result may be lent (inference too, a gapped one too); the recorder in
+# a module of its own drops cuBLAS's warm-up workspaces and leaves its own in the pool.
+LINE_BUDGET = 35_104
 
 
 def _module_name(path: Path) -> str:

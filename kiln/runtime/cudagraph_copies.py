@@ -99,9 +99,12 @@ def copy_out(
     shared: frozenset[int],
     storages: list[torch.UntypedStorage],
 ) -> torch.Tensor:
-    """A copy of ``output`` outside the pool; outputs sharing one storage share the copy."""
+    """A copy of ``output`` outside the pool; outputs sharing one storage share the copy. A
+    gapped one (a padded product's slice) keeps its strides, as the graph returns it uncopied."""
     if storage not in shared:
-        return output.clone(memory_format=torch.preserve_format)
+        if dense(output) or expanded(output):
+            return output.clone(memory_format=torch.preserve_format)
+        return buffer_like(output).copy_(output)
     whole = copied.get(storage)
     if whole is None:
         source = storages[storage]

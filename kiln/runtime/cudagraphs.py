@@ -30,13 +30,15 @@ share one memory pool, so a training step's forward and backward (and the graphs
 graph break) reuse each other's temporaries. A replay rewrites its own outputs, and may
 overwrite those of graphs recorded after it (their memory may lie in its temporaries). So:
 
-- every output the user gets is a **copy** out of the pool: holding one across calls is
-  always safe;
-- a training graph's results (a backward's gradients, a forward's outputs) are copies until
-  the runner saw ``LEND_AFTER`` times its copies dead when a replay that could overwrite them
-  began (the loop drops ``.grad`` and the loss before the next step); then they are **lent**,
-  handed out in the pool uncopied (a copy a step saved, in time and memory), and checked like
-  saved values below: a lent result still held (kept, accumulated) makes the runner copy;
+- every output the user gets is a **copy** out of the pool at first: holding one across calls
+  is always safe;
+- a graph's results (an inference graph's outputs, a forward's, a backward's gradients) are
+  copies until the runner saw ``LEND_AFTER`` times its copies dead when a replay that could
+  overwrite them began (the loop drops its outputs, ``.grad`` and the loss before the next
+  step); then they are **lent**, handed out in the pool uncopied (a copy a step saved, in time
+  and memory: GPT-2's 785 MiB of logits at 8x1024), and checked like saved values below: a
+  lent result still held (kept, accumulated) makes the runner take another instance for that
+  replay and copy from then on;
 - values a forward saves for its backward stay in the pool (the backward borrows them).
   Before each replay the runner checks, by the storages' use counts, whether autograd still
   holds saved values the replay could overwrite (two forwards before one backward): then
@@ -56,7 +58,8 @@ or cannot be captured), whose parameters keep moving, or that is one size too ma
 is logged (``KILN_LOG=cudagraphs``) and shown by ``kiln.explain``.
 
 CPU tests drive all of this through a :class:`Recorder` that emulates recording and replay
-(``tests/runtime/test_cudagraphs.py``); :class:`CudaRecorder` is the real one.
+(``tests/backends/test_cudagraphs.py``); :class:`CudaRecorder` (``cudagraph_recorder.py``) is
+the real one.
 """
 
 from __future__ import annotations
@@ -64,11 +67,10 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 
@@ -88,6 +90,7 @@ from kiln.runtime.cudagraph_copies import (
     use_counts,
     view_on,
 )
+from kiln.runtime.cudagraph_recorder import CudaRecorder, Recorder
 
 CompiledGraph = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
@@ -95,7 +98,7 @@ RERECORD_LIMIT = 4  # recordings of one graph (moved parameters) before it gives
 INSTANCE_LIMIT = 3  # recordings of one graph alive at once (saved values still held)
 WARM_UP_LIMIT = 4  # uncaptured calls that each compiled something before it gives up
 SIZE_LIMIT = 16  # recorded sizes of one captured graph (dynamic shapes)
-LEND_AFTER = 2  # replays that found a training graph's copies dead before it lends results
+LEND_AFTER = 2  # replays that found a graph's copies dead before it lends its results
 
 _log = logger("cudagraphs")
 _step = itertools.count(2)
@@ -108,59 +111,6 @@ def mark_step_begin() -> None:
     Tensors autograd holds for a pending backward stay protected."""
     global _current_step
     _current_step = next(_step)
-
-
-class Recorder(Protocol):
-    """Records a run of a function into a replayable graph: CUDA graphs on the GPU; tests
-    emulate it on the CPU."""
-
-    def supports(self, tensor: torch.Tensor) -> str | None:
-        """None when ``tensor`` can be read by a recorded graph, else why not."""
-
-    def new_pool(self) -> Any: ...
-
-    def capture(
-        self, run: Callable[[], list[torch.Tensor]], pool: Any
-    ) -> tuple[Callable[[], None], list[torch.Tensor]]:
-        """Record ``run()``; return the replay function and the tensors the recording
-        returned (static: every replay rewrites them)."""
-
-
-class CudaRecorder:
-    def supports(self, tensor: torch.Tensor) -> str | None:
-        if tensor.device.type != "cuda":
-            return f"it reads a {tensor.device.type} tensor"
-        return None
-
-    def new_pool(self) -> Any:
-        return torch.cuda.graph_pool_handle()
-
-    def capture(
-        self, run: Callable[[], list[torch.Tensor]], pool: Any
-    ) -> tuple[Callable[[], None], list[torch.Tensor]]:
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a backward records on autograd's device thread while the main thread
-        # waits in the engine; another thread's CUDA calls must not invalidate the capture
-        try:
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                outputs = run()
-        except Exception:
-            _leave_capture_mode()
-            raise
-        return graph.replay, outputs
-
-
-def _leave_capture_mode() -> None:
-    """After a failed recording: a recording PyTorch begins and does not end leaves its CUDA
-    generator in capture mode ("Offset increment outside graph capture" on the next eager
-    random op). Recording an empty graph ends that mode."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # ("the CUDA graph is empty")
-            with torch.cuda.graph(torch.cuda.CUDAGraph()):
-                pass
-    except Exception as error:  # (nothing more to try: the next random op will say so)
-        _log.warning("could not reset PyTorch's CUDA generator after a failed recording: %s", error)
 
 
 RECORDER: Recorder = CudaRecorder()  # (tests swap in an emulation)
@@ -176,11 +126,11 @@ class Source(enum.Enum):
 
 
 class Lending(enum.Enum):
-    """Whether a training graph hands out its results in the pool (module docstring)."""
+    """Whether a graph hands out its results in the pool (module docstring)."""
 
     WATCHING = "watching"  # copies, checked for being dead when a replay could overwrite them
     LENDING = "lending"  # handed out in the pool
-    NEVER = "never"  # copies (not a training graph, or its results outlived a replay)
+    NEVER = "never"  # copies (its results outlived a replay, or no use counts in PyTorch)
 
 
 class Result(enum.Enum):
@@ -201,7 +151,7 @@ class CudaGraphStatus:
     records: int = 0
     replays: int = 0
     uncaptured_runs: int = 0  # calls after warm-up run without the CUDA graph
-    lent: bool = False  # a training graph hands out its results uncopied
+    lent: bool = False  # the graph hands out its results uncopied
     notes: list[str] = field(default_factory=list)  # why calls ran without the CUDA graph
 
     def line(self) -> str:
@@ -313,7 +263,7 @@ class Recording:
     # outputs alone in their storage (a backward's gradients)
     batches: list[list[int]] = field(default_factory=list)
     shared: frozenset[int] = frozenset()  # storages holding several user-visible outputs
-    batched: frozenset[int] = frozenset()  # the outputs in batches
+    lendable: frozenset[int] = frozenset()  # the user-visible outputs alone in their storage
     # the replay's plan, made once: input positions by source, and per output (its number,
     # what to hand out: one of the _VIEW.. codes below, its storage or input index)
     copied: list[int] = field(default_factory=list)
@@ -325,17 +275,17 @@ class Recording:
     lent_baselines: list[int] = field(default_factory=list)  # and their use counts
     handed: list[torch.UntypedStorage] = field(default_factory=list)  # its copies, watched
 
-    def held(self) -> bool:
-        """Whether anyone holds what this recording's last replay lent, or autograd holds
-        saved values it gave out in the current step."""
+    def held(self) -> str:
+        """What of this recording's is still held ("": nothing): a result its last replay lent,
+        or values autograd holds that it saved for a backward in the current step."""
         if self.lent_from and use_counts(self.lent_from) != self.lent_baselines:
-            return True  # (a step mark releases no gradient)
+            return "a result it lent"  # (a step mark releases no result)
         for at, storage in enumerate(self.storages):
             if self.lent[at] or self.given[at] < _current_step:
                 continue  # never given out, or before the current step began: released
             if self.baselines[at] < 0 or use_count(storage) != self.baselines[at]:
-                return True
-        return False
+                return "values it saved for a pending backward"
+        return ""
 
 
 # What a replay hands out for one output (Recording.plan)
@@ -355,14 +305,12 @@ class CudaGraphRunner:
         output_count: int,
         internal: Sequence[int] = (),
         name: str = "",
-        lends: bool = False,
     ) -> None:
         """``output_count``: the graph's results before the new values of mutated inputs;
         ``internal``: results only Kiln reads (a forward's values saved for the backward),
         returned from the pool, not copied; ``sizes``: the recordings of the captured graph's
         sizes (at most ``SIZE_LIMIT``; None: :class:`SizedRunners` counted this one);
-        ``name``: how ``kiln.explain`` calls it (the graph's name); ``lends``: a training
-        graph, whose results may be lent (module docstring)."""
+        ``name``: how ``kiln.explain`` calls it (the graph's name)."""
         self.budget = graph.name
         self.compiled = compiled
         self.family = family
@@ -384,7 +332,7 @@ class CudaGraphRunner:
         self.recordings: list[Recording] = []
         self.moves = 0  # recordings replaced because static inputs moved
         counted = use_count(torch.empty(0).untyped_storage()) >= 0  # (an older PyTorch: no)
-        self.lending = Lending.WATCHING if lends and counted else Lending.NEVER
+        self.lending = Lending.WATCHING if counted else Lending.NEVER
         self.releases = 0  # replays that found the copies dead (Lending.WATCHING)
 
     # --- calls ---------------------------------------------------------------------------
@@ -555,7 +503,7 @@ class CudaGraphRunner:
             if kind is Result.POOL and number not in self.internal
         ]
         recording.shared, recording.batches = plan_batches(recording.outputs, visible)
-        recording.batched = frozenset(n for numbers in recording.batches for n in numbers)
+        recording.lendable = frozenset(n for n, at in visible if at not in recording.shared)
 
     def _static_inputs(
         self, inputs: Sequence[torch.Tensor]
@@ -649,10 +597,10 @@ class CudaGraphRunner:
         for other in self.family.later_than(recording):
             held, owner = other.held(), other.owner()
             if owner is not None and owner.lending is not Lending.NEVER:
-                owner._watch(other, held)
+                owner._watch(other, bool(held))
             if held:
                 name = owner.status.graph if owner is not None else "another graph"
-                return f"values {name} saved for a pending backward are still held"
+                return f"{held} ({name}) is still held"
         return ""
 
     def _watch(self, recording: Recording, held: bool) -> None:
@@ -715,7 +663,7 @@ class CudaGraphRunner:
                 saved = outputs[number].detach()
                 saved._kiln_replay = tag  # type: ignore[attr-defined]
                 results.append(saved)
-            elif code == _COPY and lend and number in recording.batched:
+            elif code == _COPY and lend and number in recording.lendable:
                 lent[at] = True
                 results.append(outputs[number].detach())  # (autograd's .grad takes it as it is)
             elif code == _COPY:
@@ -723,6 +671,8 @@ class CudaGraphRunner:
                 if copy is None:
                     shared, storages = recording.shared, recording.storages
                     copy = copy_out(outputs[number], at, copied, shared, storages)
+                    if number in recording.lendable and self.lending is Lending.WATCHING:
+                        recording.handed.append(copy.untyped_storage())  # (a gapped view)
                 results.append(copy)
             elif code == _VIEW:
                 results.append(view_on(outputs[number], static[at], inputs[at]))
@@ -752,7 +702,6 @@ class SizedRunners:
         places: dict[str, tuple[int, int]],
         output_count: int,
         internal: Sequence[int] = (),
-        lends: bool = False,
     ) -> None:
         """``places``: the (input, dim) of each symbol, by name; the rest as
         :class:`CudaGraphRunner`'s."""
@@ -764,7 +713,6 @@ class SizedRunners:
         self.places = list(places.values())
         self.output_count = output_count
         self.internal = internal
-        self.lends = lends
         self.runners: dict[tuple[int, ...], CudaGraphRunner] = {}
         self.overflow: CudaGraphRunner | None = None  # (the sizes past the limit)
 
@@ -796,5 +744,4 @@ class SizedRunners:
             output_count=self.output_count,
             internal=self.internal,
             name=name,
-            lends=self.lends,
         )

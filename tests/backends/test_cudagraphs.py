@@ -23,6 +23,7 @@ from torch import nn
 
 import kiln
 from kiln.backends.kiln import CompiledProgramRecord
+from kiln.passes import matmul_padding
 from kiln.recording import listen, unlisten
 from kiln.runtime import cudagraphs
 from kiln.runtime.cudagraphs import CudaGraphStatus
@@ -169,6 +170,81 @@ def test_inference_replays_and_a_held_result_never_changes(recorder: CountingRec
     assert status.replays == 4 and status.uncaptured_runs == 0
     assert recorder.captures == 1 and recorder.replays == 4
     assert kiln.counters.captures == 1
+
+
+def test_inference_results_are_lent_once_dropped_and_kept_ones_stay_right(
+    recorder: CountingRecorder,
+) -> None:
+    """An inference loop that drops its results before the next call gets them uncopied
+    (lent: one pool address every call) after ``LEND_AFTER`` checked replays. When the loop
+    starts keeping them, no replay overwrites a kept one (the emulated recorder poisons what a
+    replay may overwrite): that replay takes a second instance and the runner copies again."""
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    addresses = []
+    with torch.no_grad():
+        for _ in range(7):
+            x = randn(3, 8)
+            out = compiled(x)
+            torch.testing.assert_close(out, model(x))
+            addresses.append(out.data_ptr())
+            del out
+        (status,) = _statuses()
+        assert status.lent and "results lent" in status.line()
+        assert addresses[-1] == addresses[-2] and status.records == 1
+        kept = []
+        for _ in range(4):
+            x = randn(3, 8)
+            kept.append((compiled(x), model(x)))
+    for out, expected in kept:
+        torch.testing.assert_close(out, expected)
+    assert not status.lent and status.records == 2 and status.uncaptured_runs == 0
+
+
+def test_a_padded_products_gapped_result_is_lent_too(
+    recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 16-bit linear whose size is padded for cuBLAS returns a view with the padded row
+    stride (GPT-2's logits), as the default mode returns it: copied out of the pool or lent,
+    the result has those strides at every call; kept ones stay right."""
+    monkeypatch.setattr(matmul_padding, "DEVICE_TYPES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    head = nn.Linear(64, 300).to(DEVICE, torch.bfloat16)
+    compiled = kiln.compile(head, mode="reduce-overhead")
+    strides = []
+    with torch.no_grad():
+        for _ in range(7):
+            x = randn(4, 64).bfloat16()
+            out = compiled(x)
+            torch.testing.assert_close(out, head(x), rtol=2e-2, atol=2e-2)
+            strides.append(out.stride())
+            del out
+        (status,) = _statuses()
+        assert status.lent and set(strides) == {(304, 1)}  # (warm-up, copies, lent)
+        kept = [(compiled(x), head(x)) for x in (randn(4, 64).bfloat16() for _ in range(3))]
+    for out, expected in kept:
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    assert not status.lent and status.records == 2
+
+
+def test_inference_graphs_around_a_break_lend_and_stay_right(recorder: CountingRecorder) -> None:
+    """The graph before a graph break hands its result to the graph after it: once both lend,
+    each call still matches eager (the second graph copies its lent input in)."""
+    model = _mlp()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = model(x).relu()
+        kiln.graph_break()
+        return h * 2 + x[:, :4]
+
+    compiled = kiln.compile(fn, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(8):
+            x = randn(3, 8)
+            torch.testing.assert_close(compiled(x), fn(x))
+    statuses = _statuses()
+    assert len(statuses) == 2 and all(s.lent and s.records == 1 for s in statuses)
+    assert all(s.uncaptured_runs == 0 for s in statuses)
 
 
 def test_mark_step_begin_releases_values_saved_for_an_abandoned_backward(
@@ -613,8 +689,11 @@ def test_one_program_and_one_recording_per_size_up_to_the_limit(
     assert kiln.counters.captures == 1
     _assert_symbolic(programs, 1, 4)  # one program for every size, recorded per size
     # (replays: 4 and 2 on the CPU; on CUDA a new size's first call also builds a kernel,
-    # so its warm-up takes one call more)
-    lines = sorted(re.sub(r"\d+ replay", "N replay", s.line()) for s in _statuses())
+    # so its warm-up takes one call more, and whether results are lent varies with that)
+    lines = [
+        re.sub(r"\d+ replay\(s\)(, results lent)?", "N replay(s)", s.line()) for s in _statuses()
+    ]
+    lines.sort()
     assert lines == [
         "call at other sizes: no CUDA graph (2 sizes of this graph already have one)",
         "call at s0=2, s1=8: CUDA graph recorded (1 recording(s), N replay(s))",
