@@ -5,9 +5,14 @@ at Kiln's peak with the line that allocated each (a host-program line, or the mo
     python benchmarks/memory_gpu.py --models resnet50,gpt2 [--mode infer|train] [--top 12]
         [--compile-mode reduce-overhead] [--compiler kiln|torch]
 
-The allocator's history is recorded for one step after warm-up; its events are replayed to find
-the peak and what was live then. The segments reserved after the step are summed by pool (the
-default pool, and each CUDA-graph pool), since under CUDA graphs most memory is a pool's.
+The allocator's history is recorded from the start, so every block keeps the stack that
+allocated it. Eager's peak is measured first; then the compiled steps run past recording and
+lending (as `kiln bench` does before its peak), free segments go back to the driver, and two
+steps are traced: their events are replayed to find the peak and what was live then, and list
+the segments those steps reserved. After them: the memory reserved and allocated by pool (the
+default pool, and each CUDA-graph pool), and the blocks live outside the graph pools summed by
+the two innermost lines outside torch that allocated them (Kiln's own included; no line: C++
+on another thread, such as cuDNN's or autograd's).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 import torch
 
 import kiln
-from kiln.bench.worker import prepare
+from kiln.bench.worker import STEADY_STEPS, prepare
 
 MIB = 1 << 20
 
@@ -33,7 +38,7 @@ def _where(frames: list[dict[str, Any]]) -> str:
             return f"wrapper:{frame['line']}: {line[:150]}"
     for frame in frames:
         name = frame["filename"]
-        if "/torch/" not in name and "kiln/" not in name and not name.startswith("<"):
+        if "/torch/" not in name and "kiln/" not in name and name[0] not in "<?":
             line = linecache.getline(name, frame["line"]).strip()
             return f"{name.rsplit('/', 1)[-1]}:{frame['line']}: {line[:120]}"
     return " < ".join(f"{f['name']}" for f in frames[:4])
@@ -75,44 +80,91 @@ def _compiled(model: Any, compiler: str, compile_mode: str) -> Any:
 
 
 def _pools() -> str:
-    """Reserved MiB by pool: ``default`` and each CUDA-graph pool."""
-    sizes: dict[str, int] = {}
+    """Reserved MiB by pool (``default`` and each CUDA-graph pool): allocated / reserved in
+    how many segments (what a pool holds beyond its live blocks is its fragmentation)."""
+    sizes: dict[str, list[int]] = {}
     for segment in torch.cuda.memory._snapshot()["segments"]:
         pool = tuple(segment.get("segment_pool_id", (0, 0)))
         name = "default" if pool == (0, 0) else f"graph pool {pool}"
-        sizes[name] = sizes.get(name, 0) + segment["total_size"]
-    return ", ".join(f"{name} {size / MIB:.0f}" for name, size in sorted(sizes.items()))
+        total = sizes.setdefault(name, [0, 0, 0])
+        total[0] += segment["allocated_size"]
+        total[1] += segment["total_size"]
+        total[2] += 1
+    return ", ".join(
+        f"{name} {used / MIB:.0f}/{size / MIB:.0f} in {count}"
+        for name, (used, size, count) in sorted(sizes.items())
+    )
+
+
+def _segments(trace: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """The segments the caching allocator reserved from the driver during the trace."""
+    return [
+        (event["size"], _where(event.get("frames", [])))
+        for event in trace
+        if event["action"] == "segment_alloc"
+    ]
+
+
+def _site(frames: list[dict[str, Any]]) -> str:
+    """The innermost two frames outside torch (Kiln's own included) of an allocation."""
+    mine = [f for f in frames if "/torch/" not in f["filename"] and f["filename"][0] not in "<?"]
+    return " < ".join(
+        f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in mine[:2]
+    )
+
+
+def _resident(top: int) -> None:
+    """The live blocks outside the CUDA-graph pools, summed by where they were allocated."""
+    sites: dict[str, list[int]] = {}
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0):
+            continue
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                total = sites.setdefault(_site(block.get("frames", [])), [0, 0])
+                total[0] += block["size"]
+                total[1] += 1
+    print("   live outside the graph pools, by site:")
+    for where, (size, count) in sorted(sites.items(), key=lambda item: -item[1][0])[:top]:
+        print(f"   {size / MIB:8.1f} MiB in {count:4d}  {where}")
 
 
 def report(name: str, mode: str, top: int, compiler: str, compile_mode: str) -> None:
+    # (recorded from the start: every block keeps the stack that allocated it)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     model, inputs, step = prepare(name, mode, torch.device("cuda"))
-    compiled = _compiled(model, compiler, compile_mode)
-    for _ in range(3):
+    for _ in range(2):
         step(model, inputs)
+    eager = _peak(lambda: step(model, inputs))
+    compiled = _compiled(model, compiler, compile_mode)
+    for _ in range(STEADY_STEPS + 2):  # (as `kiln bench`: past recording and lending)
         step(compiled, inputs)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    eager = _peak(lambda: step(model, inputs))
-    ours = _peak(lambda: step(compiled, inputs))
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    step(compiled, inputs)
-    torch.cuda.synchronize()
+    begin = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
+    ours = _peak(lambda: [step(compiled, inputs) for _ in range(2)])
+    reserved = torch.cuda.max_memory_reserved()
     snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    trace = snapshot["device_traces"][torch.cuda.current_device()][begin:]
     peak, live = _live_at_peak(trace)
+    segments = _segments(trace)
     print(
         f"== {name} {mode} {compiler} {compile_mode}: peak MiB eager {eager / MIB:.0f}, "
-        f"{compiler} {ours / MIB:.0f}, reserved after it {torch.cuda.memory_reserved() / MIB:.0f} "
-        f"({_pools()})"
-        f" (allocated before the step {base / MIB:.0f}); step allocations live at the peak: "
-        f"{peak / MIB:.0f} MiB in {len(live)} blocks",
+        f"{compiler} {ours / MIB:.0f}, peak reserved {reserved / MIB:.0f}, after it "
+        f"{torch.cuda.memory_reserved() / MIB:.0f} ({_pools()})"
+        f" (allocated before the steps {base / MIB:.0f}); step allocations live at the peak: "
+        f"{peak / MIB:.0f} MiB in {len(live)} blocks; {len(segments)} segments reserved in "
+        f"two steps, {sum(size for size, _ in segments) / MIB:.0f} MiB",
         flush=True,
     )
     for size, where in live[:top]:
         print(f"   {size / MIB:8.1f} MiB  {where}")
+    for size, where in sorted(segments, key=lambda item: -item[0])[:top]:
+        print(f"   segment {size / MIB:8.1f} MiB  {where}")
+    _resident(top)
     print(flush=True)
+    torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def main() -> None:
