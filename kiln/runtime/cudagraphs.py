@@ -255,8 +255,7 @@ class Recording:
     results: list[tuple[Result, int]]  # per output: its kind and its storage / input index
     storages: list[torch.UntypedStorage]  # the pool storages of the outputs
     baselines: list[int] = field(default_factory=list)  # their use counts when not held
-    # per storage: the step its saved values were last given out (0: never)
-    given: list[int] = field(default_factory=list)
+    given: int = 0  # the step its saved values were last given out (0: never)
     owner: Callable[[], CudaGraphRunner | None] = lambda: None
     last_replay: int = 0  # the family's replay count at this recording's last replay
     # results copied out together, per dtype: the numbers of the contiguous user-visible
@@ -270,23 +269,39 @@ class Recording:
     zeroed: set[int] = field(default_factory=set)  # copied inputs whose buffers hold zeros
     seeds: list[int] = field(default_factory=list)
     plan: list[tuple[int, int, int]] = field(default_factory=list)
-    lent: list[bool] = field(default_factory=list)  # per storage: lent by the last replay
-    lent_from: list[int] = field(default_factory=list)  # their storages' addresses in C++
-    lent_baselines: list[int] = field(default_factory=list)  # and their use counts
+    # ... in groups: the saved values' numbers, the lendable results' numbers, the rest of the
+    # plan when lending and when not, and the input positions outputs are views of
+    saved: list[int] = field(default_factory=list)
+    lendable_numbers: list[int] = field(default_factory=list)
+    unlent: list[tuple[int, int, int]] = field(default_factory=list)
+    unsaved: list[tuple[int, int, int]] = field(default_factory=list)
+    views: list[int] = field(default_factory=list)
+    # what held() checks, by whether the last replay lent (``lent``): the storages (C++
+    # addresses) and use counts of the lent results, then of the saved values, less lent ones
+    checks: dict[bool, tuple[list[int], ...]] = field(default_factory=dict)
+    lent: bool = False
     handed: list[torch.UntypedStorage] = field(default_factory=list)  # its copies, watched
+    addresses: list[int] = field(default_factory=list)  # the static inputs' data pointers
+    borrowed: list[int] = field(default_factory=list)  # and the borrowed ones'
+
+    def __post_init__(self) -> None:
+        self.addresses = [address for _, address in self.statics]
+        self.borrowed = [address for _, address in self.borrows]
 
     def held(self) -> str:
         """What of this recording's is still held ("": nothing): a result its last replay lent,
         or values autograd holds that it saved for a backward in the current step."""
-        if self.lent_from and use_counts(self.lent_from) != self.lent_baselines:
-            return "a result it lent"  # (a step mark releases no result)
-        for at, storage in enumerate(self.storages):
-            if self.lent[at] or self.given[at] < _current_step:
-                continue  # never given out, or before the current step began: released
-            if self.baselines[at] < 0 or use_count(storage) != self.baselines[at]:
-                return "values it saved for a pending backward"
+        lent_from, lent_counts, saved_from, saved_counts = self.checks[self.lent]
+        if lent_from and use_counts(lent_from) != lent_counts:
+            return _LENT_HELD  # (a step mark releases no result)
+        if self.given < _current_step or not saved_from:
+            return ""  # never given out, or before the current step began: released
+        if use_counts(saved_from) != saved_counts or min(saved_counts) < 0:
+            return "values it saved for a pending backward"
         return ""
 
+
+_LENT_HELD = "a result it lent"  # (what Recording.held() found)
 
 # What a replay hands out for one output (Recording.plan)
 _VIEW, _PARAMETER_VIEW, _ALIAS, _SAVED, _COPY = range(5)
@@ -462,8 +477,6 @@ class CudaGraphRunner:
             static[position] = None
         recording = Recording(replay, sources, static, statics, borrows, outputs, results, storages)
         recording.baselines = [use_count(s) for s in storages]
-        recording.given = [0] * len(storages)
-        recording.lent = [False] * len(storages)
         recording.owner = weakref.ref(self)
         self._plan_copies(recording)
         self._plan_replay(recording)
@@ -495,6 +508,24 @@ class CudaGraphRunner:
             else:
                 code = _SAVED if number in self.internal else _COPY
             recording.plan.append((number, code, at))
+        plan, lendable = recording.plan, recording.lendable
+        recording.saved = [number for number, code, _ in plan if code == _SAVED]
+        recording.lendable_numbers = [n for n, code, _ in plan if code == _COPY and n in lendable]
+        recording.unsaved = [entry for entry in plan if entry[1] != _SAVED]
+        recording.unlent = [entry for entry in recording.unsaved if entry[0] not in lendable]
+        recording.views = [at for number, code, at in plan if code == _VIEW]
+        storages, baselines = recording.storages, recording.baselines
+
+        def check(positions: set[int]) -> tuple[list[int], list[int]]:
+            ats = sorted(positions)
+            return [storages[at]._cdata for at in ats], [baselines[at] for at in ats]
+
+        lent = {recording.results[number][1] for number in recording.lendable_numbers}
+        saved = {recording.results[number][1] for number in recording.saved}
+        recording.checks = {
+            False: (*check(set()), *check(saved)),
+            True: (*check(lent), *check(saved - lent)),
+        }
 
     def _plan_copies(self, recording: Recording) -> None:
         visible = [
@@ -571,7 +602,7 @@ class CudaGraphRunner:
         """Whether ``recording`` no longer fits ``inputs``: a static input is somewhere else
         now, or a copied input comes in a layout its static buffer cannot take (an expanded
         one, the recording's was dense, or the other way round)."""
-        if any(inputs[i].data_ptr() != address for i, address in recording.statics):
+        if [inputs[i].data_ptr() for i, _ in recording.statics] != recording.addresses:
             return True
         for position in recording.copied:
             static, tensor = recording.static[position], inputs[position]
@@ -583,31 +614,31 @@ class CudaGraphRunner:
     def _borrows(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> bool:
         """Whether the borrowed inputs are the outputs ``recording`` was recorded with (a
         backward has one recording per forward recording whose saved values it reads)."""
-        return all(inputs[i].data_ptr() == address for i, address in recording.borrows)
+        return [inputs[i].data_ptr() for i, _ in recording.borrows] == recording.borrowed
 
     # --- replay --------------------------------------------------------------------------
 
     def _cannot_replay(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> str:
         """Why replaying ``recording`` now could change a tensor someone holds ("": it
         cannot)."""
-        for kind, position in recording.results:
-            static = recording.static[position] if kind is Result.INPUT_VIEW else None
+        for position in recording.views:
+            static = recording.static[position]
             if static is not None and inputs[position].stride() != static.stride():
                 return f"an output is a view of input {position}, now laid out otherwise"
         for other in self.family.later_than(recording):
             held, owner = other.held(), other.owner()
             if owner is not None and owner.lending is not Lending.NEVER:
-                owner._watch(other, bool(held))
+                owner._watch(other, held == _LENT_HELD)
             if held:
                 name = owner.status.graph if owner is not None else "another graph"
                 return f"{held} ({name}) is still held"
         return ""
 
-    def _watch(self, recording: Recording, held: bool) -> None:
+    def _watch(self, recording: Recording, lent_held: bool) -> None:
         """A replay that could overwrite ``recording``'s results begins: whatever it handed out
         must be dead by now for its results to be lent (or go on being lent)."""
         alive = any(use_count(s) > 1 for s in recording.handed)  # (the list holds one)
-        if alive or (held and bool(recording.lent_from)):
+        if alive or lent_held:
             self.lending, self.status.lent = Lending.NEVER, False
             _log.info("%s: results outlive a replay: copied from now on", self.status.graph)
         elif recording.handed and self.lending is Lending.WATCHING:
@@ -644,47 +675,55 @@ class CudaGraphRunner:
         self.status.replays += 1
         self.family.replays += 1
         recording.last_replay = tag = self.family.replays
-        step = _current_step
-        outputs, given = recording.outputs, recording.given
-        results: list[torch.Tensor] = []
+        outputs = recording.outputs
+        results: list[Any] = [None] * len(outputs)
+        for number in recording.saved:
+            saved = outputs[number].detach()
+            saved._kiln_replay = tag  # type: ignore[attr-defined]
+            results[number] = saved
+        recording.given = _current_step
+        recording.lent = lend = self.lending is Lending.LENDING
+        if lend:
+            for number in recording.lendable_numbers:  # (autograd's .grad takes it as it is)
+                results[number] = outputs[number].detach()
+            self._hand_out(recording, inputs, results, {}, recording.unlent)
+        else:
+            copies = copy_batches(outputs, recording.batches)
+            if self.lending is Lending.WATCHING:
+                recording.handed = [
+                    copies[numbers[0]].untyped_storage() for numbers in recording.batches
+                ]
+            self._hand_out(recording, inputs, results, copies, recording.unsaved)
+        return results
+
+    def _hand_out(
+        self,
+        recording: Recording,
+        inputs: Sequence[torch.Tensor],
+        results: list[Any],
+        copies: dict[int, torch.Tensor],
+        plan: list[tuple[int, int, int]],
+    ) -> None:
+        """Fill in ``results`` for the outputs of ``plan``: copies, views, aliases."""
+        outputs, static = recording.outputs, recording.static
         copied: dict[int, torch.Tensor] = {}
-        lend = self.lending is Lending.LENDING
-        copies = {} if lend else copy_batches(recording.outputs, recording.batches)
-        if self.lending is Lending.WATCHING:
-            recording.handed = [
-                copies[numbers[0]].untyped_storage() for numbers in recording.batches
-            ]
-        lent = recording.lent
-        for at in range(len(lent)):
-            lent[at] = False
-        for number, code, at in recording.plan:
-            if code == _SAVED:
-                given[at] = step
-                saved = outputs[number].detach()
-                saved._kiln_replay = tag  # type: ignore[attr-defined]
-                results.append(saved)
-            elif code == _COPY and lend and number in recording.lendable:
-                lent[at] = True
-                results.append(outputs[number].detach())  # (autograd's .grad takes it as it is)
-            elif code == _COPY:
+        watching = self.lending is Lending.WATCHING
+        for number, code, at in plan:
+            if code == _COPY:
                 copy = copies.get(number)
                 if copy is None:
                     shared, storages = recording.shared, recording.storages
                     copy = copy_out(outputs[number], at, copied, shared, storages)
-                    if number in recording.lendable and self.lending is Lending.WATCHING:
+                    if watching and number in recording.lendable:
                         recording.handed.append(copy.untyped_storage())  # (a gapped view)
-                results.append(copy)
+                results[number] = copy
             elif code == _VIEW:
-                results.append(view_on(outputs[number], static[at], inputs[at]))
+                results[number] = view_on(outputs[number], static[at], inputs[at])
             else:
                 alias = outputs[number].detach()
                 if code == _PARAMETER_VIEW:  # (static in a backward too)
                     alias._kiln_static = True  # type: ignore[attr-defined]
-                results.append(alias)
-        storages = recording.storages
-        recording.lent_from = [storages[at]._cdata for at, lent_now in enumerate(lent) if lent_now]
-        recording.lent_baselines = [recording.baselines[at] for at in range(len(lent)) if lent[at]]
-        return results
+                results[number] = alias
 
 
 class SizedRunners:
