@@ -62,7 +62,15 @@ class TrainingGraph:
         return inputs + values
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return list(_Function.apply(self, *inputs))
+        if torch._C._are_functorch_transforms_active():
+            return list(_Function.apply(self, *inputs))  # (it raises as PyTorch does)
+        # What Function.apply does outside functorch's transforms, less its Python pass over
+        # every argument (a model's 200 parameters: ~40 us a call) to unwrap the tensors a
+        # finished transform leaked: only activations can be such tensors.
+        args = list(inputs)
+        for position in self.activations:
+            args[position] = _unwrap_if_dead(args[position])
+        return list(_apply(self, *args))
 
     def zero_cotangent(self, position: int, layout: _Layout) -> torch.Tensor:
         """The cotangent of a differentiable output nothing used: zeros, as autograd would
@@ -140,6 +148,10 @@ class _Function(torch.autograd.Function):
         for position, grad in zip(owner.plan.grad_inputs, results, strict=True):
             input_grads[position] = grad
         return (None, *input_grads)
+
+
+_apply = super(torch.autograd.Function, _Function).apply  # (autograd's C++ apply)
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def _differentiable_backward(

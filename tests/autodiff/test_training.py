@@ -110,6 +110,29 @@ def test_a_frozen_batch_norm_max_pool_saves_its_whole_pooled_value() -> None:
     assert not [n for n in backward.nodes if n.op is Op.SLICE], backward
 
 
+def test_a_tensor_leaked_from_a_finished_transform_trains_as_in_eager() -> None:
+    """A training graph runs through autograd's C++ apply (not Function.apply's Python pass
+    over every argument): a functorch wrapper that outlived its ``torch.func.grad`` still
+    gives eager's output and the weight's gradient."""
+    leaked: list[torch.Tensor] = []
+
+    def keep(x: torch.Tensor) -> torch.Tensor:
+        leaked.append(x)
+        return x.sum()
+
+    torch.func.grad(keep)(torch.randn(4, 3))
+    assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])
+    layer = torch.nn.Linear(3, 2)
+    reference = copy.deepcopy(layer)
+    compiled = kiln.compile(layer)
+    out = compiled(leaked[0])
+    expected = reference(leaked[0])
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad)
+
+
 def test_gradient_accumulation_retain_graph_and_no_grad() -> None:
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x * w) * w
