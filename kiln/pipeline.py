@@ -54,7 +54,8 @@ from kiln.ir.symbolic import (
 from kiln.ir.verify import verify
 from kiln.options import Options
 from kiln.passes import optimize
-from kiln.runtime.cudagraphs import CudaGraphRunner, Family, SizeBudget, SizedRunners
+from kiln.runtime.cudagraph_sizes import SizedRunners
+from kiln.runtime.cudagraphs import CudaGraphRunner, Family, SizeBudget
 
 _log_autodiff = logger("autodiff")
 _log_dynamic = logger("dynamic")

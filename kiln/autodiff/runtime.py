@@ -116,6 +116,10 @@ class _Function(torch.autograd.Function):
         results = owner.forward(list(inputs))
         count, saved_count = owner.output_count, owner.plan.saved_count
         saved = [inputs[i] for i in owner.plan.saved_inputs]
+        static_input = getattr(owner.forward, "static_input", None)
+        if static_input is not None:  # (CUDA graphs: the copy the replay read, not the caller's)
+            buffers = [static_input(i) for i in owner.plan.saved_inputs]
+            saved = [t if b is None else b for t, b in zip(saved, buffers, strict=True)]
         saved += results[count : count + saved_count]
         ctx.save_for_backward(*saved)
         ctx.owner = owner

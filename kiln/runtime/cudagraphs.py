@@ -21,8 +21,10 @@ Inputs, by how they reach the recorded graph:
   graphs);
 - other tensors are **copied** into a static buffer, unless they already are that buffer;
 - an output of a graph of the same family (a forward's saved activation given to its
-  backward, the result of the graph before a graph break) is **borrowed**: read in place; a
-  call that passes other memory there runs the graph without its CUDA graph;
+  backward, the result of the graph before a graph break), or a forward's static copy of an
+  input its backward reads (a ResNet's images: the Function saves that copy, not the
+  caller's tensor), is **borrowed**: read in place; a call that passes other memory there
+  runs the graph without its CUDA graph;
 - the random seed is copied into a static device tensor that the kernels read.
 
 **Memory and outputs.** Graphs compiled with one set of options form a :class:`Family` and
@@ -253,7 +255,10 @@ class Recording:
     borrows: list[tuple[int, int]]
     outputs: list[torch.Tensor]  # the recorded outputs (pool memory)
     results: list[tuple[Result, int]]  # per output: its kind and its storage / input index
-    storages: list[torch.UntypedStorage]  # the pool storages of the outputs
+    # the pool storages of the outputs, then (from ``inputs_from``) the copied inputs' static
+    # buffers: a forward's may be saved for its backward (static_input), checked like outputs
+    storages: list[torch.UntypedStorage]
+    inputs_from: int = 0
     baselines: list[int] = field(default_factory=list)  # their use counts when not held
     given: int = 0  # the step its saved values were last given out (0: never)
     owner: Callable[[], CudaGraphRunner | None] = lambda: None
@@ -349,10 +354,12 @@ class CudaGraphRunner:
         counted = use_count(torch.empty(0).untyped_storage()) >= 0  # (an older PyTorch: no)
         self.lending = Lending.WATCHING if counted else Lending.NEVER
         self.releases = 0  # replays that found the copies dead (Lending.WATCHING)
+        self.last: Recording | None = None  # the recording the last call replayed
 
     # --- calls ---------------------------------------------------------------------------
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        self.last = None
         if _current_step > 1:  # (values saved before a mark may have been overwritten)
             self._check_saved(inputs)
         if self.status.state == "off":
@@ -372,6 +379,23 @@ class CudaGraphRunner:
             if len(self.recordings) < INSTANCE_LIMIT:
                 return self._record(inputs, replace=False)
             return self._uncaptured(inputs, why)
+
+    def static_input(self, position: int) -> torch.Tensor | None:
+        """The static buffer the last call's replay read input ``position`` from, for a
+        forward's backward to borrow in place of the caller's tensor (a second copy of a
+        ResNet's images, and its copying, saved), checked like its saved values; None when
+        that call ran uncaptured or the input was not copied."""
+        recording = self.last
+        if recording is None or recording.sources[position] is not Source.COPIED:
+            return None
+        static = cast(torch.Tensor, recording.static[position])
+        # (a tensor of its own on that memory: the next copy into the buffer must not bump the
+        # version autograd saved, or a released step's backward fails on it, not on the check)
+        buffer = torch.empty(0, dtype=static.dtype, device=static.device).set_(
+            static.untyped_storage(), static.storage_offset(), static.size(), static.stride()
+        )
+        buffer._kiln_replay = recording.last_replay  # type: ignore[attr-defined]
+        return buffer
 
     def _check_saved(self, inputs: Sequence[torch.Tensor]) -> None:
         """Raise when an input is a saved value that a later replay overwrote (it was
@@ -476,6 +500,12 @@ class CudaGraphRunner:
         for position, _ in borrows:  # (holding it would keep its owner's memory held)
             static[position] = None
         recording = Recording(replay, sources, static, statics, borrows, outputs, results, storages)
+        recording.inputs_from = len(storages)
+        storages += [
+            t.untyped_storage()
+            for t, kind in zip(static, sources, strict=True)
+            if kind is Source.COPIED and t is not None
+        ]
         recording.baselines = [use_count(s) for s in storages]
         recording.owner = weakref.ref(self)
         self._plan_copies(recording)
@@ -522,6 +552,7 @@ class CudaGraphRunner:
 
         lent = {recording.results[number][1] for number in recording.lendable_numbers}
         saved = {recording.results[number][1] for number in recording.saved}
+        saved |= set(range(recording.inputs_from, len(storages)))
         recording.checks = {
             False: (*check(set()), *check(saved)),
             True: (*check(lent), *check(saved - lent)),
@@ -672,6 +703,7 @@ class CudaGraphRunner:
         finally:
             for position, _ in recording.borrows:
                 static[position] = None
+        self.last = recording
         self.status.replays += 1
         self.family.replays += 1
         recording.last_replay = tag = self.family.replays
@@ -724,63 +756,3 @@ class CudaGraphRunner:
                 if code == _PARAMETER_VIEW:  # (static in a backward too)
                     alias._kiln_static = True  # type: ignore[attr-defined]
                 results[number] = alias
-
-
-class SizedRunners:
-    """A program for a range of sizes run through CUDA graphs: one :class:`CudaGraphRunner`
-    per binding of its symbols (the first ``SIZE_LIMIT`` of the captured graph), all running
-    the one program; later bindings run it without CUDA graphs."""
-
-    def __init__(
-        self,
-        graph: Graph,
-        compiled: CompiledGraph,
-        family: Family,
-        *,
-        sizes: SizeBudget,
-        places: dict[str, tuple[int, int]],
-        output_count: int,
-        internal: Sequence[int] = (),
-    ) -> None:
-        """``places``: the (input, dim) of each symbol, by name; the rest as
-        :class:`CudaGraphRunner`'s."""
-        self.graph = graph
-        self.compiled = compiled
-        self.family = family
-        self.sizes = sizes
-        self.names = list(places)
-        self.places = list(places.values())
-        self.output_count = output_count
-        self.internal = internal
-        self.runners: dict[tuple[int, ...], CudaGraphRunner] = {}
-        self.overflow: CudaGraphRunner | None = None  # (the sizes past the limit)
-
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        key = tuple(inputs[at].shape[dim] for at, dim in self.places)
-        runner = self.runners.get(key)
-        return (runner or self._runner(key))(inputs)
-
-    def _runner(self, key: tuple[int, ...]) -> CudaGraphRunner:
-        with self.family.lock:
-            runner = self.runners.get(key)
-            if runner is not None:
-                return runner
-            if self.sizes.take(self.graph.name):
-                label = ", ".join(f"{n}={size}" for n, size in zip(self.names, key, strict=True))
-                self.runners[key] = self._make(f"{self.graph.name} at {label}")
-                return self.runners[key]
-            if self.overflow is None:
-                self.overflow = self._make(f"{self.graph.name} at other sizes")
-                self.overflow._turn_off(f"{SIZE_LIMIT} sizes of this graph already have one")
-            return self.overflow
-
-    def _make(self, name: str) -> CudaGraphRunner:
-        return CudaGraphRunner(
-            self.graph,
-            self.compiled,
-            self.family,
-            sizes=None,
-            output_count=self.output_count,
-            internal=self.internal,
-            name=name,
-        )

@@ -414,6 +414,36 @@ def test_forward_outputs_are_lent_and_kept_ones_stay_right(recorder: CountingRec
     assert forward.uncaptured_runs == 0
 
 
+@pytest.mark.parametrize("two_forwards", [False, True])
+def test_the_backward_borrows_the_forwards_copy_of_an_input_it_reads(
+    recorder: CountingRecorder, caplog: pytest.LogCaptureFixture, two_forwards: bool
+) -> None:
+    """A weight's gradient reads the layer's input: the backward borrows the static copy the
+    forward's replay read (no second copy of a ResNet's images, nor its copying each step).
+    A second forward before the first backward must not overwrite that copy (the forward
+    takes another instance); every gradient matches eager's at every step."""
+    caplog.set_level("INFO", logger="kiln.cudagraphs")
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4, bias=False).to(DEVICE)  # (its backward reads x and nothing else)
+    reference = nn.Linear(8, 4, bias=False).to(DEVICE)
+    reference.load_state_dict(model.state_dict())
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    for _ in range(6):
+        xs = [randn(5, 8) for _ in range(2 if two_forwards else 1)]
+        for net, run in ((model, compiled), (reference, reference)):
+            net.zero_grad()
+            losses = [run(x).square().mean() * (k + 1) for k, x in enumerate(xs)]
+            for loss in reversed(losses):
+                loss.backward()
+        torch.testing.assert_close(model.weight.grad, reference.weight.grad)
+    (forward,) = _statuses("_forward")
+    (backward,) = _statuses("_backward")
+    recorded = [r.getMessage() for r in caplog.records if "_backward: recorded" in r.getMessage()]
+    assert recorded and all("1 inputs copied, 1 static, 1 borrowed" in m for m in recorded)
+    assert forward.records == backward.records == (2 if two_forwards else 1)
+    assert forward.uncaptured_runs == backward.uncaptured_runs == 0
+
+
 @pytest.mark.parametrize("marks", [False, True])
 def test_two_forwards_before_one_backward(recorder: CountingRecorder, marks: bool) -> None:
     """The second forward would overwrite what the first saved for its backward: it gets a
