@@ -180,7 +180,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # +7: a training graph calls autograd's C++ apply (Function.apply's Python pass: ~30 us).
 # +28: a backward borrows its forward's static copy of an input it reads (static_input).
 # +9: SizedRunners in a module of its own (cudagraph_sizes.py: cudagraphs.py under 800).
-LINE_BUDGET = 35_178
+# +5: the head hoists its inputs' shared module paths (Binder.hoist, shared with guards).
+LINE_BUDGET = 35_183
 
 
 def _module_name(path: Path) -> str:

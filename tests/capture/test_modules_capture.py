@@ -15,6 +15,7 @@ from tiny_models import SmallResNet, tiny_bert_config, tiny_gpt2_config
 from torch import nn
 
 import kiln
+from kiln.capture.driver import convert
 
 try:
     import transformers
@@ -152,3 +153,38 @@ def test_tiny_gpt2_with_labels_loss() -> None:
     expected.loss.backward()
     actual.loss.backward()
     _compare_grads(model, reference)
+
+
+def test_the_head_reads_each_module_once_and_sees_replaced_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The head that calls the graph computes each module's path once (a nested model's
+    parameters share their prefixes), and a parameter replaced or a submodule's weight swapped
+    after compiling is what the next call reads, as in eager, without recompiling."""
+    kiln.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8)),
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)),
+    )
+    heads: list[str] = []
+    original = convert.compiled_code
+
+    def spy(source: str, name: str) -> Any:
+        if name.startswith("<kiln head"):
+            heads.append(source)
+        return original(source, name)
+
+    monkeypatch.setattr(convert, "compiled_code", spy)
+    compiled = kiln.compile(model)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(compiled(x), model(x))
+    (head,) = heads
+    assert head.count("_modules") == 3  # (the model's and its two blocks': 16 unhoisted)
+    with torch.no_grad():
+        model[1][2].weight = nn.Parameter(torch.randn(3, 8))
+        model[0][0].weight.copy_(torch.randn(8, 4))
+    for _ in range(2):
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert kiln.counters.captures == 1

@@ -234,9 +234,15 @@ def _capture_once(
             f"{size_expression(shapes.symbols[name], shapes, lambda s: s.expr(binder))}, "
             for name in graph.symbols
         )
+        # (the parameters' paths share their modules' prefixes: each computed once into a
+        # local, as the guards do; a GPT-2's input list walked ~900 dict lookups a call)
+        before = dict(binder.uses)
+        _input_list(session, binder)
+        shared = [s for s, n in binder.uses.items() if n - before.get(s, 0) > 1]
+        prelude = binder.hoist(shared)
         inputs = _input_list(session, binder)
         call = f"___out = {binder.bind(runner, 'graph')}({inputs}, ({symbol_values}))"
-        body = [call, *body]
+        body = [*prelude, call, *body]
     source = _head_source(param_names(code), body)
     scope = dict(binder.names)
     exec(compiled_code(source, f"<kiln head of {code.co_qualname}>"), scope)

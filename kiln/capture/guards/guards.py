@@ -403,19 +403,7 @@ def _hoist(binder: Binder) -> str:
     set evaluates its path, and a path that cannot be evaluated makes the guard fail either
     way (the function answers False on any exception)."""
     shared = [source for source, count in binder.uses.items() if count > 1]
-    shared.sort(key=_depth)
-    lines = []
-    for source in shared:
-        expression = source.expr(binder)  # uses the locals of its already-hoisted prefixes
-        name = binder.fresh("p")
-        binder.hoisted[source] = name
-        lines.append(f"        {name} = {expression}\n")
-    return "".join(lines)
-
-
-def _depth(source: Source) -> int:
-    base = getattr(source, "base", None)
-    return 0 if base is None else 1 + _depth(base)
+    return "".join(f"        {line}\n" for line in binder.hoist(shared))
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,17 @@ class Binder:
         self._fresh = getattr(self, "_fresh", 0) + 1
         return f"{self.prefix}{hint}{self._fresh}_"
 
+    def hoist(self, sources: list[Source]) -> list[str]:
+        """Assignments computing each of ``sources`` into a local, shortest path first (a
+        path's prefix before the path), after which ``expr`` renders them as the locals."""
+        lines = []
+        for source in sorted(sources, key=_depth):
+            expression = source.expr(self)  # uses the locals of its already-hoisted prefixes
+            name = self.fresh("p")
+            self.hoisted[source] = name
+            lines.append(f"{name} = {expression}")
+        return lines
+
     def literal(self, value: Any) -> str:
         """``value`` as code: a literal when it reads back equal, else a bound name."""
         if type(value) in LITERAL_TYPES and not _is_special_float(value):
@@ -51,6 +62,11 @@ class Binder:
         if type(value) is tuple and all(type(v) in LITERAL_TYPES for v in value):
             return repr(value)
         return self.bind(value, type(value).__name__)
+
+
+def _depth(source: Source) -> int:
+    base = getattr(source, "base", None)
+    return 0 if base is None else 1 + _depth(base)
 
 
 def _is_special_float(value: Any) -> bool:
