@@ -201,6 +201,26 @@ def test_inference_results_are_lent_once_dropped_and_kept_ones_stay_right(
     assert not status.lent and status.records == 2 and status.uncaptured_runs == 0
 
 
+def test_a_lent_result_fed_back_as_the_next_input_stays_right(recorder: CountingRecorder) -> None:
+    """Once results are lent, a recurrent loop (``h = model(h)``) passes the pool's own memory
+    back in, still held: that replay takes a second instance and the runner copies from then
+    on; every step matches eager."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).to(DEVICE)
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(8):
+            x = randn(3, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+        (status,) = _statuses()
+        assert status.lent
+        h = randn(3, 8)
+        expected = h.clone()
+        for _ in range(10):
+            h, expected = compiled(h), model(expected)
+            torch.testing.assert_close(h, expected)
+    assert not status.lent and status.records == 2 and status.uncaptured_runs == 0
+
+
 def test_a_padded_products_gapped_result_is_lent_too(
     recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
