@@ -38,7 +38,7 @@ def _where(frames: list[dict[str, Any]]) -> str:
             return f"wrapper:{frame['line']}: {line[:150]}"
     for frame in frames:
         name = frame["filename"]
-        if "/torch/" not in name and "kiln/" not in name and name[0] not in "<?":
+        if "/torch/" not in name and "kiln/" not in name and not name.startswith(("<", "?")):
             line = linecache.getline(name, frame["line"]).strip()
             return f"{name.rsplit('/', 1)[-1]}:{frame['line']}: {line[:120]}"
     return " < ".join(f"{f['name']}" for f in frames[:4])
@@ -107,7 +107,11 @@ def _segments(trace: list[dict[str, Any]]) -> list[tuple[int, str]]:
 
 def _site(frames: list[dict[str, Any]]) -> str:
     """The innermost two frames outside torch (Kiln's own included) of an allocation."""
-    mine = [f for f in frames if "/torch/" not in f["filename"] and f["filename"][0] not in "<?"]
+    mine = [
+        f
+        for f in frames
+        if "/torch/" not in f["filename"] and not f["filename"].startswith(("<", "?"))
+    ]
     return " < ".join(
         f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in mine[:2]
     )

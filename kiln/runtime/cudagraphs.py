@@ -268,14 +268,13 @@ class Recording:
     batches: list[list[int]] = field(default_factory=list)
     shared: frozenset[int] = frozenset()  # storages holding several user-visible outputs
     lendable: frozenset[int] = frozenset()  # the user-visible outputs alone in their storage
-    # the replay's plan, made once: input positions by source, and per output (its number,
-    # what to hand out: one of the _VIEW.. codes below, its storage or input index)
+    # the replay's plan, made once: input positions by source, and the outputs in groups (the
+    # saved values' numbers, the lendable results' numbers, the rest when lending and when
+    # not, as (number, what to hand out: one of the _VIEW.. codes below, its storage or input
+    # index)), and the input positions outputs are views of
     copied: list[int] = field(default_factory=list)
     zeroed: set[int] = field(default_factory=set)  # copied inputs whose buffers hold zeros
     seeds: list[int] = field(default_factory=list)
-    plan: list[tuple[int, int, int]] = field(default_factory=list)
-    # ... in groups: the saved values' numbers, the lendable results' numbers, the rest of the
-    # plan when lending and when not, and the input positions outputs are views of
     saved: list[int] = field(default_factory=list)
     lendable_numbers: list[int] = field(default_factory=list)
     unlent: list[tuple[int, int, int]] = field(default_factory=list)
@@ -308,7 +307,7 @@ class Recording:
 
 _LENT_HELD = "a result it lent"  # (what Recording.held() found)
 
-# What a replay hands out for one output (Recording.plan)
+# What a replay hands out for one output (Recording.unsaved, .unlent)
 _VIEW, _PARAMETER_VIEW, _ALIAS, _SAVED, _COPY = range(5)
 
 
@@ -530,6 +529,7 @@ class CudaGraphRunner:
         sources = recording.sources
         recording.copied = [i for i, source in enumerate(sources) if source is Source.COPIED]
         recording.seeds = [i for i, source in enumerate(sources) if source is Source.SEED]
+        plan: list[tuple[int, int, int]] = []
         for number, (kind, at) in enumerate(recording.results):
             if kind is Result.INPUT_VIEW:
                 code = _VIEW
@@ -537,8 +537,8 @@ class CudaGraphRunner:
                 code = _PARAMETER_VIEW if sources[at] is Source.STATIC else _ALIAS
             else:
                 code = _SAVED if number in self.internal else _COPY
-            recording.plan.append((number, code, at))
-        plan, lendable = recording.plan, recording.lendable
+            plan.append((number, code, at))
+        lendable = recording.lendable
         recording.saved = [number for number, code, _ in plan if code == _SAVED]
         recording.lendable_numbers = [n for n, code, _ in plan if code == _COPY and n in lendable]
         recording.unsaved = [entry for entry in plan if entry[1] != _SAVED]
