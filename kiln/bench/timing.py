@@ -44,7 +44,7 @@ def median_seconds(
     of samples. The sample count fits ``budget_s`` (slow models get ``min_repeats``)."""
     for index in range(warmup):
         step(inputs[index % len(inputs)])
-    _, one = timed(lambda: step(inputs[0]), device)
+    one = timed(lambda: step(inputs[0]), device)[1]  # (its result dies here, as in a loop)
     repeats = max(min_repeats, min(max_repeats, int(budget_s / max(one, 1e-9))))
     samples = [_sample(step, inputs[index % len(inputs)], device) for index in range(repeats)]
     return statistics.median(samples), repeats

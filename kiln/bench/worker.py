@@ -137,6 +137,7 @@ def _measure(job: Job, report: Report, result: Measurement) -> None:
             lambda: _first_call(job, model, step, inputs), device
         )
         first = None if job.compiler == "eager" else _snapshot(job, model, output)
+        del output  # (a loop drops its results: one held across the steps below is not theirs)
         report("saving reference results" if reference_run else "checking against eager")
         _check(job, model, runner, step, inputs, result, dtype, first)
         if not job.warm_start and not job.repeat:
