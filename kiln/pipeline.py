@@ -119,7 +119,7 @@ class Pipeline:
         forward, backward = self.compile_graph(plan.forward), self.compile_graph(plan.backward)
         saved = range(len(graph.outputs), len(plan.forward.outputs))
         forward = self.replayed(
-            plan.forward, forward, len(plan.forward.outputs), sizes, internal=saved
+            plan.forward, forward, len(plan.forward.outputs), sizes, internal=saved, forward=True
         )
         backward = self.replayed(plan.backward, backward, len(plan.backward.outputs), sizes)
         return TrainingGraph(graph, plan, forward, backward)
@@ -153,9 +153,11 @@ class Pipeline:
         sizes: SizeBudget,
         *,
         internal: range = range(0),
+        forward: bool = False,
     ) -> CompiledGraph:
         """``compiled`` run through CUDA graphs when the mode asks for them: one recording per
-        size of a graph with symbols in its inputs; ``internal``: a forward's saved values."""
+        size of a graph with symbols in its inputs; ``internal``: a forward's saved values;
+        ``forward``: a training graph's forward (its backward may borrow its static inputs)."""
         if not self.options.cudagraphs:
             return compiled
         if current_env() is not None and (places := size_places(graph)):
@@ -167,6 +169,7 @@ class Pipeline:
                 places=places,
                 output_count=output_count,
                 internal=internal,
+                forward=forward,
             )
         return CudaGraphRunner(
             graph,
@@ -175,6 +178,7 @@ class Pipeline:
             sizes=sizes,
             output_count=output_count,
             internal=internal,
+            forward=forward,
         )
 
 

@@ -36,12 +36,14 @@ import torch
 
 from kiln.code_cache import compiled as compiled_code
 from kiln.codegen import temp_pool
+from kiln.ir.graph import Donated
 from kiln.ir.op import Op, op_def
 from kiln.ir.specialize import mentions_symbols, sized_node, substitute_deep
 from kiln.ir.symbolic import Dim, bounded, is_symbolic, substitute
 from kiln.ops.externs import extern_runner
 from kiln.ops.host_calls import host_call, operand_types
 from kiln.ops.indexing import index_put_in_place
+from kiln.schedule.buffers import step_reads, step_writes
 from kiln.schedule.loops import Buffer, BufferKind, Kernel, kernel_symbols
 from kiln.schedule.program import ExternCall, Program, View, kernel_arguments
 
@@ -79,6 +81,7 @@ class Wrapper:
             "torch": torch,
             "empty_strided": torch.empty_strided,
             "as_strided": torch.as_strided,
+            "Donated": Donated,
         }
         self.namespace.update(launchers)
         self.launchers = launchers
@@ -114,6 +117,9 @@ class Wrapper:
         names = [self.name(b) for b in program.inputs]
         if names:
             self.lines.append(f"    {', '.join(names)}{',' if len(names) == 1 else ''} = inputs")
+        released = self._last_reads()
+        if released:  # (a runner that recorded the inputs' copies lets their memory be reused)
+            self.lines.append("    if inputs.__class__ is Donated: inputs.clear()")
         for symbol, (position, dim) in self.sizes:  # (the sizes the steps below are written in)
             self.lines.append(f"    {symbol} = {names[position]}.shape[{dim}]")
         if self.sizes and any(_mentions_symbols(call) for call in program.externs()):
@@ -125,6 +131,7 @@ class Wrapper:
             slots = [temp_pool.Slot(_ints(b.shape), _ints(b.strides), b.dtype) for b in pooled]
             self.namespace["pool"] = temp_pool.TempPool(slots)
             self.lines.append("    temps = pool.take()")
+        self._release(released, -1)  # (inputs no step reads: after the sizes and seeds)
         # Freed when taken over instead (one taken over in place is read by that kernel: it
         # goes after it, as usual).
         self.in_place = self._in_place()
@@ -143,11 +150,37 @@ class Wrapper:
             dead = [self.name(b) for b in program.dead_after[position] if id(b) not in reused]
             if dead:
                 self.lines.append(f"    del {', '.join(dead)}")
+            self._release(released, position)
         outputs = ", ".join(self.view(v) for v in program.outputs)
         if pooled:
             self.lines.append("    pool.give(temps)")
         self.lines.append(f"    return [{outputs}]")
         return "\n".join(self.lines) + "\n"
+
+    def _last_reads(self) -> dict[int, list[str]]:
+        """The inputs by the step that uses them last (-1: none does), but those an output
+        views: their names are dropped there, so that a :class:`~kiln.ir.graph.Donated` input
+        is freed while the program runs."""
+        program = self.program
+        viewed = {id(view.buffer) for view in program.outputs}
+        last = {id(b): -1 for b in program.inputs if id(b) not in viewed}
+        for position, step in enumerate(program.steps):
+            used = [*step_reads(step), *step_writes(step)]
+            used += [view.buffer for view in self.operands.get(id(step), ())]  # (a template's)
+            if isinstance(step, Kernel) and (seed := step.seed()) is not None:
+                used.append(seed)
+            for buffer in used:
+                if id(buffer) in last:
+                    last[id(buffer)] = position
+        released: dict[int, list[str]] = {}
+        for buffer in program.inputs:
+            if id(buffer) in last:
+                released.setdefault(last.pop(id(buffer)), []).append(self.name(buffer))
+        return released
+
+    def _release(self, released: dict[int, list[str]], position: int) -> None:
+        if position in released:
+            self.lines.append(f"    del {', '.join(released[position])}")
 
     def _in_place(self) -> set[int]:
         """The buffers a kernel writes over in place (``schedule/buffers.py``)."""

@@ -86,6 +86,12 @@ class Node:
         return (operand for operand in self.inputs if isinstance(operand, Value))
 
 
+class Donated(list[Any]):
+    """Inputs a compiled graph may release after their last use: its host program empties the
+    list once it holds them (the CUDA-graph runner's static copies of the inputs while it
+    records: the recording's later steps may then take their memory)."""
+
+
 @dataclass(eq=False)
 class Graph:
     """A program in prims: inputs, nodes in topological order, outputs."""

@@ -32,6 +32,10 @@ class Recorder(Protocol):
 
 
 class CudaRecorder:
+    # the copied inputs' buffers may be made in a recording and freed there (their memory
+    # reused by its later steps): replays keep the pool's blocks where the graph left them
+    donates = hasattr(torch._C, "_construct_storage_from_data_pointer")
+
     def supports(self, tensor: torch.Tensor) -> str | None:
         if tensor.device.type != "cuda":
             return f"it reads a {tensor.device.type} tensor"

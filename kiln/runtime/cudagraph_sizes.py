@@ -28,6 +28,7 @@ class SizedRunners:
         places: dict[str, tuple[int, int]],
         output_count: int,
         internal: Sequence[int] = (),
+        forward: bool = False,
     ) -> None:
         """``places``: the (input, dim) of each symbol, by name; the rest as
         :class:`CudaGraphRunner`'s."""
@@ -39,6 +40,7 @@ class SizedRunners:
         self.places = list(places.values())
         self.output_count = output_count
         self.internal = internal
+        self.forward = forward
         self.runners: dict[tuple[int, ...], CudaGraphRunner] = {}
         self.overflow: CudaGraphRunner | None = None  # (the sizes past the limit)
         self.last: CudaGraphRunner | None = None  # the runner of the last call
@@ -75,5 +77,6 @@ class SizedRunners:
             sizes=None,
             output_count=self.output_count,
             internal=self.internal,
+            forward=self.forward,
             name=name,
         )

@@ -8,9 +8,8 @@ graph, or a training graph's forward or backward):
 1. **Warm-up.** The first calls run the compiled graph as usual (it compiles and loads the
    kernels, cuBLAS sets up its workspaces), until one compiles nothing (a program rebuilt
    after its first call compiles on its second): recording must compile nothing.
-2. **Record.** The second call copies the user's inputs into static buffers, runs the graph
-   once on them (that result is the call's result), then records one run into a CUDA graph
-   whose memory comes from the family's pool.
+2. **Record.** The next call records one run of the graph on static inputs into a CUDA graph
+   whose memory comes from the family's pool, then replays it on this call's inputs.
 3. **Replay.** Later calls copy the inputs into the static buffers and replay.
 
 Inputs, by how they reach the recorded graph:
@@ -19,7 +18,11 @@ Inputs, by how they reach the recorded graph:
   saved for its backward are **static**: the graph reads them where they are; a changed
   address records again (at most ``RERECORD_LIMIT`` times, then the graph runs without CUDA
   graphs);
-- other tensors are **copied** into a static buffer, unless they already are that buffer;
+- other tensors are **copied** into a static buffer, unless they already are that buffer.
+  Outside a training forward (whose backward may borrow it) the buffer is **donated**: made
+  in the recording, from the pool, and held by the program alone, which drops it after its
+  last read, so the recording's later steps take its memory (a batch of images); the runner
+  keeps a tensor on that memory that does not own it;
 - an output of a graph of the same family (a forward's saved activation given to its
   backward, the result of the graph before a graph break), or a forward's static copy of an
   input its backward reads (a ResNet's images: the Function saves that copy, not the
@@ -40,7 +43,9 @@ overwrite those of graphs recorded after it (their memory may lie in its tempora
   step); then they are **lent**, handed out in the pool uncopied (a copy a step saved, in time
   and memory: GPT-2's 785 MiB of logits at 8x1024), and checked like saved values below: a
   lent result still held (kept, accumulated) makes the runner take another instance for that
-  replay and copy from then on;
+  replay and copy again, until ``LEND_AFTER`` replays in a row found the copies dead (one
+  result kept for good pins its instance, and the next one lends); results found held
+  ``KEPT_LIMIT`` times (a loop that keeps them all) are copied for good;
 - values a forward saves for its backward stay in the pool (the backward borrows them).
   Before each replay the runner checks, by the storages' use counts, whether autograd still
   holds saved values the replay could overwrite (two forwards before one backward): then
@@ -88,6 +93,8 @@ from kiln.runtime.cudagraph_copies import (
     copy_out,
     expanded,
     plan_batches,
+    recorded_run,
+    unowned,
     use_count,
     use_counts,
     view_on,
@@ -101,6 +108,7 @@ INSTANCE_LIMIT = 3  # recordings of one graph alive at once (saved values still 
 WARM_UP_LIMIT = 4  # uncaptured calls that each compiled something before it gives up
 SIZE_LIMIT = 16  # recorded sizes of one captured graph (dynamic shapes)
 LEND_AFTER = 2  # replays that found a graph's copies dead before it lends its results
+KEPT_LIMIT = 3  # replays that found a graph's results held before it copies them for good
 
 _log = logger("cudagraphs")
 _step = itertools.count(2)
@@ -274,6 +282,7 @@ class Recording:
     # index)), and the input positions outputs are views of
     copied: list[int] = field(default_factory=list)
     zeroed: set[int] = field(default_factory=set)  # copied inputs whose buffers hold zeros
+    donated: frozenset[int] = frozenset()  # copied inputs whose memory the recording reuses
     seeds: list[int] = field(default_factory=list)
     saved: list[int] = field(default_factory=list)
     lendable_numbers: list[int] = field(default_factory=list)
@@ -285,6 +294,7 @@ class Recording:
     checks: dict[bool, tuple[list[int], ...]] = field(default_factory=dict)
     lent: bool = False
     handed: list[torch.UntypedStorage] = field(default_factory=list)  # its copies, watched
+    judged: bool = False  # whether a replay since its last one judged what it handed out
     addresses: list[int] = field(default_factory=list)  # the static inputs' data pointers
     borrowed: list[int] = field(default_factory=list)  # and the borrowed ones'
 
@@ -323,19 +333,22 @@ class CudaGraphRunner:
         sizes: SizeBudget | None,
         output_count: int,
         internal: Sequence[int] = (),
+        forward: bool = False,
         name: str = "",
     ) -> None:
         """``output_count``: the graph's results before the new values of mutated inputs;
         ``internal``: results only Kiln reads (a forward's values saved for the backward),
-        returned from the pool, not copied; ``sizes``: the recordings of the captured graph's
-        sizes (at most ``SIZE_LIMIT``; None: :class:`SizedRunners` counted this one);
-        ``name``: how ``kiln.explain`` calls it (the graph's name)."""
+        returned from the pool, not copied; ``forward``: a training graph's forward (its
+        backward may borrow its copied inputs' buffers: never donated); ``sizes``: the
+        recordings of the captured graph's sizes (at most ``SIZE_LIMIT``; None:
+        :class:`SizedRunners` counted this one); ``name``: its name in ``kiln.explain``."""
         self.budget = graph.name
         self.compiled = compiled
         self.family = family
         self.sizes = sizes
         self.output_count = output_count
         self.internal = frozenset(internal)
+        self.forward = forward
         self.kinds = [value.kind for value in graph.inputs]
         # inputs that may be another graph's saved values (a backward's): user inputs that
         # are not parameters' views
@@ -352,7 +365,8 @@ class CudaGraphRunner:
         self.moves = 0  # recordings replaced because static inputs moved
         counted = use_count(torch.empty(0).untyped_storage()) >= 0  # (an older PyTorch: no)
         self.lending = Lending.WATCHING if counted else Lending.NEVER
-        self.releases = 0  # replays that found the copies dead (Lending.WATCHING)
+        self.releases = 0  # replays in a row that found the copies dead (Lending.WATCHING)
+        self.kept = 0  # replays that found its results (copies or lent) still held
         self.last: Recording | None = None  # the recording the last call replayed
 
     # --- calls ---------------------------------------------------------------------------
@@ -386,7 +400,7 @@ class CudaGraphRunner:
         that call ran uncaptured or the input was not copied."""
         recording = self.last
         if recording is None or recording.sources[position] is not Source.COPIED:
-            return None
+            return None  # (nor is one donated: a forward donates nothing)
         static = cast(torch.Tensor, recording.static[position])
         # (a tensor of its own on that memory: the next copy into the buffer must not bump the
         # version autograd saved, or a released step's backward fails on it, not on the check)
@@ -473,17 +487,23 @@ class CudaGraphRunner:
             for old in self.recordings:
                 family.drop(old)
             self.recordings = []
-        sources, static = self._static_inputs(inputs)
+        donate = getattr(family.recorder, "donates", False) and not self.forward
+        sources, static = self._static_inputs(inputs, donate)
         if family.pool is None or not family.alive():
             # (a pool whose graphs all died was released by PyTorch: never record into it)
             family.pool = family.recorder.new_pool()
+        run, made = recorded_run(self.compiled, inputs, static)
         try:  # (the static buffers have the inputs' layouts: nothing compiles in here)
-            replay, outputs = family.recorder.capture(
-                lambda: self.compiled(cast(list[torch.Tensor], static)), family.pool
-            )
+            replay, outputs = family.recorder.capture(run, family.pool)
         except Exception as error:  # (an op that synchronizes, a CPU op, ...)
             text = f"{type(error).__name__}: {error}".splitlines()[0][:200]
             return self._off(f"recording failed: {text}", inputs)
+        donated = []  # (freed after its last read, or held to the end: an output views it)
+        for position, (made_buffer, layout) in made.items():
+            if (buffer := made_buffer()) is None:
+                donated.append((position, layout))
+            else:
+                static[position] = buffer
         results, storages, why = self._classify(outputs, static, sources)
         if why:
             return self._off(why, inputs)
@@ -506,11 +526,15 @@ class CudaGraphRunner:
             if kind is Source.COPIED and t is not None
         ]
         recording.baselines = [use_count(s) for s in storages]
+        for position, layout in donated:
+            static[position] = unowned(layout)
+        recording.donated = frozenset(position for position, _ in donated)
         recording.owner = weakref.ref(self)
         self._plan_copies(recording)
         self._plan_replay(recording)
         copied = recording.copied
-        recording.zeroed = {i for i in copied if getattr(inputs[i], "_kiln_zero", False)}
+        zeroed = {i for i in copied if getattr(inputs[i], "_kiln_zero", False)}
+        recording.zeroed = zeroed - recording.donated
         family.add(recording)
         self.recordings.append(recording)
         self.status.state = "recorded"
@@ -568,8 +592,9 @@ class CudaGraphRunner:
         recording.lendable = frozenset(n for n, at in visible if at not in recording.shared)
 
     def _static_inputs(
-        self, inputs: Sequence[torch.Tensor]
+        self, inputs: Sequence[torch.Tensor], donate: bool
     ) -> tuple[list[Source], list[torch.Tensor | None]]:
+        """Each input's source and static tensor (None: a donated one, see :func:`recorded_run`)."""
         sources: list[Source] = []
         static: list[torch.Tensor | None] = []
         for position, tensor in enumerate(inputs):
@@ -590,7 +615,10 @@ class CudaGraphRunner:
                 static.append(tensor)
             else:
                 sources.append(Source.COPIED)
-                static.append(copy_into(buffer_like(tensor), tensor))
+                if donate and not getattr(tensor, "_kiln_zero", False):  # (zeros: kept once)
+                    static.append(None)
+                else:
+                    static.append(copy_into(buffer_like(tensor), tensor))
         return sources, static
 
     def _device(self, inputs: Sequence[torch.Tensor]) -> torch.device:
@@ -666,18 +694,28 @@ class CudaGraphRunner:
         return ""
 
     def _watch(self, recording: Recording, lent_held: bool) -> None:
-        """A replay that could overwrite ``recording``'s results begins: whatever it handed out
-        must be dead by now for its results to be lent (or go on being lent)."""
-        alive = any(use_count(s) > 1 for s in recording.handed)  # (the list holds one)
-        if alive or lent_held:
-            self.lending, self.status.lent = Lending.NEVER, False
-            _log.info("%s: results outlive a replay: copied from now on", self.status.graph)
-        elif recording.handed and self.lending is Lending.WATCHING:
+        """A replay that could overwrite ``recording``'s results begins: what it handed out must
+        be dead for its results to be lent. Judged once per replay of ``recording`` (a result
+        kept for good pins that instance; the others may lend again)."""
+        if recording.judged:
+            return
+        recording.judged = True
+        handed, recording.handed = recording.handed, []
+        if lent_held or any(use_count(s) > 1 for s in handed):  # (the list held one)
+            self.kept += 1
+            self.releases = 0
+            self.status.lent = False
+            if self.kept >= KEPT_LIMIT:
+                self.lending = Lending.NEVER
+                _log.info("%s: results outlive a replay: copied from now on", self.status.graph)
+            else:
+                self.lending = Lending.WATCHING
+                _log.info("%s: results outlive a replay: copied for now", self.status.graph)
+        elif handed and self.lending is Lending.WATCHING:
             self.releases += 1
             if self.releases >= LEND_AFTER:
                 self.lending, self.status.lent = Lending.LENDING, True
                 _log.info("%s: results lent from now on", self.status.graph)
-        recording.handed = []
 
     def _replay(self, recording: Recording, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         static = recording.static
@@ -688,7 +726,8 @@ class CudaGraphRunner:
                 if getattr(passed, "_kiln_zero", False):  # (an unused output's cotangent)
                     if position in recording.zeroed:
                         continue
-                    recording.zeroed.add(position)
+                    if position not in recording.donated:  # (the recording overwrites those)
+                        recording.zeroed.add(position)
                 else:
                     recording.zeroed.discard(position)
                 copy_into(target, passed)
@@ -714,6 +753,7 @@ class CudaGraphRunner:
             saved._kiln_replay = tag  # type: ignore[attr-defined]
             results[number] = saved
         recording.given = _current_step
+        recording.judged = False
         recording.lent = lend = self.lending is Lending.LENDING
         if lend:
             for number in recording.lendable_numbers:  # (autograd's .grad takes it as it is)

@@ -14,6 +14,7 @@ import gc
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ import kiln
 from kiln.backends.kiln import CompiledProgramRecord
 from kiln.passes import matmul_padding
 from kiln.recording import listen, unlisten
-from kiln.runtime import cudagraphs
+from kiln.runtime import cudagraph_copies, cudagraphs
 from kiln.runtime.cudagraphs import CudaGraphStatus
 
 DEVICE = torch.device(os.environ.get("KILN_TEST_DEVICE", "cpu"))
@@ -95,6 +96,28 @@ class CountingRecorder:
         self.captures = 0
         self.replays = 0
         self.pools = 0
+        # copied inputs' buffers made in the recording and freed there (cudagraph_copies):
+        # on the GPU always; emulated when a test asks (donate())
+        self.donates = getattr(self.base, "donates", False)
+        self.made: list[weakref.ref[torch.Tensor]] = []  # those buffers, once donate() ran
+        self.blocks: list[torch.UntypedStorage] = []
+
+    def donate(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Donated buffers, watched (``made``). The runner keeps a tensor that does not own
+        the memory: the storage is kept here, as the pool keeps the block on the GPU."""
+        self.donates = True
+        if self.blocks or self.made:
+            return
+        make = cudagraph_copies.new_buffer
+
+        def kept(*layout: Any) -> torch.Tensor:
+            buffer = make(*layout)
+            self.made.append(weakref.ref(buffer))
+            self.blocks.append(buffer.untyped_storage())
+            return buffer
+
+        monkeypatch.setattr(cudagraph_copies, "new_buffer", kept)
+        self.made.append(weakref.ref(torch.empty(0)))  # (dead: marks the patch as made)
 
     def supports(self, tensor: torch.Tensor) -> str | None:
         return self.refuse or self.base.supports(tensor)
@@ -127,9 +150,16 @@ def _fresh(recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch) -> Count
     return recorder
 
 
-@pytest.fixture
-def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[CountingRecorder]:
-    yield _fresh(CountingRecorder(), monkeypatch)
+@pytest.fixture(params=["copied", "donated"] if DEVICE.type == "cpu" else ["cuda"])
+def recorder(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[CountingRecorder]:
+    """The device's recorder; on the CPU, each test twice: with static input buffers made
+    before recording, and made in the recording and donated to it, as on the GPU."""
+    counting = CountingRecorder()
+    if request.param == "donated":
+        counting.donate(monkeypatch)
+    yield _fresh(counting, monkeypatch)
     if DEVICE.type == "cuda":  # PyTorch's own generator still works after the test
         kiln.reset()
         gc.collect()
@@ -199,6 +229,105 @@ def test_inference_results_are_lent_once_dropped_and_kept_ones_stay_right(
     for out, expected in kept:
         torch.testing.assert_close(out, expected)
     assert not status.lent and status.records == 2 and status.uncaptured_runs == 0
+
+
+def test_a_result_kept_for_good_pins_one_instance_and_the_next_lends(
+    recorder: CountingRecorder,
+) -> None:
+    """A loop that keeps one lent result for good (``first = compiled(x)``, then a loop that
+    drops its results) gets a second instance for the replay that found it held, copies until
+    ``LEND_AFTER`` replays found the copies dead, then lends that instance's results; the kept
+    one is never overwritten, and no third recording is made."""
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(7):
+            x = randn(3, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+        (status,) = _statuses()
+        assert status.lent and status.records == 1
+        x = randn(3, 8)
+        first, expected = compiled(x), model(x)
+        addresses = []
+        for _ in range(8):
+            x = randn(3, 8)
+            out = compiled(x)
+            torch.testing.assert_close(out, model(x))
+            addresses.append(out.data_ptr())
+            del out
+        torch.testing.assert_close(first, expected)
+    assert status.lent and status.records == 2 and status.uncaptured_runs == 0
+    assert addresses[-1] == addresses[-2] != first.data_ptr()
+    assert first.data_ptr() not in addresses[:2]  # (copies at first, on the new instance)
+
+
+def test_a_recording_takes_the_memory_of_the_inputs_it_copies(
+    recorder: CountingRecorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copied input's buffer is made in the recording, held by the host program alone and
+    dropped after the step that reads it last: the recording's later steps may take its
+    memory (ResNet-50's batch of images), and the runner copies each call's input into it
+    through a tensor that does not own it. Every call matches eager; a buffer a program's
+    output views stays held (the caller gets that view of its own tensor)."""
+    recorder.donate(monkeypatch)
+    model = _mlp()
+    compiled = kiln.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(6):
+            x = randn(3, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+    made = recorder.made[1:]
+    assert made and all(buffer() is None for buffer in made)
+
+    def head_and_sum(inputs: Any) -> list[torch.Tensor]:  # (a graph's program: it keeps x)
+        (x,) = inputs
+        return [x[:, :4], (x * 2).sum(1)]
+
+    graph = kiln.trace(lambda x: (x[:, :4], (x * 2).sum(1)), randn(3, 8))
+    family = cudagraphs.Family(recorder)
+    runner = cudagraphs.CudaGraphRunner(graph, head_and_sum, family, sizes=None, output_count=2)
+    for _ in range(6):
+        x = randn(3, 8)
+        view, total = runner([x])
+        torch.testing.assert_close(total, (x * 2).sum(1))
+        assert view.data_ptr() == x.data_ptr() and torch.equal(view, x[:, :4])
+    viewed = recorder.made[len(made) + 1 :]
+    assert len(viewed) == 1 and viewed[0]() is not None
+    assert runner.status.records == 1 and runner.status.uncaptured_runs == 0
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA caching allocator's pool")
+def test_on_the_gpu_a_recording_reuses_the_memory_of_the_inputs_it_copies(
+    recorder: CountingRecorder,
+) -> None:
+    """A 64 MiB input read by the first kernel alone: the product after it takes its memory
+    in the recording's pool, where without donating it the input's static copy is 64 MiB
+    more. Measured as the memory reserved by warm-up, recording and replays."""
+    w = torch.randn(2048, 2048, device=DEVICE) / 45
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x.sin(), w).relu().sum(0)
+
+    grown = {}
+    for donates in (False, True):
+        recorder.donates = donates
+        kiln.reset()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        compiled = kiln.compile(f, mode="reduce-overhead")
+        for _ in range(5):
+            x = randn(8192, 2048)
+            torch.testing.assert_close(compiled(x), f(x), rtol=1e-3, atol=1e-2)
+        del x
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        grown[donates] = (torch.cuda.memory_reserved() - before) / 2**20
+        (status,) = _statuses()
+        assert status.records == 1 and status.uncaptured_runs == 0
+        del compiled, status
+    assert grown[False] - grown[True] >= 48, grown
 
 
 def test_a_lent_result_fed_back_as_the_next_input_stays_right(recorder: CountingRecorder) -> None:
@@ -378,7 +507,7 @@ def test_lent_gradients_kept_or_accumulated_stay_right(recorder: CountingRecorde
     """Once gradients are lent, a loop that accumulates micro-batches into ``.grad`` and
     keeps ``torch.autograd.grad`` results across steps still matches eager: a replay never
     overwrites a lent gradient someone holds (on the GPU the next forward's temporaries may
-    lie there; the emulated recorder poisons them), and the backward copies again."""
+    lie there; the emulated recorder poisons them): the backward takes another instance."""
     model, reference, compiled = _pair()
     for _ in range(6):  # lending starts (warm-up, recording, checked replays)
         x = randn(5, 8)
@@ -392,7 +521,9 @@ def test_lent_gradients_kept_or_accumulated_stay_right(recorder: CountingRecorde
         for run in (compiled, reference):
             run(x).square().mean().backward()
         _same_grads(model, reference)
-    assert not backward.lent
+    # (the first .grad, lent, pins its instance; a second one's gradients are added to it and
+    # dropped, so that one may lend in turn)
+    assert backward.records == 2 and backward.uncaptured_runs == 0
     kept: dict[str, list[tuple[torch.Tensor, ...]]] = {"kiln": [], "eager": []}
     for _ in range(3):
         x = randn(5, 8)
@@ -912,8 +1043,10 @@ def test_a_pool_whose_graphs_all_died_is_never_recorded_into(recorder: CountingR
             kiln.graph_break()
             return y.sin() + 1
 
-        # (options no other test uses: the first pipeline of them is this test's)
-        compiled = kiln.compile(f, mode="reduce-overhead", options={"recompile_limit": 7})
+        # (options no other test uses, nor this one's other recorder: the first pipeline of
+        # them is this test's)
+        limit = 6 if recorder.donates else 7
+        compiled = kiln.compile(f, mode="reduce-overhead", options={"recompile_limit": limit})
         for _ in range(3):
             x = randn(6)
             torch.testing.assert_close(compiled(x), f(x))

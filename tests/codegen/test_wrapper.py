@@ -1,9 +1,11 @@
 """The host program (kiln/codegen/wrapper.py): how the graph's seed reaches the kernels that
 draw random numbers. C++ kernels take it as an int; Triton kernels load it from a tensor on
-their device (which a CUDA graph's runner can refresh in place before each replay)."""
+their device (which a CUDA graph's runner can refresh in place before each replay). And when
+it drops inputs handed over to it (:class:`~kiln.ir.graph.Donated`)."""
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,7 @@ import kiln
 from kiln.backends.kernels import build_kernels
 from kiln.codegen.wrapper import Wrapper
 from kiln.frontends.trace import graph_inputs
+from kiln.ir.graph import Donated
 from kiln.passes import optimize
 from kiln.runtime.cpp_build import cpp_compiler_available
 from kiln.schedule.program import Program
@@ -79,3 +82,41 @@ def test_triton_draws_cpps_numbers_from_the_same_seed() -> None:
     fresh = [*inputs[:-1], inputs[-1] + 1]
     other = _run(program, "triton", fresh)
     assert not torch.equal(other[0] == 0, triton[0] == 0)
+
+
+def scaled_sum(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` read by the first kernel alone; ``y`` also returned as a view."""
+    return (x * 2).sum(0) + y, y[1:]
+
+
+def test_a_donated_input_is_dropped_after_the_step_that_reads_it_last() -> None:
+    """Given a :class:`Donated` list (a CUDA-graph runner's static copies while it records),
+    the host program empties it and drops each input after its last reader: nothing holds it
+    once the program no longer needs it, so the recording's later steps may take its memory.
+    An input an output views is kept; an ordinary list is left as it was."""
+    x, y = torch.randn(6, 5), torch.randn(5)
+    graph = optimize(kiln.trace(scaled_sum, x, y))
+    inputs = graph_inputs(graph, scaled_sum, x, y)
+    program = schedule(graph, inputs)
+    source = Wrapper(program, {}).source()
+    lines = source.splitlines()
+    assert lines[2] == "    if inputs.__class__ is Donated: inputs.clear()"
+    (drop,) = [n for n, line in enumerate(lines) if line.strip().startswith("del in_")]
+    (reader,) = [n for n, line in enumerate(lines) if line.startswith("    k") and "in_x" in line]
+    assert lines[drop] == "    del in_x" and drop == reader + 1
+    assert "del in_y" not in source
+
+    launchers, _ = build_kernels(program.kernels(), "")
+    run = Wrapper(program, launchers).compile()
+    expected = scaled_sum(x, y)
+    given = [x.clone(), y.clone()]
+    dropped = weakref.ref(given[0])
+    kept = weakref.ref(given[1])
+    donated = Donated(given)
+    del given
+    results = run(donated)
+    assert donated == [] and dropped() is None and kept() is not None
+    torch.testing.assert_close(results[0], expected[0])
+    ordinary = [x, y]
+    torch.testing.assert_close(run(ordinary)[0], expected[0])
+    assert ordinary[0] is x and ordinary[1] is y
