@@ -81,11 +81,12 @@ def rows_of(path: Path) -> tuple[dict, str, list[Row]]:
 def summary(rows: list[Row]) -> list[str]:
     lines = [
         "| mode | rows | geomean kiln/torch | rows > 1.0 | first call kiln/torch (max) "
-        "| peak memory kiln/torch (max) | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| peak memory kiln/torch (max) | reserved kiln/torch (max) | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode in sorted({row.mode for row in rows}):
         ratios, slower, first, memory, failed = [], [], [], [], []
+        reserved: list[float] = []  # (CUDA: under CUDA graphs the one that compares compilers)
         for row in (r for r in rows if r.mode == mode and r.skipped is None):
             kiln, torch_ = row.measurements.get("kiln"), row.measurements.get("torch")
             if row.failed:
@@ -99,11 +100,13 @@ def summary(rows: list[Row]) -> list[str]:
                 first.append(kiln.first_call_s / torch_.first_call_s)
             if kiln.peak_mib and torch_.peak_mib:
                 memory.append(kiln.peak_mib / torch_.peak_mib)
+            if kiln.reserved_mib and torch_.reserved_mib:
+                reserved.append(kiln.reserved_mib / torch_.reserved_mib)
         geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
         lines.append(
             f"| {mode} | {len(ratios)} | {geomean:.3f} | {len(slower)}: {', '.join(slower)} "
             f"| {max(first, default=float('nan')):.3f} | {max(memory, default=float('nan')):.2f} "
-            f"| {', '.join(failed) or 'none'} |"
+            f"| {max(reserved, default=float('nan')):.2f} | {', '.join(failed) or 'none'} |"
         )
     return lines
 
