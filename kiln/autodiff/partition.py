@@ -32,6 +32,7 @@ from itertools import pairwise
 from kiln.autodiff.reverse import Joint
 from kiln.ir.graph import Graph, InputKind, Node, Value
 from kiln.ir.op import Op, Tag, op_def
+from kiln.passes.markers import recomputable_marker
 
 INFINITE = 1 << 62
 _RECOMPUTABLE_TAGS = frozenset({Tag.ELEMENTWISE, Tag.MOVEMENT, Tag.CREATION, Tag.RANDOM})
@@ -56,7 +57,7 @@ class Partition:
 def recomputable(node: Node) -> bool:
     """Whether the backward may compute ``node`` again: cheap work, or any work the user
     asked to recompute (a checkpointed region)."""
-    if node.recompute:
+    if node.recompute or recomputable_marker(node):
         return True
     row = op_def(node.op)
     return bool(row.tags & _RECOMPUTABLE_TAGS) and node.op not in _NOT_RECOMPUTABLE

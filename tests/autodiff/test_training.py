@@ -669,13 +669,7 @@ def test_an_unused_outputs_zero_cotangent_handed_on_as_a_gradient_is_not_kept() 
     "training",
     [
         pytest.param(False, id="frozen"),
-        pytest.param(
-            True,
-            id="batch statistics",
-            marks=pytest.mark.xfail(
-                strict=True, reason="kept uncentred (ResNet-50's step): normalization._centred"
-            ),
-        ),
+        pytest.param(True, id="batch statistics"),
     ],
 )
 def test_batch_norm_gradients_stay_accurate_when_the_mean_dwarfs_the_spread(
@@ -684,9 +678,9 @@ def test_batch_norm_gradients_stay_accurate_when_the_mean_dwarfs_the_spread(
     """A BatchNorm whose input's mean is 1000 times its spread, with frozen statistics
     (fine-tuning) or batch statistics: in the form ``x * scale + shift`` the weight's gradient
     sums ``g * x`` and subtracts ``mean * sum(g)``, which cancels (2500x farther from float64
-    than eager's frozen, 8-9x with batch statistics). Differentiated, the normalization is
-    centred first, as eager's backward is: every gradient is within 4x of eager's distance.
-    With batch statistics it is not yet (8-9x; centred, 3.2x: ``normalization._centred``)."""
+    than eager's frozen, 8-9x with batch statistics). Differentiated, the frozen one is
+    centred first, and batch statistics take eager's closed-form backward on the centred input
+    (``ops/batch_norm_backward.py``): every gradient is within 4x of eager's distance."""
     torch.manual_seed(0)
     norm = torch.nn.BatchNorm2d(8).train(training)
     norm.running_mean.fill_(100.0)

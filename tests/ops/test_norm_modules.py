@@ -17,6 +17,7 @@ from torch import nn
 import kiln.ops  # noqa: F401  (registers translations)
 from kiln.frontends import run_traced, trace
 from kiln.ir import Op
+from kiln.passes.markers import is_marker
 
 MODULES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
     "layer_norm": (lambda: nn.LayerNorm(6), (3, 6), False),
@@ -62,7 +63,9 @@ def test_norm_module(name: str) -> None:
     x = torch.randn(shape)
 
     graph = trace(copy.deepcopy(module), x)
-    assert not [n for n in graph.nodes if n.op is Op.EXTERN], f"{name} fell back to extern\n{graph}"
+    # (a differentiated BatchNorm's closed-form backward is a marker, not a fallback)
+    externs = [n for n in graph.nodes if n.op is Op.EXTERN and not is_marker(n)]
+    assert not externs, f"{name} fell back to extern\n{graph}"
     for _ in range(2):  # twice: the second run starts from the updated statistics
         expected = eager(x)
         actual = run_traced(graph, traced, x)

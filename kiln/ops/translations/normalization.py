@@ -33,6 +33,7 @@ from kiln.ir.graph import Value
 from kiln.ir.symbolic import Sym
 from kiln.ir.types import Dim
 from kiln.ops import prims
+from kiln.ops.batch_norm_backward import emit_batch_norm_output
 from kiln.ops.translations import common
 from kiln.ops.translations.cases import T, case_calls
 from kiln.ops.translations.norms import vector_norm_of
@@ -393,7 +394,7 @@ def batch_norm(
         raise ValueError(f"batch_norm: expected 2D or more input (got {input.type.rank}D input)")
     wide = common.convert(input, compute_dtype(input.type.dtype))
     shape = wide.type.shape
-    if training or running_mean is None or running_var is None:
+    if batch_statistics := training or running_mean is None or running_var is None:
         mean, inverse = _batch_normalizers(
             wide,
             running_mean if training else None,
@@ -403,17 +404,20 @@ def batch_norm(
             _statistics_dtype(input, running_mean, weight),
         )
     else:
+        assert running_mean is not None and running_var is not None
         mean = common.convert(running_mean, wide.type.dtype)
         inverse = prims.rsqrt(prims.add(common.convert(running_var, wide.type.dtype), eps))
     differentiated = torch.is_grad_enabled() and any(
         v is not None and v.type.requires_grad for v in (input, weight, bias)
     )
-    if differentiated and not (training or running_mean is None or running_var is None):
+    if differentiated and not batch_statistics:
         # frozen statistics, centred: the weight's gradient sums g * (x - mean), as eager's
         return common.convert(_centred(wide, mean, inverse, weight, bias), input.type.dtype)
     scale, shift = _scale_shift(mean, inverse, weight, bias)
     scaled = prims.mul(wide, prims.broadcast(scale, shape=shape, dims=(1,)))
     shifted = prims.add(scaled, prims.broadcast(shift, shape=shape, dims=(1,)))
+    if differentiated:  # (batch statistics: eager's closed-form backward, centred)
+        shifted = emit_batch_norm_output(shifted, wide, mean, inverse, weight, bias)
     return common.convert(shifted, input.type.dtype)
 
 
