@@ -118,17 +118,21 @@ def _batch_norm_vjp(attrs: ExternAttrs, inputs: Sequence[Any], outputs: Any, gra
     if _needs(x):
         scale = inverse
         if weight is not None:
-            scale = prims.mul(inverse, prims.convert(weight, dtype=inverse.type.dtype))
+            scale = prims.mul(inverse, _as(weight, inverse.type.dtype))
         centred = prims.sub(grad, per_channel(prims.div(sum_g, count)))
         centred = prims.sub(centred, prims.mul(xhat, per_channel(prims.div(sum_gx, count))))
         gradients[x] = prims.mul(per_channel(scale), centred)
     if weight is not None and _needs(weight):
-        gradients[weight] = prims.convert(sum_gx, dtype=weight.type.dtype)
+        gradients[weight] = _as(sum_gx, weight.type.dtype)
     if bias is not None and _needs(bias):
-        gradients[bias] = prims.convert(sum_g, dtype=bias.type.dtype)
+        gradients[bias] = _as(sum_g, bias.type.dtype)
     return tuple(
         gradients.get(operand) if isinstance(operand, Value) else None for operand in inputs
     )
+
+
+def _as(value: Value, dtype: torch.dtype) -> Value:
+    return value if value.type.dtype == dtype else prims.convert(value, dtype=dtype)
 
 
 def _needs(value: Any) -> bool:
