@@ -8,6 +8,10 @@ times are those of a loaded host, for both compilers alike.
 
     python benchmarks/broad.py --gpus 8 --mode both            # the broad suite, 8 cards
     python benchmarks/broad.py --gpus 1 --suite broad-tiny --device cpu --mode infer
+    python benchmarks/broad.py --gpus 4 --mode train --deadline 540   # inside a 600 s limit
+
+``--deadline`` stops the cards' benches after that many seconds and tables the rows they
+finished (each bench rewrites its JSON after every row).
 
 Prints the ``kiln bench`` table of every row, then a summary: per mode, the geomean of
 Kiln/torch.compile time, the rows above 1.0, the first-call and peak-memory ratios.
@@ -16,9 +20,11 @@ Kiln/torch.compile time, the rows above 1.0, the first-call and peak-memory rati
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,9 +68,23 @@ def launch(
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     if args.device in (None, "cuda"):
         env["CUDA_VISIBLE_DEVICES"] = str(card)
+    (scratch / f"card{card}.json").unlink(missing_ok=True)  # (an earlier run's, in --keep)
     log = open(scratch / f"card{card}.log", "w")  # noqa: SIM115  (closed with the process)
     print(f"card {card}: {', '.join(group)}", flush=True)
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End a card's bench and its worker: the bench writes its JSON after every row."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def rows_of(path: Path) -> tuple[dict, str, list[Row]]:
@@ -123,6 +143,9 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=1.0)
     parser.add_argument("--profile", action="store_true", help="Kiln rows: per-kernel roofline")
     parser.add_argument("--keep", help="folder for the per-card JSON and logs")
+    parser.add_argument(
+        "--deadline", type=float, help="seconds: then stop the cards and table what finished"
+    )
     args = parser.parse_args()
     models = args.models.split(",") if args.models else list(SUITES[args.suite])
     if args.gpus is None:
@@ -134,10 +157,16 @@ def main() -> int:
     start = time.perf_counter()
     groups = assign(models, args.gpus)
     processes = [launch(group, card, args, scratch) for card, group in enumerate(groups)]
+    cut: list[int] = []
     for card, process in enumerate(processes):
-        process.wait()
-        print(f"card {card} done (status {process.returncode}) at "
-              f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+        left = None if args.deadline is None else args.deadline - (time.perf_counter() - start)
+        try:
+            process.wait(timeout=None if left is None else max(left, 0.0))
+        except subprocess.TimeoutExpired:
+            stop(process)
+            cut.append(card)
+        print(f"card {card} {'cut off' if card in cut else 'done'} (status {process.returncode})"
+              f" at {time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
     rows: list[Row] = []
     info, command = {}, ""
     for card in range(len(groups)):
@@ -148,6 +177,9 @@ def main() -> int:
             continue
         info, command, card_rows = rows_of(path)
         rows += card_rows
+        if card in cut:
+            done, planned = len(card_rows), ", ".join(groups[card])
+            print(f"card {card} was cut off at the deadline: {done} row(s) finished ({planned})")
     order = {name: index for index, name in enumerate(models)}
     rows.sort(key=lambda row: (row.mode, order.get(row.model, 0)))
     if info:

@@ -187,7 +187,8 @@ PRODUCTS = {"kiln.codegen.sources"}  # what a forbidden stage's product may stil
 # program after its last reader: Donated, recorded_run, unowned; the forward flag).
 # +105: a BatchNorm with batch statistics differentiated in closed form (ops/batch_norm_backward.py,
 # a marker the partitioner may recompute).
-LINE_BUDGET = 35_402
+# +15: `kiln bench --json` rewrites its file after every row (a run cut off keeps its rows).
+LINE_BUDGET = 35_417
 
 
 def _module_name(path: Path) -> str:

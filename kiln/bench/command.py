@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -115,22 +116,34 @@ def run(args: argparse.Namespace, argv: Sequence[str], program: str = "kiln benc
     progress = Progress(sys.stderr)
     info = environment(options.device, options.threads)  # dated when the run starts
     rows: list[Row] = []
-    for mode in modes:
-        options.mode = mode
-        rows += run_suite(options, progress)
     command = " ".join([program, *map(shlex.quote, argv)])
-    if args.json:
+
+    def write_json(complete: bool) -> None:
         document = {
             "environment": info,
             "command": command,
+            "complete": complete,
             "rows": [row.as_dict() for row in rows],
         }
         text = json.dumps(document, indent=1)
         if to_stdout_json:
             print(text)
-        else:
-            with open(args.json, "w") as out:
-                out.write(text + "\n")
+            return
+        partial = f"{args.json}.partial"  # (renamed over: a reader never sees half a file)
+        with open(partial, "w") as out:
+            out.write(text + "\n")
+        os.replace(partial, args.json)
+
+    def finished(row: Row) -> None:
+        rows.append(row)
+        if args.json and not to_stdout_json:
+            write_json(complete=False)  # (a run cut off by a time limit keeps its rows)
+
+    for mode in modes:
+        options.mode = mode
+        run_suite(options, progress, on_row=finished)
+    if args.json:
+        write_json(complete=True)
     if not to_stdout_json:
         print(format_header(info, command) + "\n\n" + format_table(rows))
     failed = [row for row in rows if row.failed]

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,9 +68,12 @@ class Row:
         return data
 
 
-def run_suite(options: Options, progress: Progress) -> list[Row]:
-    """Every requested row, in order; models with missing packages become skipped rows."""
-    rows = []
+def run_suite(
+    options: Options, progress: Progress, on_row: Callable[[Row], None] | None = None
+) -> list[Row]:
+    """Every requested row, in order; models with missing packages become skipped rows.
+    ``on_row`` sees each row as it is finished (the JSON file is rewritten then)."""
+    rows: list[Row] = []
     total = len(options.models)
     for index, name in enumerate(options.models, 1):
         spec = MODELS[name]
@@ -79,8 +83,10 @@ def run_suite(options: Options, progress: Progress) -> list[Row]:
             reason = f"needs {', '.join(missing)} (not installed)"
             progress.note(f"[{index}/{total}] {name}: skipped, {reason}")
             rows.append(Row(name, options.mode, batch, spec.summary, skipped=reason))
-            continue
-        rows.append(run_row(spec, options, progress, f"[{index}/{total}]"))
+        else:
+            rows.append(run_row(spec, options, progress, f"[{index}/{total}]"))
+        if on_row is not None:
+            on_row(rows[-1])
     return rows
 
 

@@ -118,6 +118,36 @@ def test_json_output(tiny_suite: Options, capsys: pytest.CaptureFixture[str]) ->
     assert row["measurements"]["kiln"]["median_ms"] > 0
 
 
+def test_the_json_file_keeps_every_finished_row_when_a_run_is_cut_off(
+    tiny_suite: Options, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A device call's time limit can end a bench between rows: the file written after each
+    row keeps the finished ones (``benchmarks/broad.py --deadline`` tables them)."""
+    from kiln.bench import runner
+
+    finished: list[str] = []
+    real_row = runner.run_row
+
+    def row_then_cut_off(spec, options, progress, counter=""):  # type: ignore[no-untyped-def]
+        if finished:  # the second row: the limit strikes
+            on_disk = json.loads((tmp_path / "rows.json").read_text())
+            assert [row["model"] for row in on_disk["rows"]] == finished
+            assert on_disk["complete"] is False
+            raise KeyboardInterrupt
+        row = real_row(spec, options, progress, counter)
+        finished.append(row.model)
+        return row
+
+    monkeypatch.setattr(runner, "run_row", row_then_cut_off)
+    argv = ["--models", "tiny_mlp,tiny_mlp", "--compilers", "kiln", "--in-process"]
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", *argv, "--budget", "0.05", "--json", str(tmp_path / "rows.json")])
+    document = json.loads((tmp_path / "rows.json").read_text())
+    (row,) = document["rows"]
+    assert row["model"] == "tiny_mlp" and not row["failed"] and not document["complete"]
+    assert not (tmp_path / "rows.json.partial").exists()
+
+
 def test_worker_processes_and_warm_start() -> None:
     """The real path: each measurement in its own ``python -m kiln.bench.worker`` process."""
     argv = ["--models", "small_cnn", "--batch", "1", "--compilers", "kiln", "--budget", "0.05"]
