@@ -140,3 +140,30 @@ def test_a_program_in_symbolic_sizes_is_read_back_for_other_sizes(
         ):
             torch.testing.assert_close(a.grad, b.grad, msg=name)
     assert len(scheduled) == 2 and kiln.counters.programs_reused == 2, scheduled
+
+
+def test_a_constant_is_keyed_by_the_storage_it_views_hashed_once() -> None:
+    """A program's key hashes each tensor constant's viewed stretch of storage: an expanded
+    constant (DeBERTa's relative positions, [12, 512, 512] over one [512, 512]) is hashed at
+    its storage's size, once however many constants view it; a changed value inside the
+    view changes the key."""
+    from kiln.backends.programs import _span_digest
+
+    base = torch.arange(16, dtype=torch.int64).reshape(4, 4)
+    digests: dict = {}
+    expanded = [base.expand(3, 4, 4) for _ in range(5)]
+    first = _span_digest(expanded[0], digests)
+    assert all(_span_digest(view, digests) == first for view in expanded)
+    assert len(digests) == 1  # (one stretch of one storage, hashed once)
+    assert _span_digest(base.clone().expand(3, 4, 4), {}) == first  # (equal bytes elsewhere)
+    changed = base.clone()
+    changed[2, 3] = -1
+    assert _span_digest(changed.expand(3, 4, 4), {}) != first
+    column = base[:, 1]
+    other = base.clone()
+    other[3, 1] = 99
+    assert _span_digest(column, {}) != _span_digest(other[:, 1], {})
+    assert _span_digest(torch.tensor(1.5, dtype=torch.bfloat16), {}) == _span_digest(
+        torch.tensor([0.0, 1.5], dtype=torch.bfloat16)[1], {}
+    )
+    assert _span_digest(torch.ones(3, 0), {}) == ""

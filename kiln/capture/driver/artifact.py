@@ -152,8 +152,11 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.fn = fn
         self.at = at  # id of each object an identity guard pins -> where it was read
+        self.named: dict[int, tuple[str, ...]] = {}  # id of a function or class -> its name
 
     def persistent_id(self, obj: Any) -> Any:
+        if _is_data(type(obj)):  # (most of an entry's 400,000 objects: decided by type)
+            return ("at", self.at[id(obj)], _kind(obj)) if id(obj) in self.at else None
         if obj is self.fn.__globals__:
             return ("globals",)
         if isinstance(obj, types.ModuleType):
@@ -163,12 +166,15 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, _BY_REFERENCE):
             return None
         if isinstance(obj, (types.FunctionType, type)):  # by name, else where it was read
+            if id(obj) in self.named:  # (each pickled object's class comes here: 30,000)
+                return self.named[id(obj)]
             module, name = getattr(obj, "__module__", None), obj.__qualname__
             if module == "builtins" and obj in _TYPES:  # (CodeType, CellType, ...)
                 module, name = "types", _TYPES[obj]
             with contextlib.suppress(Exception):
                 if module is not None and _resolve(module, name) is obj:
-                    return ("named", module, name, _fingerprint(obj))
+                    found = self.named[id(obj)] = ("named", module, name, _fingerprint(obj))
+                    return found
             if id(obj) not in self.at:
                 raise Uncacheable(f"{obj!r} cannot be found by its name")
         if id(obj) in self.at:
@@ -200,6 +206,24 @@ def _class_cell(owner: type) -> types.CellType | None:
         if code is not None and "__class__" in code.co_freevars:
             return function.__closure__[code.co_freevars.index("__class__")]
     return None
+
+
+_PLAIN = (int, float, bool, str, bytes, complex, type(None), tuple, torch.dtype, torch.device)
+_DATA_TYPES: dict[type, bool] = dict.fromkeys(_PLAIN, True)
+
+
+def _is_data(cls: type) -> bool:
+    """Whether every object of ``cls`` pickles by value unless an identity guard pins it: the
+    plain types, and Kiln's own data classes (graphs, nodes, guards, sources, attributes),
+    which :meth:`_Pickler.persistent_id` otherwise reaches after a dozen other checks."""
+    known = _DATA_TYPES.get(cls)
+    if known is None:
+        special: tuple[type, ...] = (GraphRunner, ResumeTarget, Router, type, types.CodeType)
+        special += (types.FunctionType, types.ModuleType, types.CellType, dict, torch.Tensor)
+        special += _BY_REFERENCE
+        known = cls.__module__.startswith("kiln.") and not issubclass(cls, special)
+        _DATA_TYPES[cls] = known
+    return known
 
 
 def _class_cell_owner(obj: Any) -> type | None:
