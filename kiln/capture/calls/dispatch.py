@@ -46,6 +46,7 @@ from kiln.capture.calls.registry import MODELS
 from kiln.capture.calls.routing import Router
 from kiln.capture.core.breaks import BreakReason, GraphBreak
 from kiln.capture.core.frame import NULL, Frame
+from kiln.capture.core.probing import probe
 from kiln.capture.guards.sources import Called
 
 
@@ -131,11 +132,11 @@ _RANDOM_STATE = frozenset(
 def _stateful(fn: Any) -> bool:
     """Random state the graph cannot hold: global seeds, and ``torch.Generator`` objects
     (constructed, seeded, read) whose state PyTorch alone advances."""
-    if _key(fn) in _RANDOM_STATE or _key(getattr(fn, "__wrapped__", None)) in _RANDOM_STATE:
+    if _key(fn) in _RANDOM_STATE or _key(probe(fn, "__wrapped__")) in _RANDOM_STATE:
         return True  # (importing torch._dynamo wraps torch.manual_seed)
     if isinstance(fn, type):
         return issubclass(fn, torch.Generator)
-    return isinstance(getattr(fn, "__self__", None), torch.Generator)
+    return isinstance(probe(fn, "__self__"), torch.Generator)
 
 
 def _key(fn: Any) -> Any:

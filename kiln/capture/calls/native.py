@@ -17,6 +17,7 @@ import torch
 from kiln.capture.core.breaks import BreakReason, GraphBreak
 from kiln.capture.core.frame import Frame
 from kiln.capture.core.iteration import SymbolicIterator, items_of
+from kiln.capture.core.probing import probe
 from kiln.capture.guards.sources import Item
 from kiln.frontends.proxy import dispatch as dispatch_traced
 from kiln.ir.symbolic import Sym
@@ -117,8 +118,8 @@ FUNCTORCH = os.path.join(os.path.dirname(torch.__file__), "_functorch", "")
 
 def reason_for(fn: Any) -> BreakReason:
     """I/O (logging, warnings, files) or another call capture cannot model."""
-    module = str(getattr(fn, "__module__", None) or type(fn).__module__ or "")
-    name = str(getattr(fn, "__name__", ""))
+    module = str(probe(fn, "__module__") or type(fn).__module__ or "")
+    name = str(probe(fn, "__name__", ""))
     if "logging" in module or "warnings" in module or name.startswith(("warn", "log", "print")):
         return BreakReason.IO
     return BreakReason.UNSUPPORTED_CALL
@@ -157,11 +158,11 @@ def _traced_torch_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     torch's argument parser would refuse before any override sees it: it goes straight to the
     proxies' dispatch (a translation keeps the size symbolic). None for other calls (a Python
     function given a size: the size's int specializes it, guarded)."""
-    owner = getattr(fn, "__self__", None)
-    if isinstance(owner, torch.Tensor) and hasattr(torch.Tensor, getattr(fn, "__name__", "")):
+    owner = probe(fn, "__self__")
+    if isinstance(owner, torch.Tensor) and hasattr(torch.Tensor, probe(fn, "__name__", "")):
         method = getattr(torch.Tensor, fn.__name__)
         return lambda: dispatch_traced(method, (owner, *args), kwargs)
-    module = getattr(fn, "__module__", None) or getattr(owner, "__name__", "") or ""
+    module = probe(fn, "__module__") or probe(owner, "__name__", "") or ""
     if module == "torch" or module.startswith("torch.") or owner is torch._C._VariableFunctions:
         return lambda: dispatch_traced(fn, args, kwargs)
     return None
@@ -267,8 +268,8 @@ def wrap_contents(session: Any, owner: Any) -> None:
 
 
 def describe(fn: Any) -> str:
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    module = probe(fn, "__module__") or type(fn).__module__
+    name = probe(fn, "__qualname__") or probe(fn, "__name__") or type(fn).__qualname__
     return f"{module}.{name}" if module and module != "builtins" else str(name)
 
 

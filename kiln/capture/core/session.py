@@ -191,11 +191,11 @@ class Session:
         if is_constant(value) and not isinstance(value, enum.Enum):
             self.add_guard(Equals(source, reason, value))
             return value
-        owner = getattr(value, "__self__", None)
         bound = isinstance(value, types.BuiltinMethodType) and not isinstance(
-            owner, types.ModuleType | type | type(None)
+            value.__self__, types.ModuleType | type | type(None)
         )
         if bound:
+            owner = value.__self__
             # ``log.append``: a new object on every read, so not guarded by identity; the
             # method is its name on its owner, which is read (and guarded) through the source.
             self.add_guard(TypeIs(source, reason, type(value)))

@@ -254,6 +254,8 @@ class Reconstructor:
         for effect in self.session.effects.values():
             target = effect.target
             if effect.kind is EffectKind.CONTAINER:
+                if self._unchanged(target, effect.snapshot):
+                    continue  # (written back as it was: nothing to replay, nothing to pin)
                 name = self.binder.fresh("t")
                 self.lines.append(f"{name} = {self._target(target)}")
                 if isinstance(target, list):
@@ -288,6 +290,21 @@ class Reconstructor:
                 )
                 value = self.value(target.cell_contents)
                 self.lines.append(f"{cell}.cell_contents = {value}")
+
+    def _unchanged(self, final: Any, before: Any) -> bool:
+        """Whether a mutated container holds what it held before, item for item (T5's
+        ``config.id2label``, set again to equal contents during the forward pass). Replaying it
+        would pin the container in the head by identity, which the artifact cache refuses."""
+        traced = self.session.traced_version
+
+        def same(a: Any, b: Any) -> bool:
+            return a is b or a is traced(b)
+
+        if isinstance(final, dict):
+            return final.keys() == before.keys() and all(same(final[k], before[k]) for k in final)
+        if isinstance(final, list):
+            return len(final) == len(before) and all(map(same, final, before))
+        return bool(final == before)
 
     def _replay_list(self, name: str, final: list[Any], before: list[Any]) -> None:
         """Appends replay as ``extend`` (any length of caller's list); other changes rebuild
