@@ -93,3 +93,20 @@ def test_a_changed_container_is_still_replayed() -> None:
             compiled(x, table, order), _changes(x, expected_table, expected_order)
         )
         assert (table, order) == (expected_table, expected_order)
+
+
+def _calls_pinned(x: torch.Tensor, scale: _Scale) -> torch.Tensor:
+    return scale(x) - 1
+
+
+def test_an_object_pinned_by_identity_is_named_without_its_getattr() -> None:
+    """A guard names what it pins (``L['scale'] is _Scale@...``) from attributes really there."""
+    kiln.reset()
+    scale = _Scale(factor=2.0)
+    compiled = kiln.compile(_calls_pinned)
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(compiled(x, scale), _calls_pinned(x, scale))
+    report = kiln.explain(_calls_pinned, torch.randn(3), scale)
+    assert report.graph_count == 1 and not report.skips, str(report)
+    assert [n for n in scale.asked if n.startswith("__")] == []

@@ -200,7 +200,7 @@ def call_builtin(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str,
             return native(frame, fn, args, kwargs)
         if getattr(type(owner), "__module__", "").startswith("torch"):
             return native(frame, fn, args, kwargs)
-    module = getattr(fn, "__module__", None) or getattr(owner, "__name__", "") or ""
+    module = getattr(fn, "__module__", None) or probe(owner, "__name__", "") or ""
     if module.split(".")[0] in _NATIVE_MODULES:
         return native(frame, fn, args, kwargs)
     raise GraphBreak(reason_for(fn), f"call to {describe(fn)}")

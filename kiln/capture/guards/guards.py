@@ -17,6 +17,7 @@ reason).
 from __future__ import annotations
 
 import builtins
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -387,7 +388,12 @@ class GlobalState(Guard):
 
 
 def _hint(obj: Any) -> str:
-    return getattr(obj, "__name__", None) or type(obj).__name__
+    try:  # (a name really there: never a user class's __getattr__)
+        if inspect.getattr_static(obj, "__name__", None) is not None:
+            return str(obj.__name__)
+    except Exception:
+        pass
+    return type(obj).__name__
 
 
 GuardFunction = Callable[..., bool]
