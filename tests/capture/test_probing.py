@@ -110,3 +110,19 @@ def test_an_object_pinned_by_identity_is_named_without_its_getattr() -> None:
     report = kiln.explain(_calls_pinned, torch.randn(3), scale)
     assert report.graph_count == 1 and not report.skips, str(report)
     assert [n for n in scale.asked if n.startswith("__")] == []
+
+
+def _breaks_then_calls(x: torch.Tensor) -> torch.Tensor:
+    y = x + 1
+    positive = int(y.sum() > 0)  # (a data-dependent int: a graph break, the rest resumes)
+    return SCALE(y) * CONFIG.scale + positive
+
+
+def test_the_code_after_a_break_compiles_with_a_sloppy_getattr_too() -> None:
+    kiln.reset()
+    compiled = kiln.compile(_breaks_then_calls)
+    for _ in range(4):
+        x = torch.randn(6)
+        torch.testing.assert_close(compiled(x), _breaks_then_calls(x))
+    report = kiln.explain(_breaks_then_calls, torch.randn(6))
+    assert report.graph_count == 2 and len(report.breaks) == 1 and not report.skips, str(report)

@@ -16,6 +16,7 @@ from torch.nn.modules import module as module_globals
 
 from kiln.capture.calls.distributed import WrapperCall, wrapped_module, wrapper_name
 from kiln.capture.calls.native import runs_natively
+from kiln.capture.core.probing import probe
 
 
 def run_cond(route: Any, pred: Any, true_fn: Any, false_fn: Any, operands: Any = ()) -> Any:
@@ -36,7 +37,7 @@ class Router:
         compiled = self.compiled_function
         if callee is torch.cond:  # a tensor predicate: the chosen branch runs compiled
             return functools.partial(run_cond, self)
-        if hasattr(callee, "_kiln_cache") or isinstance(callee, Router):
+        if isinstance(callee, Router) or probe(callee, "_kiln_cache") is not None:
             return callee  # compiled already (code routed twice routes its own wrappers)
         if isinstance(callee, types.FunctionType) and not _runs_natively(callee):
             return compiled(callee)

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from kiln.capture.calls.routing import Router
+from kiln.capture.core.probing import probe
 from kiln.capture.driver.convert import Capture, GraphRunner, param_names
 from kiln.capture.driver.resume import ResumeTarget
 from kiln.capture.guards.guards import Guard, Identity, compile_guards
@@ -131,8 +132,8 @@ def _stable(value: Any) -> str:
         return "(" + ", ".join(map(_stable, value)) + ")"
     if type(value) is dict:
         return "{" + ", ".join(f"{_stable(k)}: {_stable(v)}" for k, v in value.items()) + "}"
-    if hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    if probe(value, "__qualname__") is not None:
+        return f"{probe(value, '__module__', '')}.{value.__qualname__}"
     text = repr(value)
     return type(value).__qualname__ if " at 0x" in text else text
 
