@@ -447,6 +447,19 @@ def builtin_getattr_hasattr(x, obj):
     return out, obj.name
 
 
+def builtin_vars(x, obj):
+    state = vars(obj)  # (obj.__dict__ itself: reads of it are guarded like attributes)
+    return x * state["scale"] + len(state)
+
+
+def _halve(x):
+    return x / 2
+
+
+def builtin_dunder_call(x, fn):
+    return fn.__call__(x) + _halve.__call__(x) + torch.sigmoid.__call__(x)
+
+
 def builtin_type(x, obj, n):
     out = x
     if type(x) is torch.Tensor:
@@ -595,6 +608,8 @@ CASES = [
         builtin_getattr_hasattr,
         build=lambda: (torch.randn(3), Box(2.0, inner=Box(3.0))),
     ),
+    case("builtin/vars", builtin_vars, build=lambda: (torch.randn(3), Box(2.0, inner=Box(3.0)))),
+    case("builtin/dunder_call", builtin_dunder_call, rand(3), torch.tanh),
     case("builtin/type", builtin_type, build=lambda: (torch.randn(3), Box(1.0), 3)),
     case("builtin/sorted_reversed", builtin_sorted_reversed, rand(3), [2, 9, 4]),
     case("builtin/map_filter", builtin_map_filter, rand(3), [1, 2, 3, 5]),

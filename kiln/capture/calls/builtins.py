@@ -394,9 +394,16 @@ def _callable(frame: Frame, value: Any) -> bool:
     return callable(value)
 
 
-@model(builtins.vars, builtins.locals, builtins.globals, builtins.eval, builtins.exec)
+@model(builtins.vars)
+def _vars(frame: Frame, *args: Any) -> Any:
+    if len(args) != 1:  # (``vars()`` is ``locals()``)
+        raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "vars() of the frame")
+    return get_attribute(frame, args[0], "__dict__")  # (TypeError where eager raises it)
+
+
+@model(builtins.locals, builtins.globals, builtins.eval, builtins.exec)
 def _introspection(frame: Frame, *args: Any, **kwargs: Any) -> Any:
-    raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "vars/locals/globals/eval/exec")
+    raise GraphBreak(BreakReason.UNSUPPORTED_CALL, "locals/globals/eval/exec")
 
 
 @model(functools.reduce)

@@ -101,6 +101,8 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
         if issubclass(owner, torch._C.TensorBase) or owner in (*IMMUTABLE, list, dict, set):
             return native(frame, fn, args, kwargs)
     if isinstance(fn, types.MethodWrapperType):
+        if fn.__name__ == "__call__":  # ``f.__call__(x)``: calling ``f`` itself
+            return call_function(frame, fn.__self__, args, kwargs)
         return call_builtin(frame, fn, args, kwargs)
     call = python_dunder(fn, "__call__")
     if call is not None:
