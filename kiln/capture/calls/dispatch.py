@@ -20,6 +20,7 @@ The policy, in order:
 from __future__ import annotations
 
 import functools
+import logging
 import types
 import weakref
 from typing import Any
@@ -47,7 +48,8 @@ from kiln.capture.calls.routing import Router
 from kiln.capture.core.breaks import BreakReason, GraphBreak
 from kiln.capture.core.frame import NULL, Frame
 from kiln.capture.core.probing import probe
-from kiln.capture.guards.sources import Called
+from kiln.capture.guards.guards import Equals
+from kiln.capture.guards.sources import Attr, Called, Item
 
 
 def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -69,6 +71,8 @@ def call_function(frame: Frame, fn: Any, args: tuple[Any, ...], kwargs: dict[str
         name = getattr(fn, "__qualname__", type(fn).__name__)
         raise GraphBreak(BreakReason.UNSUPPORTED_CALL, f"{name} transformed by torch.func")
     if isinstance(fn, types.MethodType):
+        if isinstance(fn.__self__, logging.Logger) and _log_disabled(frame, fn, args):
+            return None  # (as eager: a logger's call below its level does nothing)
         return call_function(frame, fn.__func__, (fn.__self__, *args), kwargs)
     if isinstance(fn, torch.jit.ScriptFunction):
         # TorchScript runs its own interpreter, which proxies cannot pass through; the Python
@@ -129,6 +133,34 @@ _RANDOM_STATE = frozenset(
         torch.cuda.set_rng_state,
     }
 )
+
+
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+_LOG_LEVELS.update(warn=logging.WARNING, error=logging.ERROR, exception=logging.ERROR)
+_LOG_LEVELS.update(critical=logging.CRITICAL, fatal=logging.CRITICAL)
+
+
+def _log_disabled(frame: Frame, method: types.MethodType, args: tuple[Any, ...]) -> bool:
+    """Whether ``logger.debug(...)`` (or another level's call) is below the logger's level, so
+    that eager does nothing: no graph break then. Guarded on the logger's own cache of that
+    answer, which ``logging`` empties whenever a level changes anywhere (the guard then fails,
+    and a new capture asks again)."""
+    logger: Any = method.__self__  # (a logging.Logger: its private answer cache is read)
+    name = method.__func__.__name__
+    level = _LOG_LEVELS.get(name)
+    if name == "log" and args and type(args[0]) is int:
+        level = args[0]
+    if level is None or method.__func__ is not getattr(logging.Logger, name, None):
+        return False  # (a subclass's own method may do something even then)
+    source = frame.session.source_of(logger)
+    if source is None or logger.disabled or logger.isEnabledFor(level):
+        return False
+    if logger._cache.get(level) is not False:  # (a logging without the cache: break as before)
+        return False
+    reason = f"{name} below the logger's level"
+    frame.session.add_guard(Equals(Attr(source, "disabled"), reason, False))
+    frame.session.add_guard(Equals(Item(Attr(source, "_cache"), level), reason, False))
+    return True
 
 
 def _stateful(fn: Any) -> bool:
