@@ -13,6 +13,8 @@ import inspect
 import types
 from typing import Any
 
+import torch
+
 _MISSING = object()
 # Objects whose attribute lookup runs no user code: asked directly (the common, fast case).
 _BUILTIN_KINDS = (
@@ -24,15 +26,26 @@ _BUILTIN_KINDS = (
     types.MethodDescriptorType,
     types.ModuleType,
 )
+# Fallbacks known to raise AttributeError for a missing name (nn.Module's: parameters,
+# buffers, submodules), so a class that has no other is asked directly too.
+_TRUSTED_FALLBACKS = (None, torch.nn.Module.__getattr__)
+_DIRECT: dict[type, bool] = {}
 
 
 def probe(obj: Any, name: str, default: Any = None) -> Any:
-    """``getattr(obj, name, default)``, but a class's ``__getattr__`` is never run: a name
-    found nowhere statically (instance, class, metaclass) gives ``default``, as does any error
-    the lookup raises."""
-    if isinstance(obj, _BUILTIN_KINDS):
-        return getattr(obj, name, default)
+    """``getattr(obj, name, default)``, but a class's own ``__getattr__`` is never run: a
+    name found nowhere statically (instance, class, metaclass) gives ``default``, as does any
+    error the lookup raises."""
+    cls = type(obj)
+    direct = _DIRECT.get(cls)
+    if direct is None:
+        direct = _DIRECT[cls] = isinstance(obj, _BUILTIN_KINDS) or (
+            cls.__getattribute__ is object.__getattribute__
+            and getattr(cls, "__getattr__", None) in _TRUSTED_FALLBACKS
+        )
     try:
+        if direct:
+            return getattr(obj, name, default)
         if inspect.getattr_static(obj, name, _MISSING) is _MISSING:
             return default
         return getattr(obj, name)
