@@ -1,5 +1,5 @@
 """Kiln's own questions about user objects never run their ``__getattr__``
-(``kiln/capture/core/probing.py``), and containers written back unchanged are not replayed
+(``kiln/capture/guards/probing.py``), and containers written back unchanged are not replayed
 (``kiln/capture/driver/reconstruct.py``)."""
 
 from __future__ import annotations

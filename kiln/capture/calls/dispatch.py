@@ -47,8 +47,8 @@ from kiln.capture.calls.registry import MODELS
 from kiln.capture.calls.routing import Router
 from kiln.capture.core.breaks import BreakReason, GraphBreak
 from kiln.capture.core.frame import NULL, Frame
-from kiln.capture.core.probing import probe
 from kiln.capture.guards.guards import Equals
+from kiln.capture.guards.probing import probe
 from kiln.capture.guards.sources import Attr, Called, Item
 
 

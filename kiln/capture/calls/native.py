@@ -17,7 +17,7 @@ import torch
 from kiln.capture.core.breaks import BreakReason, GraphBreak
 from kiln.capture.core.frame import Frame
 from kiln.capture.core.iteration import SymbolicIterator, items_of
-from kiln.capture.core.probing import probe
+from kiln.capture.guards.probing import probe
 from kiln.capture.guards.sources import Item
 from kiln.frontends.proxy import dispatch as dispatch_traced
 from kiln.ir.symbolic import Sym

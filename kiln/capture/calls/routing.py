@@ -16,7 +16,7 @@ from torch.nn.modules import module as module_globals
 
 from kiln.capture.calls.distributed import WrapperCall, wrapped_module, wrapper_name
 from kiln.capture.calls.native import runs_natively
-from kiln.capture.core.probing import probe
+from kiln.capture.guards.probing import probe
 
 
 def run_cond(route: Any, pred: Any, true_fn: Any, false_fn: Any, operands: Any = ()) -> Any:

@@ -48,10 +48,10 @@ from typing import Any
 import torch
 
 from kiln.capture.calls.routing import Router
-from kiln.capture.core.probing import probe
 from kiln.capture.driver.convert import Capture, GraphRunner, param_names
 from kiln.capture.driver.resume import ResumeTarget
 from kiln.capture.guards.guards import Guard, Identity, compile_guards
+from kiln.capture.guards.probing import probe
 from kiln.capture.guards.sources import Attr, Binder, Item, Source
 from kiln.checked_files import read_checked, write_checked
 from kiln.code_cache import compiled as compiled_code

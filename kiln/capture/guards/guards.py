@@ -17,7 +17,6 @@ reason).
 from __future__ import annotations
 
 import builtins
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from kiln.capture.guards import native_guards
+from kiln.capture.guards.probing import probe
 from kiln.capture.guards.sources import (
     Attr,
     Binder,
@@ -388,12 +388,7 @@ class GlobalState(Guard):
 
 
 def _hint(obj: Any) -> str:
-    try:  # (a name really there: never a user class's __getattr__)
-        if inspect.getattr_static(obj, "__name__", None) is not None:
-            return str(obj.__name__)
-    except Exception:
-        pass
-    return type(obj).__name__
+    return str(probe(obj, "__name__") or type(obj).__name__)
 
 
 GuardFunction = Callable[..., bool]
